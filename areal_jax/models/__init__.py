@@ -1,0 +1,31 @@
+"""The decoder family (Qwen2/2.5, Qwen3, Llama 3): one Flax NNX definition for packed training
+and KV-cache decoding, Hugging Face checkpoint reading and writing, tokenizer loading."""
+
+from areal_jax.models.config import FAMILIES, ModelConfig
+from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.hf_io import (
+    CheckpointError,
+    hf_tensor_specs,
+    iter_hf_tensors,
+    load_pretrained,
+    save_pretrained,
+)
+from areal_jax.models.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from areal_jax.models.tokenizer import encode_chat, load_tokenizer
+
+__all__ = [
+    "FAMILIES",
+    "CheckpointError",
+    "Decoder",
+    "KVCache",
+    "ModelConfig",
+    "chunked_logprobs",
+    "encode_chat",
+    "entropy_from_logits",
+    "hf_tensor_specs",
+    "iter_hf_tensors",
+    "load_pretrained",
+    "load_tokenizer",
+    "logprobs_from_logits",
+    "save_pretrained",
+]

@@ -1,0 +1,296 @@
+"""The decoder family (Qwen2/2.5, Qwen3, Llama 3) as one Flax NNX model.
+
+One definition runs two ways:
+- packed, padding-free training input: ``model(input_ids, positions, segment_ids)``; attention
+  never crosses a segment and segment 0 is padding;
+- batched decoding with a KV cache: ``model.decode(input_ids, positions, cache, kv_len=...)``
+  writes the new keys/values at ``positions`` and attends only to the first ``kv_len`` cache slots.
+
+Parameters and main activations carry logical axis names; mesh axes live in ``sharding/``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from sharding import constrain
+
+_MASKED = -1e30  # finite, so a row with no visible key (padding) gives no NaN
+
+
+class KVCache(NamedTuple):
+    """Per-layer key and value caches, each ``[slots, max_len, kv_heads, head_dim]``."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+
+CACHE_AXES = ("cache_batch", "cache_length", "cache_kv_heads", "head_dim")
+
+
+# --- RoPE -------------------------------------------------------------------------------------
+
+def _rope_default(inv_freq: np.ndarray, _: dict[str, Any]) -> np.ndarray:
+    return inv_freq
+
+
+def _rope_linear(inv_freq: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+    return inv_freq / p["factor"]
+
+
+def _rope_llama3(inv_freq: np.ndarray, p: dict[str, Any]) -> np.ndarray:
+    # Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`, short
+    # ones kept, and the band between interpolated smoothly.
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_len = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return np.where(medium, smoothed, scaled)
+
+
+ROPE_SCALINGS = {"default": _rope_default, "linear": _rope_linear, "llama3": _rope_llama3}
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    params = cfg.rope_scaling or {}
+    kind = params.get("rope_type", "default")
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: {sorted(ROPE_SCALINGS)}")
+    return ROPE_SCALINGS[kind](inv_freq, params).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate ``x [b, t, heads, d]`` by ``positions [b, t]`` (HF's rotate-half layout)."""
+    freqs = positions[..., None].astype(jnp.float32) * inv_freq
+    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+# --- layers -----------------------------------------------------------------------------------
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype: Any, axis: str = "norm"):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Normalise in float32 whatever the compute dtype, as HF does.
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool,
+           rngs: nnx.Rngs) -> nnx.Linear:
+    init = nnx.initializers.normal(0.02)
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+        kernel_init=nnx.with_partitioning(init, axes),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)),
+        precision=jax.lax.Precision.HIGHEST if cfg.dtype == "float32" else None,
+        rngs=rngs,
+    )
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. ``q [b, t, nh, d]``, ``k/v [b, s, kvh, d]``, ``mask [b, t, s]``."""
+    b, t, nh, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, t, kvh, nh // kvh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, nh, d)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        bias = cfg.use_qkv_bias
+        self.q_proj = _dense(cfg, h, self.num_heads * d, ("embed", "heads"), bias=bias, rngs=rngs)
+        self.k_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", "kv_heads"), bias=bias, rngs=rngs)
+        self.v_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", "kv_heads"), bias=bias, rngs=rngs)
+        self.o_proj = _dense(cfg, self.num_heads * d, h, ("heads", "embed"), bias=False, rngs=rngs)
+        if cfg.family.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype, axis="head_dim")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype, axis="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope_cfg = cfg
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        inv_freq = rope_inv_freq(self.rope_cfg)  # trace-time NumPy, free at run time
+        q = constrain(apply_rope(q, positions, inv_freq), ("batch", "length", "act_heads", None))
+        k = apply_rope(k, positions, inv_freq)
+        return q, k, v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x, positions)
+        t = x.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        mask = causal[None] & same & (segment_ids[:, None, :] != 0)
+        out = attend(q, k, v, mask)
+        return self.o_proj(out.reshape(*x.shape[:2], -1))
+
+    def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+               slots: jax.Array | None, kv_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = self._qkv(x, positions)
+        rows = jnp.arange(x.shape[0]) if slots is None else slots
+        # Positions past the cache are dropped: they belong to bucket padding, never read back.
+        k_cache = k_cache.at[rows[:, None], positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows[:, None], positions].set(v.astype(v_cache.dtype), mode="drop")
+        if slots is None:
+            keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+        else:
+            keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]
+        # A slot holds one sequence, so a key is visible iff its index is at most the query's.
+        mask = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]
+        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        return self.o_proj(out.reshape(*x.shape[:2], -1)), k_cache, v_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = _dense(cfg, h, i, ("embed", "mlp"), bias=False, rngs=rngs)
+        self.up_proj = _dense(cfg, h, i, ("embed", "mlp"), bias=False, rngs=rngs)
+        self.down_proj = _dense(cfg, i, h, ("mlp", "embed"), bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(constrain(hidden, ("batch", "length", "act_mlp")))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return constrain(x, ("batch", "length", "act_embed"))
+
+    def decode(self, x, positions, k_cache, v_cache, slots, kv_len):  # noqa: ANN001, ANN201
+        attn, k_cache, v_cache = self.self_attn.decode(
+            self.input_layernorm(x), positions, k_cache, v_cache, slots, kv_len)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_cache, v_cache
+
+
+def _layer_forward(layer: DecoderLayer, x: jax.Array, positions: jax.Array,
+                   segment_ids: jax.Array) -> jax.Array:
+    return layer(x, positions, segment_ids)
+
+
+class Decoder(nnx.Module):
+    """A causal language model of the Qwen2 / Qwen3 / Llama 3 family."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        # Logical annotations are always recorded; they shard at creation only under a mesh
+        # (see sharding.activate), so the same code builds a single-device model.
+        with nnx.use_eager_sharding(not jax.sharding.get_abstract_mesh().empty):
+            self._build(cfg, rngs)
+
+    def _build(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+        self.config = cfg
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+            rngs=rngs,
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _dense(
+            cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False, rngs=rngs)
+
+    # -- training / scoring path --
+
+    def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
+        """Final-norm hidden states ``[batch, tokens, hidden]`` for packed or padded input."""
+        if input_ids.ndim == 1:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {input_ids.shape}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1]), input_ids.shape)
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(input_ids)
+        x = constrain(self.embed_tokens(input_ids), ("batch", "length", "act_embed"))
+        layer_fn = nnx.remat(_layer_forward) if self.config.remat else _layer_forward
+        for layer in self.layers:
+            x = layer_fn(layer, x, positions, segment_ids)
+        return self.norm(x)
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """Logits ``[batch, tokens, vocab]`` in float32."""
+        return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
+
+    # -- generation path --
+
+    def init_cache(self, num_slots: int, max_len: int, dtype: Any = None) -> KVCache:
+        cfg = self.config
+        shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        dtype = dtype or cfg.jnp_dtype
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+        return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in zeros))
+
+    def decode(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, *, kv_len: int,
+               slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """Run ``input_ids [b, t]`` at absolute ``positions [b, t]`` against the cache.
+
+        Row i uses cache slot ``slots[i]`` (row i itself when ``slots`` is None). ``kv_len`` is a
+        static bound on the positions attended to; it should be a bucket >= max(positions) + 1,
+        which keeps attention cost proportional to the live length, not the cache size.
+        Returns float32 logits ``[b, t, vocab]`` and the updated cache.
+        """
+        x = self.embed_tokens(input_ids)
+        ks, vs = [], []
+        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+            x, k_cache, v_cache = layer.decode(x, positions, k_cache, v_cache, slots, kv_len)
+            ks.append(k_cache)
+            vs.append(v_cache)
+        return self.logits_from_hidden(self.norm(x)), KVCache(tuple(ks), tuple(vs))

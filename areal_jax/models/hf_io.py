@@ -1,0 +1,312 @@
+"""Hugging Face checkpoints: read a model directory onto a mesh, write one back.
+
+The correspondence between our parameter paths and HF tensor names is a table per family
+(``NAME_TABLES``): a regex over our dotted path, the HF name template, and a layout transform.
+Loading reads each tensor straight onto its devices, one tensor at a time, and each device reads
+only its own slice from the memory-mapped safetensors file. Saving writes unfused names, exact
+HF shapes, no ``lm_head`` when embeddings are tied, in size-bounded shards with an index.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+from sharding import DEFAULT_RULES, activate
+from sharding.rules import Rules
+
+log = logging.getLogger(__name__)
+
+# (our path regex, HF name template, transpose?) — our kernels are [in, out], HF weights [out, in].
+_DECODER_TABLE: tuple[tuple[str, str, bool], ...] = (
+    (r"embed_tokens\.embedding", "model.embed_tokens.weight", False),
+    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.kernel", r"model.layers.\1.self_attn.\2_proj.weight", True),
+    (r"layers\.(\d+)\.self_attn\.([qkv])_proj\.bias", r"model.layers.\1.self_attn.\2_proj.bias", False),
+    (r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight", False),
+    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.kernel", r"model.layers.\1.mlp.\2_proj.weight", True),
+    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"model.layers.\1.\2.weight", False),
+    (r"norm\.weight", "model.norm.weight", False),
+    (r"lm_head\.kernel", "lm_head.weight", True),
+)
+
+# Qwen2, Qwen3 and Llama share HF names; a family with other names (fused qkv, say) adds a table.
+NAME_TABLES: dict[str, tuple[tuple[str, str, bool], ...]] = {
+    "qwen2": _DECODER_TABLE,
+    "qwen3": _DECODER_TABLE,
+    "llama": _DECODER_TABLE,
+}
+
+# Buffers some checkpoints carry that are derived, not learned.
+_IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json",
+)
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded; the message names the file and the tensor."""
+
+
+@dataclass(frozen=True)
+class HFParam:
+    path: tuple[Any, ...]
+    """Our NNX state path, e.g. ('layers', 0, 'self_attn', 'q_proj', 'kernel')."""
+    hf_name: str
+    transpose: bool
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]]) -> list[HFParam]:
+    """Map each of our parameter paths to its HF tensor name through the family's table."""
+    table = NAME_TABLES[cfg.model_type]
+    out = []
+    for path in paths:
+        dotted = _dotted(path)
+        for pattern, template, transpose in table:
+            m = re.fullmatch(pattern, dotted)
+            if m:
+                out.append(HFParam(path, m.expand(template), transpose))
+                break
+        else:
+            raise KeyError(f"parameter {dotted!r} has no entry in the {cfg.model_type} name table")
+    return out
+
+
+def _param_paths(state: nnx.State) -> list[tuple[Any, ...]]:
+    return [tuple(p) for p, _ in nnx.to_flat_state(state)]
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (needs a 'weight_map'): {e}") from None
+        files = {name: model_dir / f for name, f in weight_map.items()}
+        for f in set(files.values()):
+            if not f.exists():
+                raise CheckpointError(f"{index} names {f.name}, which is missing from {model_dir}")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(
+            f"{model_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors file"
+        )
+    files = {}
+    for f in shards:
+        with safe_open(str(f), framework="np") as st:
+            files.update({k: f for k in st.keys()})
+    return files
+
+
+class _Reader:
+    """Keeps safetensors files open (memory-mapped) while a checkpoint loads."""
+
+    def __init__(self) -> None:
+        self._open: dict[Path, Any] = {}
+
+    def slice(self, file: Path, name: str) -> Any:
+        if file not in self._open:
+            self._open[file] = safe_open(str(file), framework="np")
+        return self._open[file].get_slice(name)
+
+
+def load_pretrained(
+    model_dir: str | os.PathLike,
+    *,
+    mesh: Mesh | None = None,
+    dtype: str | None = None,
+    rules: Rules = DEFAULT_RULES,
+    **config_overrides: Any,
+) -> Decoder:
+    """Load a HF model directory (config.json + safetensors) as a ``Decoder``.
+
+    With a ``mesh``, every parameter is created directly with its sharding: each device reads
+    only its slice of the tensor from disk. ``dtype`` ("float32" / "bfloat16") sets both the
+    parameter and compute dtype; finer control goes through ``config_overrides`` (``param_dtype``,
+    ``dtype``, ``remat``).
+    """
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory; load_pretrained needs a HF model directory")
+    if dtype is not None:
+        config_overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
+    cfg = ModelConfig.from_json_file(model_dir / "config.json", **config_overrides)
+    files = _weight_files(model_dir)
+
+    with activate(mesh, rules):
+        abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    graphdef, abs_state = nnx.split(abstract)
+    flat = nnx.to_flat_state(abs_state)
+    params = hf_name_map(cfg, [tuple(p) for p, _ in flat])
+    reader = _Reader()
+    values = []
+    for param, (_, var) in zip(params, flat, strict=True):
+        spec = var.get_value()
+        if param.hf_name not in files:
+            raise CheckpointError(
+                f"{model_dir}: tensor {param.hf_name!r} is missing; expected shape "
+                f"{list(param.hf_shape(spec.shape))} for a {cfg.model_type} model"
+            )
+        file = files[param.hf_name]
+        sl = reader.slice(file, param.hf_name)
+        got = tuple(sl.get_shape())
+        want = param.hf_shape(spec.shape)
+        if got != want:
+            raise CheckpointError(
+                f"{file}: tensor {param.hf_name!r} has shape {list(got)}, expected {list(want)} "
+                f"(from config.json)"
+            )
+        np_dtype = np.dtype(spec.dtype)
+
+        def read(index: tuple[slice, ...], sl: Any = sl, param: HFParam = param, np_dtype: Any = np_dtype) -> np.ndarray:
+            part = sl[tuple(reversed(index))] if param.transpose else sl[index]
+            part = part.T if param.transpose else part
+            return np.ascontiguousarray(part.astype(np_dtype, copy=False))
+
+        if mesh is not None:
+            sharding = NamedSharding(mesh, spec.sharding.spec)
+            values.append(jax.make_array_from_callback(spec.shape, sharding, read))
+        else:
+            values.append(jnp.asarray(read(tuple(slice(None) for _ in spec.shape))))
+    expected = {p.hf_name for p in params}
+    extra = sorted(n for n in files if n not in expected and not _IGNORED_HF.fullmatch(n))
+    if extra:
+        log.warning("%s: %d tensors not used by the model, e.g. %s", model_dir, len(extra), extra[:3])
+    state = nnx.from_flat_state([(p.path, v) for p, v in zip(params, values, strict=True)])
+    model = nnx.merge(graphdef, state)
+    model.source_dir = str(model_dir)
+    return model
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+def _gather(x: jax.Array) -> np.ndarray:
+    """The full value of a (possibly multi-host sharded) array on this process."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def iter_hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype``.
+
+    Only one full tensor is held on the host at a time; this is what the weight streamer and
+    ``save_pretrained`` build on.
+    """
+    cfg: ModelConfig = model.config
+    np_dtype = _NP_DTYPES[dtype or cfg.param_dtype]
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    for param, (_, var) in zip(hf_name_map(cfg, [tuple(p) for p, _ in flat]), flat, strict=True):
+        arr = _gather(var.get_value())
+        arr = arr.T if param.transpose else arr
+        yield param.hf_name, np.ascontiguousarray(arr.astype(np_dtype, copy=False))
+
+
+def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF shape for every tensor the model writes (no data moved)."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    names = hf_name_map(model.config, [tuple(p) for p, _ in flat])
+    return {p.hf_name: p.hf_shape(v.get_value().shape) for p, (_, v) in zip(names, flat, strict=True)}
+
+
+def write_safetensors_shards(
+    tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, max_shard_bytes: int
+) -> list[str]:
+    """Write tensors into ``model-XXXXX-of-YYYYY.safetensors`` files and, for several, the index."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors:
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    n = len(shards)
+    if n == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+        total += sum(a.nbytes for a in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return names
+
+
+def save_pretrained(
+    model: Decoder,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path:
+    """Write ``model`` as a HF model directory loadable by ``transformers`` and SGLang.
+
+    The directory is assembled in a temporary sibling and renamed into place, so a reader never
+    sees a half-written checkpoint. Tokenizer files are copied from ``tokenizer_dir`` (default:
+    the directory the model was loaded from). In a multi-process run every process must call
+    this (the gather is collective); only process 0 writes.
+    """
+    out_dir = Path(out_dir)
+    cfg: ModelConfig = model.config
+    tensors = iter_hf_tensors(model, dtype)
+    if jax.process_index() != 0:
+        for _ in tensors:  # take part in the collective gathers
+            pass
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write_safetensors_shards(tensors, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2))
+        src = tokenizer_dir or getattr(model, "source_dir", None)
+        if src is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(src) / name).exists():
+                    shutil.copy2(Path(src) / name, tmp / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,79 @@
+"""Tiny random checkpoints for the quick start, tests and benchmarks: a real HF model directory
+(config.json, safetensors, tokenizer files with a chat template) that needs no download.
+
+The tokenizer is character-level, built with the ``tokenizers`` library, over the characters
+that arithmetic and short reasoning tasks use.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+from flax import nnx
+
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import save_pretrained
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+CHARS = string.digits + string.ascii_letters + " \n+-*/=()<>.,:;?!'\"#%&[]{}_^|~$@\\`"
+
+# A ChatML template, the convention of the Qwen family.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=32),
+}
+
+
+def build_char_tokenizer() -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>", unk_token="<|pad|>",
+        bos_token=None,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_checkpoint(
+    out_dir: str | os.PathLike,
+    *,
+    model_type: str = "qwen2",
+    size: str = "tiny",
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a random ``model_type`` model of ``size`` plus a character tokenizer to ``out_dir``."""
+    out_dir = Path(out_dir)
+    tok = build_char_tokenizer()
+    vocab = 128  # room above the tokenizer's ids, a multiple of 8 like real vocabularies
+    assert len(tok) <= vocab
+    cfg = ModelConfig(
+        model_type=model_type, vocab_size=vocab, tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=4096, rope_theta=10000.0,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|pad|>"),
+        **{**TINY_SIZES[size], **overrides},
+    )
+    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    save_pretrained(model, out_dir)
+    tok.save_pretrained(str(out_dir))
+    return out_dir

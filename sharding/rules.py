@@ -1,0 +1,86 @@
+"""The logical-axis table and helpers that place arrays and pytrees on a mesh by logical names.
+
+Models name their axes logically; only this table knows mesh axes. A rule maps one logical name
+to a mesh axis, a tuple of mesh axes, or None (replicated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import flax.core.spmd as flax_spmd
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    ("cache_batch", ("data", "fsdp")),
+    ("cache_length", None),
+    ("cache_kv_heads", "tensor"),
+)
+
+
+def logical_to_spec(names: Sequence[str | None], rules: Rules = DEFAULT_RULES) -> PartitionSpec:
+    """PartitionSpec for logical axis names; unknown names are an error, None stays replicated."""
+    table = dict(rules)
+    out: list[Any] = []
+    used: set[str] = set()
+    for name in names:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
+        target = table[name]
+        # A mesh axis may shard only one array dimension: later uses fall back to replication.
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        axes = tuple(a for a in axes if a not in used)
+        used.update(axes)
+        out.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*out)
+
+
+def logical_to_sharding(names: Sequence[str | None], mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
+    """Make ``mesh`` current and ``rules`` the logical table: NNX variables created inside are
+    sharded at creation, and ``constrain`` calls inside jitted code take effect."""
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        yield
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op outside ``activate``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = flax_spmd.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Put every leaf of ``tree`` on the device(s) its matching sharding names."""
+    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
