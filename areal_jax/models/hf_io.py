@@ -190,7 +190,8 @@ def load_pretrained(
             )
         np_dtype = np.dtype(spec.dtype)
 
-        def read(index: tuple[slice, ...], sl: Any = sl, param: HFParam = param, np_dtype: Any = np_dtype) -> np.ndarray:
+        def read(index: tuple[slice, ...], sl: Any = sl, param: HFParam = param, np_dtype: Any = np_dtype,
+                 ) -> np.ndarray:
             part = sl[tuple(reversed(index))] if param.transpose else sl[index]
             part = part.T if param.transpose else part
             return np.ascontiguousarray(part.astype(np_dtype, copy=False))
