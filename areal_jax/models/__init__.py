@@ -5,6 +5,7 @@ from areal_jax.models.config import FAMILIES, ModelConfig
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import (
     CheckpointError,
+    assign_hf_tensors,
     hf_tensor_specs,
     iter_hf_tensors,
     load_pretrained,
@@ -16,6 +17,7 @@ from areal_jax.models.tokenizer import encode_chat, load_tokenizer
 __all__ = [
     "FAMILIES",
     "CheckpointError",
+    "assign_hf_tensors",
     "Decoder",
     "KVCache",
     "ModelConfig",

@@ -311,3 +311,33 @@ def save_pretrained(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[str]:
+    """Overwrite the model's parameters named (HF names) in ``tensors``, in place.
+
+    Each value keeps its parameter's dtype and sharding. Any name the model does not have, or a
+    shape that differs from the model's, raises ``CheckpointError`` before anything is changed,
+    so a bad update never leaves a half-written model. Returns the names assigned.
+    """
+    state = nnx.state(model, nnx.Param)
+    flat = nnx.to_flat_state(state)
+    by_name = {p.hf_name: (p, var) for p, (_, var) in
+               zip(hf_name_map(model.config, [tuple(q) for q, _ in flat]), flat, strict=True)}
+    unknown = sorted(set(tensors) - set(by_name))
+    if unknown:
+        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of this {model.config.model_type} model")
+    updates = []
+    for name, arr in tensors.items():
+        param, var = by_name[name]
+        old = var.get_value()
+        want = param.hf_shape(old.shape)
+        if tuple(arr.shape) != want:
+            raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
+        updates.append((param, old, arr))
+    new_flat = []
+    for param, old, arr in updates:
+        host = np.asarray(arr).T if param.transpose else np.asarray(arr)
+        new_flat.append((param.path, jax.device_put(host.astype(np.dtype(old.dtype)), old.sharding)))
+    nnx.update(model, nnx.from_flat_state(new_flat))
+    return [p.hf_name for p, _, _ in updates]
