@@ -1,8 +1,8 @@
 """Tiny random checkpoints for the quick start, tests and benchmarks: a real HF model directory
 (config.json, safetensors, tokenizer files with a chat template) that needs no download.
 
-The tokenizer is character-level, built with the ``tokenizers`` library, over the characters
-that arithmetic and short reasoning tasks use.
+The tokenizer has one token per character (of those arithmetic and short reasoning tasks use),
+built with the ``tokenizers`` library.
 """
 
 from __future__ import annotations
@@ -36,18 +36,20 @@ TINY_SIZES: dict[str, dict[str, Any]] = {
 
 
 def build_char_tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A byte-level BPE with no merges over ``CHARS``: one token per character, the same pipeline
+    (ByteLevel pre-tokenizer and decoder) as Qwen's and Llama 3's, so every loader, including
+    ``transformers``' model-specific tokenizer classes and SGLang, treats it identically."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(CHARS))}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<|pad|>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    core.decoder = decoders.Fuse()
+    byte_char = bytes_to_unicode()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + [byte_char[ord(c)] for c in CHARS])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens(SPECIAL_TOKENS)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>", unk_token="<|pad|>",
-        bos_token=None,
-    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>", bos_token=None)
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

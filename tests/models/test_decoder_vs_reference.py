@@ -1,0 +1,93 @@
+"""Our decoder against Hugging Face ``transformers`` on tiny random Qwen2, Qwen3 and Llama 3
+checkpoints: committed fixtures (no torch needed) and, where torch is installed, a live check."""
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.models import load_pretrained
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FAMILIES = ["qwen2", "qwen3", "llama"]
+TOL = 1e-4
+
+
+def _split(tokens: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    return np.split(tokens, np.cumsum(lengths)[:-1])
+
+
+def padded_input(seqs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    t = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), t), np.int32)
+    seg = np.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], seg[i, : len(s)] = s, 1
+    return ids, seg
+
+
+def packed_input(seqs: list[np.ndarray], pad_to: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All sequences in one row, then padding (segment 0); positions restart per sequence."""
+    ids = np.zeros((1, pad_to), np.int32)
+    seg, pos = np.zeros_like(ids), np.zeros_like(ids)
+    at = 0
+    for k, s in enumerate(seqs):
+        ids[0, at : at + len(s)] = s
+        seg[0, at : at + len(s)] = k + 1
+        pos[0, at : at + len(s)] = np.arange(len(s))
+        at += len(s)
+    return ids, seg, pos
+
+
+def check_padded(model, seqs, ref_padded) -> float:
+    ids, seg = padded_input(seqs)
+    out = np.asarray(model(jnp.asarray(ids), segment_ids=jnp.asarray(seg)))
+    return max(float(np.abs(out[i, : len(s)] - ref_padded[i, : len(s)]).max()) for i, s in enumerate(seqs))
+
+
+def check_packed(model, seqs, ref_packed) -> float:
+    n = sum(len(s) for s in seqs)
+    ids, seg, pos = packed_input(seqs, pad_to=n + 5)
+    out = np.asarray(model(jnp.asarray(ids), positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg)))
+    return float(np.abs(out[0, :n] - ref_packed).max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_vs_reference_fixture(family: str) -> None:
+    ref = np.load(FIXTURES / f"hf_{family}" / "reference.npz")
+    seqs = _split(ref["tokens"], ref["lengths"])
+    model = load_pretrained(FIXTURES / f"hf_{family}")
+    assert check_padded(model, seqs, ref["padded"]) < TOL
+    assert check_packed(model, seqs, ref["packed"]) < TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_segments_do_not_attend_across(family: str) -> None:
+    """Changing one packed sequence leaves the logits of the others untouched."""
+    ref = np.load(FIXTURES / f"hf_{family}" / "reference.npz")
+    seqs = _split(ref["tokens"], ref["lengths"])
+    model = load_pretrained(FIXTURES / f"hf_{family}")
+    ids, seg, pos = packed_input(seqs, 30)
+    base = np.asarray(model(jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg)))
+    ids2 = ids.copy()
+    ids2[0, : len(seqs[0])] = (ids2[0, : len(seqs[0])] + 1) % 96
+    other = np.asarray(model(jnp.asarray(ids2), jnp.asarray(pos), jnp.asarray(seg)))
+    n0, n = len(seqs[0]), sum(len(s) for s in seqs)
+    assert np.abs(other[0, :n0] - base[0, :n0]).max() > 1e-3  # the edited sequence changed
+    np.testing.assert_allclose(other[0, n0:n], base[0, n0:n], atol=1e-6)  # padding after n is don't-care
+
+
+def test_live_cross_check_vs_transformers(tmp_path: Path) -> None:
+    """Fresh random models (new seed) through transformers itself, when it is installed."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tests.models.hf_reference import make_hf_model, make_sequences, padded_logits, per_sequence_logits
+
+    for family in FAMILIES:
+        hf = make_hf_model(family, seed=123)
+        hf.save_pretrained(str(tmp_path / family))
+        seqs = make_sequences(seed=7)
+        model = load_pretrained(tmp_path / family)
+        assert check_padded(model, seqs, padded_logits(hf, seqs)) < TOL, family
+        assert check_packed(model, seqs, np.concatenate(per_sequence_logits(hf, seqs))) < TOL, family
