@@ -157,3 +157,17 @@ def test_pack_then_build_round_trip():
         np.testing.assert_array_equal(row["input_ids"][real], row["positions"][real] + 1)
         seen += len(b)
     assert seen == len(lengths)
+
+
+def test_benchmark_reaches_target_efficiency():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
+    spec = importlib.util.spec_from_file_location("packing_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for seed in range(3):
+        result = bench.run(seed, batch_size=512, max_new_tokens=8192, token_budget=32768)
+        assert result["packed_efficiency"] >= 0.95
+        assert result["pad_to_max_efficiency"] < result["packed_efficiency"]
