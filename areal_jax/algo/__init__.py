@@ -1,0 +1,43 @@
+"""Pure JAX functions of the RL algorithm: losses, advantages, KL terms and their config.
+
+Arrays in, arrays and a stats dict out; no I/O and no globals, so everything here jits.
+"""
+
+from areal_jax.algo.advantages import (
+    broadcast_to_tokens,
+    dr_grpo_advantages,
+    gae_advantages,
+    grpo_advantages,
+    normalize_advantages,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    shape_rewards,
+    terminal_token_rewards,
+)
+from areal_jax.algo.config import AlgoConfig, OverlongPenalty, compute_advantages, ppo_loss_kwargs
+from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3, kl_penalized_rewards
+from areal_jax.algo.ppo import decoupled_ppo_loss
+
+__all__ = [
+    "AlgoConfig",
+    "OverlongPenalty",
+    "approx_proximal_logprobs",
+    "broadcast_to_tokens",
+    "compute_advantages",
+    "decoupled_ppo_loss",
+    "dr_grpo_advantages",
+    "gae_advantages",
+    "grpo_advantages",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_penalized_rewards",
+    "normalize_advantages",
+    "overlong_penalty",
+    "ppo_loss_kwargs",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "shape_rewards",
+    "terminal_token_rewards",
+]

@@ -1,0 +1,158 @@
+"""Advantage estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE) and reward shaping.
+
+Sequence-level estimators take rewards as ``[num_groups, group_size]`` (the answers sampled for
+one prompt form a group), or flat ``[num_groups * group_size]`` with ``group_size`` given, and
+return advantages of the same shape; ``broadcast_to_tokens`` spreads them over answer tokens.
+GAE works on per-token rewards and values for PPO with a critic.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _grouped(rewards: jax.Array, group_size: int | None) -> jax.Array:
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim == 2:
+        return rewards
+    if group_size is None:
+        raise ValueError("flat rewards need group_size")
+    if rewards.shape[0] % group_size:
+        raise ValueError(f"{rewards.shape[0]} rewards do not split into groups of {group_size}")
+    return rewards.reshape(-1, group_size)
+
+
+def grpo_advantages(rewards: jax.Array, group_size: int | None = None, eps: float = 1e-6) -> jax.Array:
+    """``(r - group mean) / (group std + eps)``, population std (ddof 0), so a group of one is 0."""
+    g = _grouped(rewards, group_size)
+    adv = (g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + eps)
+    return adv.reshape(jnp.shape(rewards))
+
+
+def dr_grpo_advantages(rewards: jax.Array, group_size: int | None = None) -> jax.Array:
+    """``r - group mean``: Dr.GRPO drops the std division, which favours easy or hard prompts."""
+    g = _grouped(rewards, group_size)
+    return (g - g.mean(axis=1, keepdims=True)).reshape(jnp.shape(rewards))
+
+
+def rloo_advantages(rewards: jax.Array, group_size: int | None = None) -> jax.Array:
+    """``r_i - mean_{j != i} r_j``: the leave-one-out baseline keeps the estimate unbiased."""
+    g = _grouped(rewards, group_size)
+    n = g.shape[1]
+    if n < 2:
+        raise ValueError("RLOO needs a group size of at least 2")
+    baseline = (g.sum(axis=1, keepdims=True) - g) / (n - 1)
+    return (g - baseline).reshape(jnp.shape(rewards))
+
+
+def reinforce_pp_advantages(
+    rewards: jax.Array, group_size: int | None = None, eps: float = 1e-6
+) -> jax.Array:
+    """REINFORCE++: subtract the batch mean, then divide by the batch std (ddof 0) + eps.
+
+    The baseline and scale come from the whole batch, not the group, which is what separates it
+    from GRPO; ``group_size`` is accepted only so every estimator shares one call shape.
+    """
+    del group_size
+    r = jnp.asarray(rewards)
+    return (r - r.mean()) / (r.std() + eps)
+
+
+def gae_advantages(
+    token_rewards: jax.Array,
+    values: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimation over right-padded ``[batch, tokens]`` (or ``[tokens]``).
+
+    ``values[t]`` is the critic's value before token ``t``. Past the last masked token the value
+    is taken as 0 (the episode ended), so right padding never bootstraps::
+
+        delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
+        A_t     = delta_t + gamma * lambda * m_{t+1} * A_{t+1}
+
+    Returns ``(advantages, returns)`` with ``returns = advantages + values``, both 0 off the mask.
+    """
+    squeeze = jnp.ndim(token_rewards) == 1
+    rewards, values, mask = (jnp.atleast_2d(jnp.asarray(x)) for x in (token_rewards, values, loss_mask))
+    mask = mask.astype(rewards.dtype)
+    values = values.astype(rewards.dtype) * mask
+    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
+    next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+    deltas = rewards + gamma * next_values * next_mask - values
+
+    def step(carry, xs):
+        delta, m_next = xs
+        adv = delta + gamma * gae_lambda * m_next * carry
+        return adv, adv
+
+    # Scan over time (leading axis) from the end of the sequence towards its start.
+    _, adv = jax.lax.scan(
+        step, jnp.zeros(rewards.shape[0], rewards.dtype), (deltas.T, next_mask.T), reverse=True
+    )
+    adv = adv.T * mask
+    returns = (adv + values) * mask
+    if squeeze:
+        return adv[0], returns[0]
+    return adv, returns
+
+
+def shape_rewards(
+    rewards: jax.Array, *, scale: float = 1.0, bias: float = 0.0, clip: float | None = None
+) -> jax.Array:
+    """``(r + bias) * scale``, then clipped to ``[-clip, clip]`` when ``clip`` is set."""
+    out = (jnp.asarray(rewards) + bias) * scale
+    if clip is not None:
+        out = jnp.clip(out, -clip, clip)
+    return out
+
+
+def overlong_penalty(
+    response_lengths: jax.Array, *, max_len: int, buffer_len: int, penalty_factor: float
+) -> jax.Array:
+    """DAPO's soft overlong punishment, added to the task reward.
+
+    0 up to ``max_len - buffer_len`` tokens, then falling linearly to ``-penalty_factor`` at
+    ``max_len``, and ``-penalty_factor`` beyond: long answers are discouraged before they are
+    truncated, so truncation is not the only signal.
+    """
+    lengths = jnp.asarray(response_lengths, jnp.float32)
+    soft_start = max_len - buffer_len
+    ramp = (soft_start - lengths) / buffer_len * penalty_factor
+    return jnp.where(lengths <= soft_start, 0.0, jnp.maximum(ramp, -penalty_factor))
+
+
+def normalize_advantages(advantages: jax.Array, loss_mask: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """Batch normalisation over masked tokens: ``(A - mean) / (std + eps)``, 0 off the mask."""
+    mask = jnp.asarray(loss_mask).astype(advantages.dtype)
+    count = jnp.maximum(mask.sum(), 1.0)
+    mean = (advantages * mask).sum() / count
+    var = (jnp.square(advantages - mean) * mask).sum() / count
+    return (advantages - mean) / (jnp.sqrt(var) + eps) * mask
+
+
+def broadcast_to_tokens(seq_advantages: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """``[batch]`` sequence advantages onto ``[batch, tokens]``, 0 off the mask."""
+    mask = jnp.asarray(loss_mask)
+    return jnp.reshape(seq_advantages, (-1, 1)).astype(jnp.float32) * mask.astype(jnp.float32)
+
+
+def terminal_token_rewards(seq_rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
+    """Put each sequence's reward on its last masked token (right-padded ``[batch, tokens]``)."""
+    mask = jnp.asarray(loss_mask).astype(jnp.float32)
+    positions = jnp.arange(mask.shape[1])
+    last = jnp.max(jnp.where(mask > 0, positions, -1), axis=1)
+    onehot = (positions[None, :] == last[:, None]).astype(jnp.float32)
+    return onehot * jnp.reshape(seq_rewards, (-1, 1))
+
+
+GROUP_ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
+}

@@ -1,0 +1,186 @@
+"""``AlgoConfig``, the algorithm room of the config, and the advantage pipeline it drives.
+
+GRPO, Dr.GRPO, RLOO, REINFORCE++, PPO, DAPO and GSPO are presets of this one dataclass (YAML files
+under ``configs/algo/`` that only override defaults); the estimator is picked from a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.algo import advantages as adv_lib
+from areal_jax.algo.kl import KL_ESTIMATORS
+from areal_jax.algo.ppo import AGGREGATIONS, RATIO_LEVELS
+
+PROXIMAL_LOGPROBS_METHODS = ("recompute", "loglinear")
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongPenalty:
+    """DAPO's soft overlong punishment; see ``advantages.overlong_penalty``."""
+
+    max_len: int
+    """Answer length (tokens) at and beyond which the full penalty applies."""
+    buffer_len: int
+    """Width of the linear ramp that ends at ``max_len``."""
+    penalty_factor: float = 1.0
+    """Size of the full penalty, in reward units."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.buffer_len <= self.max_len:
+            raise ValueError(f"need 0 < buffer_len <= max_len, got {self.buffer_len}, {self.max_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """How rewards become advantages and how the policy loss is formed. Defaults are GRPO."""
+
+    adv_estimator: str = "grpo"
+    """One of ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp`` (critic-free) or ``gae`` (critic)."""
+    eps_clip: float = 0.2
+    """PPO clip range below 1 (and above 1 unless ``eps_clip_higher`` is set)."""
+    eps_clip_higher: float | None = None
+    """Clip range above 1 (DAPO's clip-higher); None means ``eps_clip``."""
+    c_clip: float | None = None
+    """Dual-clip bound (> 1) on the loss of negative-advantage tokens; None disables it."""
+    behavior_imp_weight_cap: float | None = 5.0
+    """Tokens whose proximal/behavior weight exceeds this are dropped from the loss; None keeps all."""
+    use_decoupled_loss: bool = True
+    """AReaL's decoupled objective; False is naive PPO against the behavior policy (ablation)."""
+    ratio_level: str = "token"
+    """``token`` (PPO) or ``sequence`` (GSPO)."""
+    loss_aggregation: str = "token_mean"
+    """``token_mean``, ``seq_mean_token_mean`` or ``constant`` (sum / ``constant_normalizer``)."""
+    constant_normalizer: float | None = None
+    """Divisor of the summed token losses when ``loss_aggregation == 'constant'`` (Dr.GRPO)."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference reward penalty. 0 means no reference model is built at all."""
+    kl_estimator: str = "k1"
+    """Per-token KL estimator for the penalty: ``k1``, ``k2`` or ``k3``."""
+    reward_scale: float = 1.0
+    """Rewards become ``(r + reward_bias) * reward_scale`` before the estimator."""
+    reward_bias: float = 0.0
+    """Added to rewards before scaling."""
+    reward_clip: float | None = None
+    """Shaped rewards are clipped to ``[-reward_clip, reward_clip]``; None disables clipping."""
+    adv_norm: bool = False
+    """Normalise advantages over the batch's masked tokens after the estimator."""
+    gamma: float = 1.0
+    """Discount for GAE."""
+    gae_lambda: float = 1.0
+    """GAE's lambda; 1 gives Monte Carlo returns minus the value baseline."""
+    proximal_logprobs: str = "recompute"
+    """``recompute`` (a forward pass of the proximal policy) or ``loglinear`` (approximate it)."""
+    overlong_penalty: OverlongPenalty | None = None
+    """DAPO's soft overlong punishment added to rewards; None disables it."""
+    ppo_n_minibatches: int = 1
+    """Optimizer steps per training batch; each takes an equal share of the sequences."""
+    value_coef: float = 0.5
+    """Weight of the critic's value loss; used only with ``adv_estimator == 'gae'``."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.overlong_penalty, dict):
+            # YAML gives a mapping; an unknown key in it fails here like a top-level typo does.
+            object.__setattr__(self, "overlong_penalty", OverlongPenalty(**self.overlong_penalty))
+        choices = {
+            "adv_estimator": tuple(ESTIMATORS),
+            "ratio_level": RATIO_LEVELS,
+            "loss_aggregation": AGGREGATIONS,
+            "kl_estimator": tuple(KL_ESTIMATORS),
+            "proximal_logprobs": PROXIMAL_LOGPROBS_METHODS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.loss_aggregation == "constant" and not self.constant_normalizer:
+            raise ValueError("loss_aggregation='constant' needs a positive constant_normalizer")
+        if self.c_clip is not None and self.c_clip <= 1.0:
+            raise ValueError(f"c_clip must be > 1, got {self.c_clip}")
+        if self.proximal_logprobs == "loglinear" and not self.use_decoupled_loss:
+            raise ValueError("proximal_logprobs='loglinear' only makes sense with use_decoupled_loss")
+        if self.ppo_n_minibatches < 1:
+            raise ValueError("ppo_n_minibatches must be >= 1")
+
+
+def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
+    """The keyword arguments of ``decoupled_ppo_loss`` that this config fixes."""
+    return {
+        "eps_clip": cfg.eps_clip,
+        "eps_clip_higher": cfg.eps_clip_higher,
+        "c_clip": cfg.c_clip,
+        "behavior_imp_weight_cap": cfg.behavior_imp_weight_cap,
+        "use_decoupled": cfg.use_decoupled_loss,
+        "ratio_level": cfg.ratio_level,
+        "aggregation": cfg.loss_aggregation,
+        "constant_normalizer": cfg.constant_normalizer,
+    }
+
+
+def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
+    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl):
+        if token_kl is not None:
+            # Without a critic the penalty is charged to the whole answer it was incurred on.
+            seq_rewards = seq_rewards - cfg.kl_coef * jnp.sum(token_kl * loss_mask, axis=-1)
+        seq_adv = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size)
+        return adv_lib.broadcast_to_tokens(seq_adv.reshape(-1), loss_mask), None
+
+    return estimate
+
+
+def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl):
+    if values is None:
+        raise ValueError("adv_estimator='gae' needs values from the critic")
+    token_rewards = adv_lib.terminal_token_rewards(seq_rewards, loss_mask)
+    if token_kl is not None:
+        token_rewards = token_rewards - cfg.kl_coef * token_kl * loss_mask
+    return adv_lib.gae_advantages(
+        token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
+    )
+
+
+ESTIMATORS: dict[str, Callable[..., tuple[jax.Array, jax.Array | None]]] = {
+    **{name: _group_estimator(name) for name in adv_lib.GROUP_ESTIMATORS},
+    "gae": _gae_estimator,
+}
+
+
+def compute_advantages(
+    cfg: AlgoConfig,
+    rewards: jax.Array,
+    loss_mask: jax.Array,
+    *,
+    group_size: int | None = None,
+    values: jax.Array | None = None,
+    token_kl: jax.Array | None = None,
+    response_lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
+
+    In order: DAPO overlong penalty (lengths default to the mask's row sums), reward bias, scale
+    and clip, the KL penalty when ``token_kl`` is given (``-kl_coef * kl``), the estimator from
+    ``ESTIMATORS``, then masked batch normalisation if ``adv_norm``. Returns
+    ``(advantages, returns)``; ``returns`` is None for the critic-free estimators.
+    """
+    rewards = jnp.reshape(rewards, -1).astype(jnp.float32)
+    loss_mask = jnp.asarray(loss_mask).astype(jnp.float32)
+    if cfg.overlong_penalty is not None:
+        if response_lengths is None:
+            response_lengths = loss_mask.sum(axis=-1)
+        p = cfg.overlong_penalty
+        rewards = rewards + adv_lib.overlong_penalty(
+            response_lengths, max_len=p.max_len, buffer_len=p.buffer_len, penalty_factor=p.penalty_factor
+        )
+    rewards = adv_lib.shape_rewards(
+        rewards, scale=cfg.reward_scale, bias=cfg.reward_bias, clip=cfg.reward_clip
+    )
+    if cfg.kl_coef == 0.0:
+        token_kl = None
+    advantages, returns = ESTIMATORS[cfg.adv_estimator](cfg, rewards, loss_mask, group_size, values, token_kl)
+    if cfg.adv_norm:
+        advantages = adv_lib.normalize_advantages(advantages, loss_mask)
+    return advantages, returns

@@ -1,0 +1,1 @@
+"""Turning rollout trajectories into training batches: packing, bucketing, padding."""

@@ -1,0 +1,124 @@
+"""Advantage estimators and reward shaping vs NumPy references written here."""
+
+import jax
+import numpy as np
+import pytest
+
+from areal_jax.algo import (
+    dr_grpo_advantages,
+    gae_advantages,
+    grpo_advantages,
+    normalize_advantages,
+    overlong_penalty,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    shape_rewards,
+    terminal_token_rewards,
+)
+
+RNG = np.random.default_rng(0)
+REWARDS = RNG.normal(size=(5, 4)).astype(np.float32)
+REWARDS[2] = 1.0  # an all-correct group: GRPO must give zeros, not NaN
+
+
+def _np_grpo(r, eps=1e-6):
+    out = np.empty_like(r)
+    for i, g in enumerate(r):
+        out[i] = (g - g.mean()) / (np.sqrt(np.mean((g - g.mean()) ** 2)) + eps)
+    return out
+
+
+def _np_rloo(r):
+    out = np.empty_like(r)
+    for i, g in enumerate(r):
+        for j in range(len(g)):
+            out[i, j] = g[j] - np.mean(np.delete(g, j))
+    return out
+
+
+@pytest.mark.parametrize(
+    "fn,ref",
+    [
+        (grpo_advantages, _np_grpo),
+        (dr_grpo_advantages, lambda r: r - r.mean(axis=1, keepdims=True)),
+        (rloo_advantages, _np_rloo),
+        (reinforce_pp_advantages, lambda r: (r - r.mean()) / (r.std() + 1e-6)),
+    ],
+)
+def test_group_estimators_vs_reference(fn, ref):
+    expected = ref(REWARDS.astype(np.float64))
+    np.testing.assert_allclose(fn(REWARDS), expected, rtol=1e-5, atol=1e-5)
+    flat = fn(REWARDS.reshape(-1), group_size=4)
+    np.testing.assert_allclose(flat, expected.reshape(-1), rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(fn(REWARDS))))
+
+
+def test_grouping_errors_are_clear():
+    with pytest.raises(ValueError, match="group_size"):
+        grpo_advantages(REWARDS.reshape(-1))
+    with pytest.raises(ValueError, match="groups of 3"):
+        grpo_advantages(REWARDS.reshape(-1), group_size=3)
+    with pytest.raises(ValueError, match="at least 2"):
+        rloo_advantages(REWARDS.reshape(-1, 1))
+
+
+def _np_gae(rewards, values, mask, gamma, lam):
+    adv = np.zeros_like(rewards)
+    for b in range(rewards.shape[0]):
+        n = int(mask[b].sum())  # right-padded: the first n tokens are real
+        last = 0.0
+        for t in reversed(range(n)):
+            next_v = values[b, t + 1] if t + 1 < n else 0.0
+            delta = rewards[b, t] + gamma * next_v - values[b, t]
+            last = delta + gamma * lam * last
+            adv[b, t] = last
+    return adv, (adv + values) * mask
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_vs_reference_on_right_padded_rows(gamma, lam):
+    rng = np.random.default_rng(1)
+    lengths = [7, 3, 10, 1]
+    mask = np.array([[1.0] * n + [0.0] * (10 - n) for n in lengths], np.float32)
+    rewards = (rng.normal(size=(4, 10)) * mask).astype(np.float32)
+    # Values in padding are garbage on purpose: they must not bootstrap into real tokens.
+    values = np.where(mask > 0, rng.normal(size=(4, 10)), 50.0).astype(np.float32)
+    adv, ret = jax.jit(lambda *a: gae_advantages(*a, gamma=gamma, gae_lambda=lam))(rewards, values, mask)
+    ref_adv, ref_ret = _np_gae(rewards, values, mask, gamma, lam)
+    np.testing.assert_allclose(adv, ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret, ref_ret, rtol=1e-5, atol=1e-5)
+    one_adv, _ = gae_advantages(rewards[0], values[0], mask[0], gamma=gamma, gae_lambda=lam)
+    np.testing.assert_allclose(one_adv, ref_adv[0], rtol=1e-5, atol=1e-5)
+
+
+def test_shape_rewards_order_is_bias_scale_clip():
+    r = np.array([-3.0, 0.0, 1.0, 4.0], np.float32)
+    np.testing.assert_allclose(shape_rewards(r, scale=2.0, bias=0.5, clip=5.0), [-5.0, 1.0, 3.0, 5.0])
+    np.testing.assert_allclose(shape_rewards(r), r)
+
+
+def test_overlong_penalty_vs_reference():
+    lengths = np.arange(0, 130, 3)
+    out = overlong_penalty(lengths, max_len=100, buffer_len=20, penalty_factor=0.5)
+    ref = [0.0 if n <= 80 else (-0.5 if n > 100 else (80 - n) / 20 * 0.5) for n in lengths]
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-7)
+    assert float(overlong_penalty(np.array([100]), max_len=100, buffer_len=20, penalty_factor=0.5)[0]) == -0.5
+
+
+def test_normalize_advantages_uses_masked_tokens_only():
+    rng = np.random.default_rng(2)
+    adv = rng.normal(3.0, 2.0, (3, 8)).astype(np.float32)
+    mask = (rng.random((3, 8)) > 0.4).astype(np.float32)
+    adv_padded = np.where(mask > 0, adv, 1e4).astype(np.float32)
+    out = np.asarray(normalize_advantages(adv_padded, mask))
+    live = adv[mask > 0]
+    np.testing.assert_allclose(
+        out[mask > 0], (live - live.mean()) / (live.std() + 1e-6), rtol=1e-4, atol=1e-5
+    )
+    assert np.all(out[mask == 0] == 0.0)
+
+
+def test_terminal_token_rewards_puts_reward_on_last_real_token():
+    mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], np.float32)
+    out = np.asarray(terminal_token_rewards(np.array([2.0, -1.0, 5.0]), mask))
+    np.testing.assert_array_equal(out, [[0, 0, 2, 0], [-1, 0, 0, 0], [0, 0, 0, 0]])
