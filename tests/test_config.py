@@ -1,0 +1,54 @@
+"""Config loading: YAML + key=value overrides into nested dataclasses, with clear errors."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from areal_jax.config import ConfigError, load_config, parse_overrides
+from sharding import MeshConfig
+
+
+@dataclass(frozen=True)
+class Optim:
+    lr: float = 1e-3
+    """Learning rate."""
+    schedule: str = "constant"
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str = "run"
+    steps: int = 10
+    eval_every: int | None = None
+    optim: Optim = field(default_factory=Optim)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+
+
+def test_defaults_yaml_and_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("steps: 50\noptim:\n  lr: 0.01\nmesh:\n  tensor: 2\n")
+    cfg = load_config(Run, f, ["optim.lr=3e-4", "mesh.fsdp=-1", "eval_every=5"])
+    assert cfg == Run(steps=50, eval_every=5, optim=Optim(lr=3e-4), mesh=MeshConfig(fsdp=-1, tensor=2))
+    assert load_config(Run) == Run()
+    assert load_config(Run, overrides=["optim.lr=1"]).optim.lr == 1.0  # int widened to float
+
+
+def test_unknown_key_names_closest_match(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'optim\.lrr'.*did you mean 'lr'"):
+        load_config(Run, overrides=["optim.lrr=1"])
+    f = tmp_path / "c.yaml"
+    f.write_text("stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"'stepz'.*did you mean 'steps'"):
+        load_config(Run, f)
+
+
+def test_wrong_types_and_bad_syntax(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'steps': expected int, got 'many'"):
+        load_config(Run, overrides=["steps=many"])
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["steps"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Run, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"'eval_every': .*'soon'"):
+        load_config(Run, overrides=["eval_every=soon"])
