@@ -1,0 +1,11 @@
+# Shared by the quick-start scripts: create .venv (once) and install the package into it.
+# Sourced, not run. Set PYTHON to choose the interpreter (default: python3.11, else python3).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PYTHON" -m venv .venv
+fi
+VPY=.venv/bin/python
+"$VPY" -m pip install -q --upgrade pip >/dev/null
+"$VPY" -m pip install -q -e ".$1"

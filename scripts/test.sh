@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Quick start 2: install into .venv with the test extras and run the whole test suite
+# (slow end-to-end tests included). Extra arguments go to pytest.
+source "$(dirname "$0")/_venv.sh" "[test,reference]"
+# torch is only the test-time reference for the model. Ask for the CPU build by its local version
+# so that pip never pulls the multi-GB CUDA wheels; without it the live cross-checks skip and the
+# committed reference fixtures still run.
+"$VPY" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || echo "note: no CPU torch wheel found; live transformers cross-checks will skip"
+# SGLang's own API schema for the protocol contract test (one file from the sglang wheel).
+PYTHON="$VPY" bash scripts/fetch_sglang_schema.sh >/dev/null || echo "note: could not fetch SGLang's schema; the contract test will skip"
+exec "$VPY" -m pytest -q "$@"
