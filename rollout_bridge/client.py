@@ -231,7 +231,7 @@ class HttpRolloutClient(RolloutClient):
         versions: list[int] = []
         text = ""
         finish: dict[str, Any] = {"type": "length", "length": budget}
-        attempt = 0
+        attempt = idle = 0
         try:
             while len(out) < budget or budget == 0:
                 if attempt > self.cfg.max_resends:
@@ -266,7 +266,12 @@ class HttpRolloutClient(RolloutClient):
                         break
                     if code is not None and 400 <= int(code) < 500:
                         raise RolloutError(f"{server.url} aborted request {rid}: {finish.get('message')}")
-                    continue  # aborted by a pause / weight update: resume with what we have
+                    # Aborted by a pause or weight update: resume with what we have. A server that
+                    # keeps aborting without progress is backed off, not hammered.
+                    idle = 0 if ids else idle + 1
+                    if idle:
+                        await asyncio.sleep(min(0.05 * 2 ** min(idle, 5), 1.0))
+                    continue
                 if budget == 0:
                     break
                 if finish.get("type") in ("stop", "length"):
