@@ -212,16 +212,6 @@ def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length:
     bad = next((t for t in ids if t < 0 or t >= vocab_size), None)
     if bad is not None:
         raise ProtocolError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) >= context_length:
-        raise ProtocolError(
-            "input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_length}")
-    if sp.max_new_tokens < 0:
-        raise ProtocolError("sampling_params.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
-    if len(ids) + sp.max_new_tokens > context_length:
-        raise ProtocolError(
-            "sampling_params.max_new_tokens",
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
-            f"length {context_length}; lower max_new_tokens to {context_length - len(ids)}")
     if sp.temperature < 0:
         raise ProtocolError("sampling_params.temperature", f"must be >= 0, got {sp.temperature}")
     if not 0 < sp.top_p <= 1:
@@ -239,6 +229,16 @@ def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length:
     for t in sp.stop_token_ids or ():
         if not 0 <= t < vocab_size:
             raise ProtocolError("sampling_params.stop_token_ids", f"token id {t} is outside [0, {vocab_size})")
+    if len(ids) >= context_length:
+        raise ProtocolError(
+            "input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_length}")
+    if sp.max_new_tokens < 0:
+        raise ProtocolError("sampling_params.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
+    if len(ids) + sp.max_new_tokens > context_length:
+        raise ProtocolError(
+            "sampling_params.max_new_tokens",
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
+            f"length {context_length}; lower max_new_tokens to {context_length - len(ids)}")
 
 
 def parse_version(value: Any, field: str = "weight_version") -> int:

@@ -341,10 +341,11 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     return app
 
 
-async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> tuple[web.AppRunner, int]:
-    """Serve ``app`` in this event loop; returns the runner (``await runner.cleanup()`` to stop)
-    and the bound port (useful with port 0)."""
-    runner = web.AppRunner(app, access_log=None)
+async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
+                       shutdown_timeout: float = 10.0) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` in this event loop; returns the runner (``await runner.cleanup()`` to stop,
+    giving running requests ``shutdown_timeout`` seconds) and the bound port (useful with port 0)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
