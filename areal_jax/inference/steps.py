@@ -1,0 +1,120 @@
+"""The engine's compiled steps: batched prefill into KV slots and a multi-token decode chunk.
+
+Both are pure functions of ``(model state, cache, slot state, ...)``, jitted once per engine over a
+fixed graphdef with the cache and slot state donated. Their shapes come from small bucket sets
+(prompt length x prefill rows for prefill, attended length for decode), so the number of
+compilations is bounded whatever the traffic. Sampling runs inside the same call, and each call
+returns one small float32 array (token ids and their logprobs) to the host.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.inference.sampling import row_keys, sample
+from areal_jax.models.decoder import CACHE_AXES, Decoder, KVCache
+from sharding import constrain
+
+
+class SlotState(NamedTuple):
+    """Device-resident state of every KV slot, ``[num_slots]`` each."""
+
+    tokens: jax.Array
+    """Last sampled token, not yet in the cache (int32)."""
+    positions: jax.Array
+    """Position that token will occupy (int32)."""
+    step: jax.Array
+    """Index of the next token to sample within its request (int32), for the PRNG stream."""
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    seed: jax.Array
+    stream: jax.Array
+
+    @classmethod
+    def empty(cls, num_slots: int) -> SlotState:
+        zi = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: each is donated
+        return cls(zi(), zi(), zi(), jnp.ones((num_slots,), jnp.float32), jnp.ones((num_slots,), jnp.float32),
+                   jnp.full((num_slots,), -1, jnp.int32), jnp.zeros((num_slots,), jnp.uint32),
+                   jnp.zeros((num_slots,), jnp.uint32))
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n (the largest one if none is)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return buckets[-1]
+
+
+def _forward(model: Decoder, ids: jax.Array, positions: jax.Array, cache: KVCache, kv_len: int,
+             slots: jax.Array | None) -> tuple[jax.Array, KVCache]:
+    """Final hidden states ``[b, t, hidden]`` and the updated cache (logits are left to the caller,
+    so prefill projects only each row's last position onto the vocabulary)."""
+    x = model.embed_tokens(ids)
+    ks, vs = [], []
+    for layer, k, v in zip(model.layers, cache.k, cache.v, strict=True):
+        x, k, v = layer.decode(x, positions, k, v, slots, kv_len)
+        ks.append(constrain(k, CACHE_AXES))
+        vs.append(constrain(v, CACHE_AXES))
+    return model.norm(x), KVCache(tuple(ks), tuple(vs))
+
+
+def _replicated(tree: Any) -> Any:
+    return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)
+
+
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState,
+             ids: jax.Array, lengths: jax.Array, slots: jax.Array, first_step: jax.Array,
+             temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed: jax.Array,
+             stream: jax.Array) -> tuple[KVCache, SlotState, jax.Array]:
+    """Write ``ids [rows, L]`` (row i: ``lengths[i]`` real tokens) into ``slots`` and sample each
+    row's next token. Padding rows have length 0 and slot ``num_slots``: all their writes drop."""
+    model = nnx.merge(graphdef, state)
+    rows, length = ids.shape
+    idx = jnp.arange(length)[None]
+    positions = jnp.where(idx < lengths[:, None], idx, cache.max_len)  # padding lands past the cache
+    hidden, cache = _forward(model, ids, jnp.broadcast_to(positions, ids.shape), cache, length, slots)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    logits = model.logits_from_hidden(last)[:, 0]
+    tokens, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, first_step))
+    put = lambda arr, val: arr.at[slots].set(val.astype(arr.dtype), mode="drop")
+    slot_state = SlotState(
+        put(slot_state.tokens, tokens), put(slot_state.positions, lengths), put(slot_state.step, first_step + 1),
+        put(slot_state.temperature, temperature), put(slot_state.top_p, top_p), put(slot_state.top_k, top_k),
+        put(slot_state.seed, seed), put(slot_state.stream, stream))
+    return cache, _replicated(slot_state), jnp.stack([tokens.astype(jnp.float32), logprobs])
+
+
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, *,
+            kv_len: int, num_steps: int) -> tuple[KVCache, SlotState, jax.Array]:
+    """Advance every slot ``num_steps`` tokens, attending to the first ``kv_len`` cache positions.
+
+    Returns the cache, the slot state and ``[2, num_steps, num_slots]``: token ids (as float32,
+    exact below 2**24) and logprobs. Free slots compute garbage the host ignores; their writes
+    go to their own (free) slot or past the cache.
+    """
+    model = nnx.merge(graphdef, state)
+
+    def one(carry: tuple[KVCache, SlotState], _: None) -> tuple[tuple[KVCache, SlotState], jax.Array]:
+        cache, s = carry
+        hidden, cache = _forward(model, s.tokens[:, None], s.positions[:, None], cache, kv_len, None)
+        logits = model.logits_from_hidden(hidden)[:, 0]
+        tokens, logprobs = sample(logits, s.temperature, s.top_p, s.top_k, row_keys(s.seed, s.stream, s.step))
+        s = s._replace(tokens=tokens, positions=s.positions + 1, step=s.step + 1)
+        return (cache, s), jnp.stack([tokens.astype(jnp.float32), logprobs])
+
+    (cache, slot_state), out = jax.lax.scan(one, (cache, slot_state), None, length=num_steps)
+    return cache, _replicated(slot_state), jnp.moveaxis(out, 1, 0)
+
+
+def compile_steps(graphdef: nnx.GraphDef) -> tuple[Any, Any]:
+    """``(prefill, decode)`` jitted for one model graph, donating cache and slot state."""
+    prefill = jax.jit(partial(_prefill, graphdef), donate_argnums=(1, 2))
+    decode = jax.jit(partial(_decode, graphdef), donate_argnums=(1, 2), static_argnames=("kv_len", "num_steps"))
+    return prefill, decode

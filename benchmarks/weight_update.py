@@ -1,0 +1,110 @@
+"""Weight-update time on the disk and HTTP-bucket paths, beside the raw safetensors write + read
+of the same bytes, for a few model sizes (random weights). Runs embedded servers on 127.0.0.1.
+
+    python benchmarks/weight_update.py [--out results.json] [--sizes 3M,25M,100M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from areal_jax.models import Decoder, ModelConfig, save_pretrained  # noqa: E402
+from rollout_bridge.client import ClientConfig, HttpRolloutClient  # noqa: E402
+from rollout_bridge.server import build_app, start_server  # noqa: E402
+from rollout_bridge.streamer import DiskSink, HttpBucketSink, model_tensors  # noqa: E402
+
+SIZES = {  # name -> (hidden, intermediate, layers, heads, kv_heads, vocab)
+    "3M": (256, 512, 4, 8, 2, 2048),
+    "25M": (512, 1536, 6, 8, 2, 8192),
+    "100M": (768, 2304, 12, 12, 4, 16384),
+}
+
+
+def make_model(name: str) -> Decoder:
+    h, i, n, nh, kvh, v = SIZES[name]
+    cfg = ModelConfig(model_type="qwen2", vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
+                      num_attention_heads=nh, num_key_value_heads=kvh, head_dim=h // nh, tie_word_embeddings=True,
+                      max_position_embeddings=512)
+    return Decoder(cfg, rngs=nnx.Rngs(0))
+
+
+def raw_safetensors(model: Decoder, workdir: Path) -> tuple[float, float]:
+    tensors = dict(model_tensors(model, "float32"))
+    path = workdir / "raw.safetensors"
+    t0 = time.perf_counter()
+    save_file(tensors, str(path))
+    t1 = time.perf_counter()
+    loaded = load_file(str(path))
+    t2 = time.perf_counter()
+    assert len(loaded) == len(tensors)
+    path.unlink()
+    return t1 - t0, t2 - t1
+
+
+async def bench_size(name: str, workdir: Path, repeats: int) -> dict:
+    from areal_jax.inference.engine import Engine, EngineConfig
+
+    model = make_model(name)
+    src = workdir / f"src-{name}"
+    save_pretrained(model, src)
+    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64), eos_token_ids=[])
+    runner, port = await start_server(build_app(engine, None, None, model_path=str(src)), "127.0.0.1", 0)
+    cfg = ClientConfig(weight_timeout_s=600)
+    row: dict = {"model": name, "params": model.config.num_params()}
+    try:
+        async with HttpRolloutClient([f"127.0.0.1:{port}"], config=cfg) as client:
+            disk = DiskSink(workdir / f"w-{name}", model.config.to_hf_dict("float32"), client=client, keep_last=1)
+            http = HttpBucketSink(client, bucket_bytes=64 * 1024**2)
+            version = 0
+            for label, sink in (("disk", disk), ("http", http)):
+                times = []
+                for _ in range(repeats):
+                    version += 1
+                    m = await sink.push(version, model_tensors(model, "float32"))
+                    assert engine.version == version
+                    times.append(m.seconds)
+                    row["bytes"] = m.bytes
+                    row[f"{label}_buckets"] = m.buckets
+                row[f"{label}_s"] = min(times)
+    finally:
+        await runner.cleanup()
+    w, r = raw_safetensors(model, workdir)
+    row["raw_write_s"], row["raw_read_s"] = w, r
+    return row
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--sizes", default="3M,25M,100M")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="weight-bench-"))
+    rows = []
+    try:
+        for name in args.sizes.split(","):
+            rows.append(await bench_size(name, workdir, args.repeats))
+            r = rows[-1]
+            print(f"{r['model']:>5} {r['params'] / 1e6:7.1f}M params {r['bytes'] / 2**20:7.1f} MiB | "
+                  f"disk {r['disk_s']:6.2f}s  http {r['http_s']:6.2f}s ({r['http_buckets']} buckets) | "
+                  f"raw write {r['raw_write_s']:5.2f}s read {r['raw_read_s']:5.2f}s", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,281 @@
+"""The subset of SGLang's native HTTP API that areal-jax speaks, defined once.
+
+Both sides use these types: the embedded JAX server decodes requests and encodes replies with
+them, and the rollout client encodes requests and decodes replies, whether the server is a real
+SGLang or ours. JSON field names, types and defaults are SGLang's (0.5.x, ``io_struct`` and the
+``sglang.api.v1`` schema). Two things are ours:
+
+* ``meta_info.weight_versions``: spans ``[{"version": "3", "start": 0, "end": 7}, ...]`` over
+  ``output_ids`` (half-open) for an answer that crossed a weight update. SGLang's own schema has
+  the field with string versions; our versions are integers written as decimal strings.
+* ``/update_weights_from_tensor`` with ``Content-Type: application/octet-stream``: the body is
+  one bucket of tensors in safetensors format, the query string carries the transfer's
+  ``weight_version``, ``transfer_id``, ``bucket`` index and ``last``. Buckets are staged by the
+  server and applied together, atomically, when the one marked ``last`` arrives.
+
+Validation raises ``ProtocolError`` whose message names the field; servers answer it with 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+CONTEXT_UNLIMITED_TOP_K = 1 << 30
+"""SGLang's spelling of "top_k disabled" in its schema; -1 means the same."""
+
+
+class ProtocolError(ValueError):
+    """A request that breaks the protocol; ``field`` is its JSON path, e.g. ``sampling_params.top_p``."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+
+# --- /generate ---------------------------------------------------------------------------------
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``sampling_params`` of /generate; an unknown key is a 400 naming it."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or SGLang's 1 << 30) keeps the whole vocabulary."""
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    """Stop strings: accepted for compatibility; only an empty value is supported here."""
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Body of POST /generate (one request; SGLang's batch form is not used by areal-jax)."""
+
+    input_ids: list[int] | None = None
+    text: str | None = None
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    rid: str | None = None
+    stream: bool = False
+
+
+class WeightVersionSpan(msgspec.Struct, kw_only=True):
+    version: str
+    start: int
+    end: int
+
+
+class MetaInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    weight_versions: list[WeightVersionSpan] = msgspec.field(default_factory=list)
+    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    e2e_latency: float | None = None
+
+
+class GenerateReqOutput(msgspec.Struct, kw_only=True):
+    """Reply of /generate, and each ``data:`` event of a streamed one (cumulative)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+# --- control endpoints ---------------------------------------------------------------------------
+
+class AbortReqInput(msgspec.Struct, kw_only=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class PauseGenerationReqInput(msgspec.Struct, kw_only=True):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class UpdateWeightsFromDiskReqInput(msgspec.Struct, kw_only=True):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+class UpdateWeightVersionReqInput(msgspec.Struct, kw_only=True):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class UpdateWeightsResult(msgspec.Struct, kw_only=True):
+    """Reply of the weight endpoints (SGLang answers HTTP 400 with success false on failure)."""
+
+    success: bool
+    message: str = ""
+    weight_version: str | None = None
+
+
+class TensorBucketParams(msgspec.Struct, kw_only=True):
+    """Query string of our bucketed /update_weights_from_tensor (body: safetensors bytes)."""
+
+    weight_version: str
+    transfer_id: str
+    bucket: int
+    """0, 1, 2, ... in order; a gap or repeat is a 400."""
+    last: bool = False
+    """The final bucket: apply everything staged under ``transfer_id`` as ``weight_version``."""
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class ModelInfo(msgspec.Struct, kw_only=True):
+    model_path: str
+    tokenizer_path: str
+    is_generation: bool = True
+    weight_version: str | None = None
+    served_model_name: str = ""
+    preferred_sampling_params: dict[str, Any] | None = None
+
+
+class ServerInfo(msgspec.Struct, kw_only=True):
+    model_path: str
+    tokenizer_path: str
+    served_model_name: str
+    max_context_length: int
+    version: str
+    host: str
+    port: int
+    internal_states: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    incremental_streaming_output: bool = False
+    disaggregation_mode: str = "null"
+
+
+# --- helpers shared by server and client ---------------------------------------------------------
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode(body: bytes, cls: type) -> Any:
+    """Decode a JSON body into ``cls``; a type or unknown-field error becomes ``ProtocolError``."""
+    dec = _decoders.get(cls)
+    if dec is None:
+        dec = _decoders[cls] = msgspec.json.Decoder(cls)
+    try:
+        return dec.decode(body or b"{}")
+    except msgspec.ValidationError as e:
+        # msgspec says "... - at `$.sampling_params`"; turn the path into the field name.
+        msg = str(e)
+        field = "body"
+        if " - at `$." in msg:
+            msg, path = msg.rsplit(" - at `$.", 1)
+            field = path.rstrip("`")
+        if "unknown field `" in msg:
+            name = msg.split("unknown field `", 1)[1].split("`", 1)[0]
+            field = f"{field}.{name}" if field != "body" else name
+            msg = f"unknown parameter {name!r}; supported: {sorted(cls_fields(cls, field))}"
+        raise ProtocolError(field, msg) from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError("body", f"not valid JSON ({e})") from None
+
+
+def cls_fields(cls: type, field: str) -> tuple[str, ...]:
+    if field.startswith("sampling_params"):
+        return SamplingParams.__struct_fields__
+    return getattr(cls, "__struct_fields__", ())
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)
+
+
+def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length: int) -> None:
+    """Checks beyond types; each failure names its field. ``input_ids`` must be set by now."""
+    sp = req.sampling_params
+    ids = req.input_ids
+    if ids is None or len(ids) == 0:
+        raise ProtocolError("input_ids", "empty prompt; send at least one token id (or non-empty text)")
+    bad = next((t for t in ids if t < 0 or t >= vocab_size), None)
+    if bad is not None:
+        raise ProtocolError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if sp.temperature < 0:
+        raise ProtocolError("sampling_params.temperature", f"must be >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise ProtocolError("sampling_params.top_p", f"must be in (0, 1], got {sp.top_p}")
+    if sp.top_k == 0 or sp.top_k < -1:
+        raise ProtocolError("sampling_params.top_k", f"must be -1 (all) or >= 1, got {sp.top_k}")
+    if sp.n != 1:
+        raise ProtocolError("sampling_params.n", "only n=1 is served; send n requests with their own rids")
+    if sp.stop:
+        raise ProtocolError("sampling_params.stop", "stop strings are not supported; use stop_token_ids")
+    for name, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                          ("repetition_penalty", 1.0), ("min_new_tokens", 0)):
+        if getattr(sp, name) != neutral:
+            raise ProtocolError(f"sampling_params.{name}", f"not supported by this server (only {neutral})")
+    for t in sp.stop_token_ids or ():
+        if not 0 <= t < vocab_size:
+            raise ProtocolError("sampling_params.stop_token_ids", f"token id {t} is outside [0, {vocab_size})")
+    if len(ids) >= context_length:
+        raise ProtocolError(
+            "input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_length}")
+    if sp.max_new_tokens < 0:
+        raise ProtocolError("sampling_params.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
+    if len(ids) + sp.max_new_tokens > context_length:
+        raise ProtocolError(
+            "sampling_params.max_new_tokens",
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
+            f"length {context_length}; lower max_new_tokens to {context_length - len(ids)}")
+
+
+def parse_version(value: Any, field: str = "weight_version") -> int:
+    """Our versions are integers; SGLang carries them as strings ("3")."""
+    if isinstance(value, bool):
+        raise ProtocolError(field, f"must be an integer version, got {value!r}")
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value).strip())
+    except (TypeError, ValueError):
+        raise ProtocolError(field, f"must be an integer version such as \"3\", got {value!r}") from None
+
+
+def version_spans(versions: list[int]) -> list[WeightVersionSpan]:
+    """Run-length spans of per-token versions over ``output_ids``."""
+    spans: list[WeightVersionSpan] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1].version == str(v):
+            spans[-1].end = i + 1
+        else:
+            spans.append(WeightVersionSpan(version=str(v), start=i, end=i + 1))
+    return spans
+
+
+def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
+    """Per-token versions of one reply: from our spans when present, else its one ``weight_version``.
+
+    A reply without any version (an old server) gets -1 for every token.
+    """
+    spans = meta.get("weight_versions") or []
+    if spans:
+        out = [-1] * n_tokens
+        for s in spans:
+            v = parse_version(s["version"], "meta_info.weight_versions.version")
+            for i in range(max(0, s["start"]), min(n_tokens, s["end"])):
+                out[i] = v
+        return out
+    wv = meta.get("weight_version")
+    return [parse_version(wv, "meta_info.weight_version") if wv not in (None, "") else -1] * n_tokens

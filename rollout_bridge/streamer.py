@@ -1,0 +1,181 @@
+"""The weight streamer: trainer params -> HF-named tensors -> inference servers.
+
+``iter_hf_tensors`` gathers one (possibly sharded) parameter at a time and casts it to the
+serving dtype; ``buckets`` groups the stream into size-bounded buckets; a ``WeightSink`` delivers
+one version and reports a ``TransferMetrics``. Sinks:
+
+* ``DiskSink``: a versioned HF checkpoint (safetensors + config.json + tokenizer files), written
+  to a temp dir and renamed into place, then ``/update_weights_from_disk`` on every server. Works
+  with real SGLang servers and with ours over a shared filesystem; keeps the last K versions.
+* ``HttpBucketSink``: each bucket POSTed as safetensors bytes to our embedded servers'
+  ``/update_weights_from_tensor``; the servers apply the whole version atomically at the end.
+
+An NCCL sink for GPU SGLang servers fits the same interface: ``push`` would call
+``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed`` with
+names, dtypes and shapes while broadcasting the tensors from trainer rank 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save as st_save
+
+from areal_jax.models.hf_io import TOKENIZER_FILES, iter_hf_tensors, write_safetensors_shards
+
+Tensors = Iterable[tuple[str, np.ndarray]]
+
+
+@dataclass
+class TransferMetrics:
+    """What one weight push cost."""
+
+    version: int
+    bytes: int
+    """Tensor payload bytes (the serving dtype), not counting file or HTTP overhead."""
+    seconds: float
+    """Wall time from the first tensor gathered to the last server acknowledging."""
+    buckets: int
+    tensors: int
+    servers: int = 0
+    path: str | None = None
+    """Checkpoint directory, for the disk path."""
+
+
+def model_tensors(model: Any, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """HF-named tensors of a Flax decoder, one at a time, cast to ``dtype`` (default: its own)."""
+    return iter_hf_tensors(model, dtype)
+
+
+def buckets(tensors: Tensors, bucket_bytes: int) -> Iterator[list[tuple[str, np.ndarray]]]:
+    """Group tensors into lists of at most ``bucket_bytes``; a bigger tensor travels alone."""
+    cur: list[tuple[str, np.ndarray]] = []
+    size = 0
+    for name, arr in tensors:
+        if cur and size + arr.nbytes > bucket_bytes:
+            yield cur
+            cur, size = [], 0
+        cur.append((name, arr))
+        size += arr.nbytes
+    if cur:
+        yield cur
+
+
+class WeightSink(abc.ABC):
+    """Delivers one policy version's weights to the inference side."""
+
+    @abc.abstractmethod
+    async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
+        """Deliver ``tensors`` (HF names) as ``version``; returns once every server serves it."""
+
+
+class DiskSink(WeightSink):
+    """A versioned HF checkpoint on (shared) disk, then ``/update_weights_from_disk`` everywhere."""
+
+    def __init__(self, root: str | os.PathLike, hf_config: dict[str, Any], *, client: Any = None,
+                 tokenizer_dir: str | os.PathLike | None = None, keep_last: int = 2,
+                 max_shard_bytes: int = 2 * 1024**3, abort_all_requests: bool = False):
+        """``hf_config`` is the config.json content (``ModelConfig.to_hf_dict(dtype)``); ``client`` a
+        ``RolloutClient`` (None: only write). ``keep_last`` versions stay on disk, older ones go."""
+        self.root = Path(root)
+        self.hf_config = hf_config
+        self.client = client
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else None
+        self.keep_last = keep_last
+        self.max_shard_bytes = max_shard_bytes
+        self.abort_all_requests = abort_all_requests
+
+    def version_dir(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def write(self, version: int, tensors: Tensors) -> tuple[Path, int, int]:
+        """Write the checkpoint atomically; returns (dir, bytes, tensors). Blocking."""
+        out = self.version_dir(version)
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=self.root))
+        count = {"bytes": 0, "n": 0}
+
+        def counted() -> Iterator[tuple[str, np.ndarray]]:
+            for name, arr in tensors:
+                count["bytes"] += arr.nbytes
+                count["n"] += 1
+                yield name, arr
+
+        try:
+            write_safetensors_shards(counted(), tmp, self.max_shard_bytes)
+            (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
+            if self.tokenizer_dir is not None:
+                for name in TOKENIZER_FILES:
+                    if (self.tokenizer_dir / name).exists():
+                        shutil.copy2(self.tokenizer_dir / name, tmp / name)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out, count["bytes"], count["n"]
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep_last`` version directories."""
+        versions = sorted(p for p in self.root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+        for p in versions[: max(0, len(versions) - self.keep_last)]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
+        t0 = time.perf_counter()
+        path, nbytes, n = await asyncio.to_thread(self.write, version, tensors)
+        servers = 0
+        if self.client is not None:
+            replies = await self.client.update_weights_from_disk(
+                str(path), version=version, abort_all_requests=self.abort_all_requests)
+            servers = len(replies)
+        await asyncio.to_thread(self.prune)
+        return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
+                               buckets=1, tensors=n, servers=servers, path=str(path))
+
+
+class HttpBucketSink(WeightSink):
+    """Safetensors buckets POSTed to every embedded server's ``/update_weights_from_tensor``.
+
+    Tensors are gathered and serialised in a worker thread, one bucket ahead of the one on the
+    wire, so host memory holds about two buckets, never the whole model.
+    """
+
+    def __init__(self, client: Any, *, bucket_bytes: int = 256 * 1024**2, flush_cache: bool = True):
+        self.client = client
+        self.bucket_bytes = bucket_bytes
+        self.flush_cache = flush_cache
+
+    async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
+        t0 = time.perf_counter()
+        transfer_id = uuid.uuid4().hex
+        nbytes = n = sent = servers = 0
+        groups = buckets(tensors, self.bucket_bytes)
+        # One bucket of look-ahead tells whether the current one is the last.
+        cur = await asyncio.to_thread(next, groups, None)
+        while cur is not None:
+            payload = await asyncio.to_thread(st_save, dict(cur))
+            nxt = await asyncio.to_thread(next, groups, None)
+            replies = await self.client.push_tensor_bucket(
+                payload, version=version, transfer_id=transfer_id, bucket=sent, last=nxt is None,
+                flush_cache=self.flush_cache)
+            servers = len(replies)
+            nbytes += sum(a.nbytes for _, a in cur)
+            n += len(cur)
+            sent += 1
+            cur = nxt
+        return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
+                               buckets=sent, tensors=n, servers=servers)

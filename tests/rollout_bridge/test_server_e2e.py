@@ -1,0 +1,161 @@
+"""The embedded server and the rollout client end to end on a tiny checkpoint (real HTTP, 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+from bridge_helpers import full_forward_logprobs, greedy_reference, running_server
+from flax import nnx
+
+from areal_jax.models import load_pretrained
+from rollout_bridge.client import ClientConfig, HttpRolloutClient, WeightUpdateError
+from rollout_bridge.streamer import DiskSink, model_tensors
+
+PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14], [70, 71, 72, 73, 74, 75, 76, 77]]
+
+
+def _cfg() -> ClientConfig:
+    return ClientConfig(generate_timeout_s=120, control_timeout_s=30, weight_timeout_s=120, all_down_wait_s=5)
+
+
+def test_greedy_and_logprobs_match_full_forward(tiny_dir: Path) -> None:
+    model = load_pretrained(tiny_dir)
+    eos = model.config.eos_token_ids
+
+    async def main() -> None:
+        async with running_server(tiny_dir) as (addr, _), HttpRolloutClient([addr], config=_cfg()) as client:
+            greedy = await asyncio.gather(*(client.generate(p, {"max_new_tokens": 12, "temperature": 0.0})
+                                            for p in PROMPTS))
+            for p, r in zip(PROMPTS, greedy, strict=True):
+                assert r.output_ids == greedy_reference(model, p, 12, eos)
+                assert r.output_versions == [0] * len(r.output_ids)
+            sampled = await asyncio.gather(*(client.generate(p, {"max_new_tokens": 16, "temperature": 0.7,
+                                                                 "ignore_eos": True}) for p in PROMPTS))
+            for p, r in zip(PROMPTS, sampled, strict=True):
+                assert len(r.output_ids) == 16 and r.finish_reason == {"type": "length", "length": 16}
+                ref = full_forward_logprobs(model, p, r.output_ids, temperature=0.7)
+                np.testing.assert_allclose(r.output_logprobs, ref, atol=1e-4)
+
+    asyncio.run(main())
+
+
+def test_64_concurrent_requests_none_lost(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, num_slots=16) as (addr, _), \
+                HttpRolloutClient([addr], config=_cfg()) as client:
+            rids = [f"req-{i}" for i in range(64)]
+            res = await asyncio.gather(*(client.generate([1 + i % 50, 2, 3], {"max_new_tokens": 8, "ignore_eos": True},
+                                                         rid=rid) for i, rid in enumerate(rids)))
+            assert sorted(r.rid for r in res) == sorted(rids)
+            assert all(len(r.output_ids) == 8 == len(r.output_logprobs) for r in res)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_pause_update_from_disk_continue(tiny_dir: Path, tmp_path: Path) -> None:
+    """An answer that spans a weight update: new tokens carry the new version and its logprobs."""
+    old = load_pretrained(tiny_dir)
+    new = load_pretrained(tiny_dir)
+    state = nnx.state(new, nnx.Param)
+    nnx.update(new, __import__("jax").tree.map(lambda x: x * 1.5, state))
+    sink_dir = tmp_path / "weights"
+
+    async def main() -> None:
+        async with running_server(tiny_dir) as (addr, engine), HttpRolloutClient([addr], config=_cfg()) as client:
+            sink = DiskSink(sink_dir, new.config.to_hf_dict("float32"), client=client, tokenizer_dir=tiny_dir)
+            prompt = PROMPTS[1]
+            task = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 100, "temperature": 1.0,
+                                                                "ignore_eos": True}))
+            while engine.num_running == 0 or not task.get_loop():  # wait until decoding has started
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            await client.pause("abort")
+            metrics = await sink.push(1, model_tensors(new, "float32"))
+            assert metrics.servers == 1 and engine.version == 1
+            await client.continue_generation()
+            r = await task
+            assert len(r.output_ids) == 100
+            assert r.resends >= 1
+            vs = np.array(r.output_versions)
+            assert set(vs.tolist()) == {0, 1} and (np.diff(vs) >= 0).all(), vs
+            k = int((vs == 0).sum())
+            lp_old = full_forward_logprobs(old, prompt, r.output_ids)
+            lp_new = full_forward_logprobs(new, prompt, r.output_ids)
+            np.testing.assert_allclose(r.output_logprobs[:k], lp_old[:k], atol=1e-4)
+            np.testing.assert_allclose(r.output_logprobs[k:], lp_new[k:], atol=1e-4)
+            assert (await client.versions()) == {f"http://{addr}": 1}
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_two_servers_one_killed(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir) as (a1, _):
+            srv2 = running_server(tiny_dir, shutdown_timeout=0)  # killed: no grace for its requests
+            a2, e2 = await srv2.__aenter__()
+            async with HttpRolloutClient([a1, a2], config=_cfg()) as client:
+                tasks = [asyncio.create_task(client.generate([3, 4, 5 + i], {"max_new_tokens": 40,
+                                                                           "ignore_eos": True}))
+                         for i in range(16)]
+                while e2.num_running == 0:
+                    await asyncio.sleep(0.01)
+                await srv2.__aexit__(None, None, None)  # server 2 goes away mid-run
+                tasks += [asyncio.create_task(client.generate([6, 7, 8 + i], {"max_new_tokens": 40,
+                                                                            "ignore_eos": True}))
+                          for i in range(8)]  # some are routed to the dead server first
+                res = await asyncio.gather(*tasks)
+                assert len(res) == 24 and all(len(r.output_ids) == 40 for r in res)
+                assert await client.check_health() == [True, False]
+
+    asyncio.run(main())
+
+
+def test_bad_requests_auth_and_failed_weight_load(tiny_dir: Path, tmp_path: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, api_key="sekret", max_seq_len=64) as (addr, engine):
+            url = f"http://{addr}"
+            auth = {"Authorization": "Bearer sekret"}
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async with s.get(url + "/health") as r:
+                    assert r.status == 200  # open without a key
+                async with s.post(url + "/generate", json={"input_ids": [1, 2]}) as r:
+                    assert r.status == 401
+                async with s.post(url + "/generate", json={"input_ids": [1, 2]},
+                                  headers={"Authorization": "Bearer wrong"}) as r:
+                    assert r.status == 401
+                bad = [
+                    ({"input_ids": [1], "sampling_params": {"tempurature": 1.0}}, "tempurature"),
+                    ({"input_ids": []}, "input_ids"),
+                    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+                    ({"input_ids": list(range(1, 65))}, "input_ids"),
+                    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+                    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}, "max_new_tokens"),
+                    ({"input_ids": [1000]}, "input_ids"),
+                ]
+                for body, field in bad:
+                    async with s.post(url + "/generate", json=body, headers=auth) as r:
+                        msg = (await r.json())["error"]["message"]
+                        assert r.status == 400 and field in msg, (body, r.status, msg)
+                async with s.post(url + "/generate", data=b"{not json", headers=auth) as r:
+                    assert r.status == 400
+                async with s.post(url + "/pause_generation", json={"mode": "sideways"}, headers=auth) as r:
+                    assert r.status == 400 and "mode" in (await r.json())["error"]["message"]
+
+            cfg = _cfg()
+            async with HttpRolloutClient([addr], api_key="sekret", config=cfg) as client:
+                before = await client.generate([5, 6, 7], {"max_new_tokens": 6, "temperature": 0})
+                (tmp_path / "broken").mkdir()
+                (tmp_path / "broken" / "config.json").write_text("{}")
+                with pytest.raises(WeightUpdateError, match="broken|config"):
+                    await client.update_weights_from_disk(str(tmp_path / "broken"), version=5)
+                assert engine.version == 0
+                after = await client.generate([5, 6, 7], {"max_new_tokens": 6, "temperature": 0})
+                assert after.output_ids == before.output_ids and after.output_versions == [0] * 6
+
+    asyncio.run(main())
