@@ -21,9 +21,9 @@ from typing import Any
 import msgspec
 import numpy as np
 from aiohttp import web
+
 from areal_jax.inference.types import GenerateOutput, GenerateRequest
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
-
 from rollout_bridge import protocol as P
 
 log = logging.getLogger(__name__)
@@ -366,7 +366,6 @@ async def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, api
                 **engine_cfg: Any) -> None:
     """Load ``model_path`` and serve it until cancelled. ``engine_cfg`` goes to ``EngineConfig``."""
     from areal_jax.inference.engine import Engine
-
     from areal_jax.models import load_pretrained, load_tokenizer
 
     model = load_pretrained(model_path, dtype=dtype)

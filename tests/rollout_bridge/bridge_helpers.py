@@ -20,7 +20,6 @@ async def running_server(model_dir: Path, *, api_key: str | None = None, num_slo
                          shutdown_timeout: float = 10.0) -> AsyncIterator[tuple[str, Any]]:
     """An embedded server on 127.0.0.1:<free port>; yields (address, engine)."""
     from areal_jax.inference.engine import Engine, EngineConfig
-
     from rollout_bridge.server import build_app, start_server
 
     model = load_pretrained(model_dir)

@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from bridge_helpers import running_server
 
 from rollout_bridge import protocol as P
+from tests.rollout_bridge.bridge_helpers import running_server
 
 SCHEMA = Path(__file__).resolve().parents[2] / ".cache" / "sglang" / "api_types.py"
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from bridge_helpers import full_forward_logprobs, greedy_reference, running_server
 from flax import nnx
 
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient, WeightUpdateError
 from rollout_bridge.streamer import DiskSink, model_tensors
+from tests.rollout_bridge.bridge_helpers import full_forward_logprobs, greedy_reference, running_server
 
 PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14], [70, 71, 72, 73, 74, 75, 76, 77]]
 
@@ -89,29 +89,6 @@ def test_pause_update_from_disk_continue(tiny_dir: Path, tmp_path: Path) -> None
             np.testing.assert_allclose(r.output_logprobs[:k], lp_old[:k], atol=1e-4)
             np.testing.assert_allclose(r.output_logprobs[k:], lp_new[k:], atol=1e-4)
             assert (await client.versions()) == {f"http://{addr}": 1}
-
-    asyncio.run(main())
-
-
-@pytest.mark.slow
-def test_two_servers_one_killed(tiny_dir: Path) -> None:
-    async def main() -> None:
-        async with running_server(tiny_dir) as (a1, _):
-            srv2 = running_server(tiny_dir, shutdown_timeout=0)  # killed: no grace for its requests
-            a2, e2 = await srv2.__aenter__()
-            async with HttpRolloutClient([a1, a2], config=_cfg()) as client:
-                tasks = [asyncio.create_task(client.generate([3, 4, 5 + i], {"max_new_tokens": 40,
-                                                                           "ignore_eos": True}))
-                         for i in range(16)]
-                while e2.num_running == 0:
-                    await asyncio.sleep(0.01)
-                await srv2.__aexit__(None, None, None)  # server 2 goes away mid-run
-                tasks += [asyncio.create_task(client.generate([6, 7, 8 + i], {"max_new_tokens": 40,
-                                                                            "ignore_eos": True}))
-                          for i in range(8)]  # some are routed to the dead server first
-                res = await asyncio.gather(*tasks)
-                assert len(res) == 24 and all(len(r.output_ids) == 40 for r in res)
-                assert await client.check_health() == [True, False]
 
     asyncio.run(main())
 

@@ -1,0 +1,120 @@
+"""The ``areal-jax`` command: ``serve`` (the embedded SGLang-protocol server) and ``demo`` (the
+quick-start job: everything that runs end to end today, on CPU with a tiny model built locally).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from pathlib import Path
+
+DEMO_QUESTIONS = ["12+7=", "3*4=", "What is 9-5?", "20/4=", "6+6+6=", "Is 7 prime?", "2^5=", "15-8="]
+
+
+def _demo_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="areal-jax demo", description=(
+        "Build a tiny model, serve it on the embedded JAX server, generate through the rollout "
+        "client, and push new weights while answers are being generated."))
+    p.add_argument("--workdir", default="runs/demo", help="where the checkpoints go")
+    p.add_argument("--model-type", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    p.add_argument("--requests", type=int, default=32, help="concurrent answers per round")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import encode_chat, load_pretrained, load_tokenizer
+    from areal_jax.models.tiny import make_tiny_checkpoint
+    from rollout_bridge.client import HttpRolloutClient
+    from rollout_bridge.server import build_app, start_server
+    from rollout_bridge.streamer import HttpBucketSink, model_tensors
+
+    work = Path(args.workdir)
+    base = work / f"base-{args.model_type}"
+    t0 = time.perf_counter()
+    if not (base / "config.json").exists():
+        make_tiny_checkpoint(base, model_type=args.model_type, seed=args.seed)
+        print(f"[1/4] built a tiny random {args.model_type} checkpoint in {base} ({time.perf_counter() - t0:.1f}s)")
+    else:
+        print(f"[1/4] using the tiny checkpoint in {base}")
+    tok = load_tokenizer(base)
+    model = load_pretrained(base)
+    print(f"      {model.config.num_params():,} parameters, vocab {model.config.vocab_size}")
+
+    engine = Engine(model, EngineConfig(num_slots=min(32, args.requests), max_seq_len=256, seed=args.seed),
+                    eos_token_ids=model.config.eos_token_ids)
+    runner, port = await start_server(build_app(engine, tok, None, model_path=str(base)), "127.0.0.1", 0)
+    address = f"127.0.0.1:{port}"
+    print(f"[2/4] embedded JAX server speaking SGLang's protocol on http://{address}")
+    try:
+        async with HttpRolloutClient([address]) as client:
+            prompts = [encode_chat(tok, [{"role": "user", "content": DEMO_QUESTIONS[i % len(DEMO_QUESTIONS)]}])
+                       for i in range(args.requests)]
+            sp = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "ignore_eos": True}
+            await asyncio.gather(*(client.generate(p, sp) for p in prompts))  # compile outside the timing
+            t1 = time.perf_counter()
+            results = await asyncio.gather(*(client.generate(p, sp) for p in prompts))
+            dt = time.perf_counter() - t1
+            n_tok = sum(len(r.output_ids) for r in results)
+            print(f"[3/4] {len(results)} concurrent answers, {n_tok} tokens in {dt:.2f}s "
+                  f"({n_tok / dt:,.0f} tok/s); the untrained model babbles:")
+            for r in results[:2]:
+                print(f"      {tok.decode(r.input_ids)!r} -> {tok.decode(r.output_ids)!r}")
+
+            # An interrupted rollout: new weights (version 1) arrive while answers are half done.
+            rng = np.random.default_rng(args.seed)
+            new = {name: (arr + 0.02 * rng.standard_normal(arr.shape).astype(arr.dtype))
+                   for name, arr in model_tensors(model)}
+            tasks = [asyncio.create_task(client.generate(p, sp)) for p in prompts]
+            await asyncio.sleep(0.4 * dt)  # about 40% of the way through, by the first round's timing
+            await client.pause("abort")
+            metrics = await HttpBucketSink(client).push(1, iter(new.items()))
+            await client.continue_generation()
+            results = await asyncio.gather(*tasks)
+            spans = sum(1 for r in results if len(set(r.output_versions)) > 1)
+            print(f"[4/4] pushed version 1 mid-generation ({metrics.bytes / 2**20:.1f} MiB in {metrics.buckets} "
+                  f"bucket(s), {metrics.seconds:.2f}s); {spans}/{len(results)} answers hold tokens of versions "
+                  f"0 and 1, e.g. versions {_runs(results[0].output_versions)}")
+    finally:
+        await runner.cleanup()
+        await engine.stop()
+    print(f"done in {time.perf_counter() - t0:.1f}s")
+
+
+def _runs(versions: list[int]) -> str:
+    out: list[str] = []
+    for v in versions:
+        if out and out[-1].startswith(f"{v}x"):
+            n = int(out[-1].split("x")[1]) + 1
+            out[-1] = f"{v}x{n}"
+        else:
+            out.append(f"{v}x1")
+    return " ".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"serve": "run the embedded JAX inference server (SGLang's HTTP protocol)",
+                "demo": "the quick-start job on CPU with a tiny local model"}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: areal-jax {serve,demo} ...\n" + "\n".join(f"  {k:<6} {v}" for k, v in commands.items()))
+        sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    cmd, rest = argv[0], argv[1:]
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if cmd == "serve":
+        from rollout_bridge.server import run_server
+
+        run_server(rest)
+    elif cmd == "demo":
+        asyncio.run(_demo(_demo_args(rest)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A rollout server process dies mid-generation (SIGKILL): the client re-sends its requests to the
+surviving server, continuing from the tokens already received, and nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from areal_jax.models import load_pretrained
+from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from tests.rollout_bridge.bridge_helpers import full_forward_logprobs, running_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server process exited with {proc.returncode}")
+            try:
+                async with session.get(f"http://{address}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                pass
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"server at {address} not healthy after {timeout}s")
+
+
+@pytest.mark.slow
+def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
+         "--max-running-requests", "8", "--context-length", "512", "--log-level", "warning"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    model = load_pretrained(tiny_dir)
+
+    async def main() -> None:
+        async with running_server(tiny_dir, num_slots=8, max_seq_len=512) as (survivor, _):
+            doomed = f"127.0.0.1:{port}"
+            await _wait_healthy(doomed, proc)
+            cfg = ClientConfig(generate_timeout_s=300, control_timeout_s=30, all_down_wait_s=10, health_interval_s=0.5)
+            async with HttpRolloutClient([survivor, doomed], config=cfg) as client:
+                sp = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}
+                tasks = [asyncio.create_task(client.generate([3, 4, 5 + i], sp)) for i in range(8)]
+                while not client.servers[1].inflight:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.5)  # let the doomed server produce some tokens
+                proc.send_signal(signal.SIGKILL)
+                results = await asyncio.gather(*tasks)
+                assert len({r.rid for r in results}) == 8
+                assert all(len(r.output_ids) == 300 for r in results)
+                moved = [r for r in results if r.resends > 0]
+                assert moved, "no request was re-sent after the server died"
+                assert (await client.check_health()) == [True, False]
+                later = await asyncio.gather(*(client.generate([9, 9, i], {"max_new_tokens": 5}) for i in range(4)))
+                assert all(len(r.output_ids) == 5 and r.resends == 0 for r in later)  # routed to the survivor
+                # A moved answer is one sequence: its logprobs are those of the full forward pass
+                # over prompt + all tokens, including the ones produced by the dead server.
+                r = moved[0]
+                ref = full_forward_logprobs(model, r.input_ids, r.output_ids)
+                assert abs(ref - r.output_logprobs).max() < 1e-4
+
+    try:
+        asyncio.run(main())
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
