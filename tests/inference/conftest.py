@@ -34,5 +34,6 @@ ENGINE_CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, deco
 
 
 @pytest.fixture(scope="session")
-def engine(model: Decoder) -> Engine:
-    return Engine(model, ENGINE_CFG)
+def engine(ckpt: Path) -> Engine:
+    """Owns its own copy of the v0 weights, so weight updates never touch the reference ``model``."""
+    return Engine(load_pretrained(ckpt), ENGINE_CFG)
