@@ -121,7 +121,8 @@ class Engine:
         self.model, self.cfg, self.mesh = model, cfg, mesh
         self._version = version
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self._graphdef, self._state = nnx.split(model)
+        self._graphdef, state = nnx.split(model)
+        self._state = self._committed(state)
         self.prefill_fn, self.decode_fn = compile_steps(self._graphdef)
         self._cache, self._slot_state = self._fresh_cache()
         self._slots: list[_Seq | None] = [None] * cfg.num_slots
@@ -267,7 +268,7 @@ class Engine:
                 await asyncio.to_thread(self._in_mesh, assign_hf_tensors, self.model, tensors)
             else:
                 await asyncio.to_thread(self._load_dir, model_dir)
-            self._state = nnx.state(self.model)
+            self._state = self._committed(nnx.state(self.model), like=self._state)
             self._version = version
 
     def _load_dir(self, model_dir: str) -> None:
@@ -329,6 +330,14 @@ class Engine:
         with activate(self.mesh):
             return fn(*args, **kwargs)
 
+    def _committed(self, tree: Any, like: Any = None) -> Any:
+        """``tree`` committed to fixed shardings (those of ``like``, if given). Compiled steps are
+        cached by input sharding and commitment, so every call must see the same ones."""
+        if like is not None:
+            return jax.tree.map(lambda x, old: jax.device_put(x, old.sharding), tree, like)
+        single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding if self.mesh is not None else single), tree)
+
     def _fresh_cache(self) -> tuple[Any, SlotState]:
         with activate(self.mesh):
             dtype = self.cfg.cache_dtype and np.dtype(self.cfg.cache_dtype)
@@ -337,7 +346,7 @@ class Engine:
             if self.mesh is not None:
                 cache = jax.device_put(cache, logical_to_sharding(CACHE_AXES, self.mesh))
                 state = jax.device_put(state, logical_to_sharding((None,), self.mesh))
-        return cache, state
+        return self._committed(cache), self._committed(state)
 
     def _can_step(self) -> bool:
         if self._paused is not None:

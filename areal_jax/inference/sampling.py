@@ -12,18 +12,35 @@ import jax
 import jax.numpy as jnp
 
 
+def _mix(x: jax.Array) -> jax.Array:
+    """A 32-bit integer hash with full avalanche (xor-shift-multiply rounds)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
 def row_keys(seed: jax.Array, stream: jax.Array, step: jax.Array) -> jax.Array:
-    """One PRNG key per row from ``(seed, stream, step)``, each ``[b]`` of integers.
+    """One 32-bit key per row from ``(seed, stream, step)``, each ``[b]`` of integers.
 
     A seeded request uses (its seed, stream 0); others use (engine seed, request counter). The
     step is the index of the token being sampled, so a request recomputed after a retract draws
-    the same numbers it would have drawn without one.
+    the same numbers it would have drawn without one. A counter-based hash, not ``jax.random``:
+    threefry keys per row cost seconds of compile time per step shape, and a hash is enough to
+    drive one categorical draw per token.
     """
-    def one(s: jax.Array, r: jax.Array, t: jax.Array) -> jax.Array:
-        key = jax.random.key(s.astype(jnp.uint32))
-        return jax.random.fold_in(jax.random.fold_in(key, r), t)
+    u32 = lambda x: jnp.asarray(x).astype(jnp.uint32)
+    h = _mix(u32(seed) ^ jnp.uint32(0x9E3779B9))
+    h = _mix(h ^ u32(stream) * jnp.uint32(0x85EBCA6B))
+    return _mix(h ^ u32(step) * jnp.uint32(0xC2B2AE35))
 
-    return jax.vmap(one)(seed, stream, step)
+
+def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """Standard Gumbel noise ``[b, vocab]``, a pure function of each row's key."""
+    bits = _mix(_mix(keys[:, None] ^ (jnp.arange(vocab, dtype=jnp.uint32) * jnp.uint32(0x27D4EB2F))[None]))
+    uniform = (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24)) + 0.5 / (1 << 24)  # in (0, 1)
+    return -jnp.log(-jnp.log(uniform))
 
 
 def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array,
@@ -39,7 +56,7 @@ def sample(logits: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: j
     greedy = temperature <= 0
     temp = jnp.where(greedy, 1.0, temperature)
     logp = jax.nn.log_softmax(logits / temp[:, None], axis=-1)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), jnp.float32))(keys)
+    gumbel = gumbel_noise(keys, vocab)
 
     def truncated(_: None) -> jax.Array:
         order = jnp.argsort(-logp, axis=-1)

@@ -1,0 +1,104 @@
+"""Decode throughput of the JAX engine beside Hugging Face ``transformers`` ``generate``.
+
+Both run the same "small" tiny checkpoint (about 3M parameters, 4 layers, hidden 256, vocab 128)
+in the same process on CPU: ``concurrency`` prompts of ``--prompt-len`` tokens, each generating
+exactly ``--new-tokens`` tokens (eos ignored), greedy. Throughput counts generated tokens over
+the wall time of the whole batch (prefill included), measured after a warm-up run; the engine's
+warm-up time (mostly compilation) is reported separately.
+
+    python benchmarks/decode.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingParams
+from areal_jax.models.hf_io import load_pretrained
+from areal_jax.models.tiny import make_tiny_checkpoint
+
+
+def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds to generate ``new_tokens`` for every prompt, all submitted at once."""
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def go() -> float:
+        await engine.start()
+        try:
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, sp)) for p in prompts))
+            elapsed = time.perf_counter() - t0
+        finally:
+            await engine.stop()
+        assert all(len(o.output_ids) == new_tokens for o in outs)
+        return elapsed
+
+    return asyncio.run(go())
+
+
+def bench_engine(ckpt: Path, prompts: list[list[int]], new_tokens: int, decode_steps: int) -> dict:
+    model = load_pretrained(ckpt)
+    cfg = EngineConfig(num_slots=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + decode_steps,
+                       max_prefill_batch=min(len(prompts), 64), decode_steps=decode_steps)
+    engine = Engine(model, cfg)
+    warmup = engine_run(engine, prompts, new_tokens)  # compiles every shape the timed run meets
+    elapsed = min(engine_run(engine, prompts, new_tokens) for _ in range(2))
+    return {"tok_s": len(prompts) * new_tokens / elapsed, "seconds": elapsed, "warmup_s": warmup,
+            "compiled_shapes": engine.prefill_fn._cache_size() + engine.decode_fn._cache_size()}
+
+
+def bench_transformers(ckpt: Path, prompts: list[list[int]], new_tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        elapsed = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return {"tok_s": len(prompts) * new_tokens / elapsed, "seconds": elapsed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=8, help="tokens per compiled decode call")
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = ap.parse_args()
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_checkpoint(Path(tmp) / "small", size="small")
+        rng = np.random.default_rng(0)
+        for c in args.concurrency:
+            prompts = rng.integers(4, 128, (c, args.prompt_len)).tolist()
+            row = {"concurrency": c, "engine": bench_engine(ckpt, prompts, args.new_tokens, args.decode_steps)}
+            if not args.skip_transformers:
+                row["transformers"] = bench_transformers(ckpt, prompts, args.new_tokens)
+                row["speedup"] = row["engine"]["tok_s"] / row["transformers"]["tok_s"]
+            rows.append(row)
+            hf = row.get("transformers", {}).get("tok_s", float("nan"))
+            print(f"concurrency {c:3d}: engine {row['engine']['tok_s']:8.0f} tok/s "
+                  f"(warm-up {row['engine']['warmup_s']:.1f} s)   transformers {hf:8.0f} tok/s   "
+                  f"x{row.get('speedup', float('nan')):.2f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

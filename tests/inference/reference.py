@@ -1,0 +1,70 @@
+"""Plain reference computations the engine is checked against: greedy decoding and logprobs
+from the full forward pass, plus a sharpened tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import load_pretrained, save_pretrained
+from areal_jax.models.tiny import make_tiny_checkpoint
+
+T = TypeVar("T")
+
+def sharpened_checkpoint(out: Path, seed: int, scale: float = 10.0) -> Path:
+    """A tiny random model with its matrices scaled up: N(0, 0.02) weights give near-uniform
+    logits and a greedy loop that repeats one token; scaled ones give varied paths."""
+    base = make_tiny_checkpoint(out.with_name(out.name + "-base"), size="tiny", seed=seed)
+    model = load_pretrained(base)
+    params = nnx.state(model, nnx.Param)
+    nnx.update(model, jax.tree.map(lambda x: x * scale if x.ndim == 2 else x, params))
+    return save_pretrained(model, out, tokenizer_dir=base)
+
+
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)
+
+
+REF_LEN = 128  # references pad every sequence to this, so the jitted forward compiles once
+
+
+@jax.jit
+def _forward(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(ids)
+
+
+def _logits(model: Decoder, ids: list[int]) -> jax.Array:
+    """Full-forward logits ``[len(ids), vocab]``; causal attention makes the right padding inert."""
+    assert len(ids) <= REF_LEN
+    graphdef, state = nnx.split(model)
+    padded = np.zeros((1, REF_LEN), np.int32)
+    padded[0, :len(ids)] = ids
+    return _forward(graphdef, state, jnp.asarray(padded))[0, :len(ids)]
+
+
+def reference_greedy(model: Decoder, prompt: list[int], num_tokens: int) -> list[int]:
+    """Greedy decoding with the full forward pass over the whole sequence at every step."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        ids.append(int(jnp.argmax(_logits(model, ids)[-1])))
+    return ids[len(prompt):]
+
+
+def reference_logprobs(model: Decoder, prompt: list[int], output: list[int], temperature: float) -> np.ndarray:
+    """``log_softmax(logits / T)`` at each output token, from one full forward pass (T=1 if 0)."""
+    logits = _logits(model, prompt + output)[len(prompt) - 1:-1]
+    logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
+    return np.asarray(jnp.take_along_axis(logp, jnp.asarray(output)[:, None], axis=-1)[:, 0])
+
+
+def prompts(lengths: list[int], seed: int = 0, vocab: int = 128) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, n).tolist() for n in lengths]
