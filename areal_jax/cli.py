@@ -72,8 +72,10 @@ async def _demo(args: argparse.Namespace) -> None:
             rng = np.random.default_rng(args.seed)
             new = {name: (arr + 0.02 * rng.standard_normal(arr.shape).astype(arr.dtype))
                    for name, arr in model_tensors(model)}
+            start = engine.stats["decode_tokens"]
             tasks = [asyncio.create_task(client.generate(p, sp)) for p in prompts]
-            await asyncio.sleep(0.4 * dt)  # about 40% of the way through, by the first round's timing
+            while engine.stats["decode_tokens"] - start < n_tok // 3:  # about a third of the way through
+                await asyncio.sleep(0.001)
             await client.pause("abort")
             metrics = await HttpBucketSink(client).push(1, iter(new.items()))
             await client.continue_generation()
