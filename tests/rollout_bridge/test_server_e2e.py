@@ -56,6 +56,19 @@ def test_64_concurrent_requests_none_lost(tiny_dir: Path) -> None:
     asyncio.run(main())
 
 
+def test_update_weight_version_relabels_without_new_weights(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir) as (addr, _), HttpRolloutClient([addr], config=_cfg()) as client:
+            before = await client.generate([4, 5, 6], {"max_new_tokens": 6, "temperature": 0})
+            await client.update_weight_version(7)
+            assert await client.versions() == {f"http://{addr}": 7}
+            after = await client.generate([4, 5, 6], {"max_new_tokens": 6, "temperature": 0})
+            assert after.output_versions == [7] * 6 and before.output_versions == [0] * 6
+            assert after.output_ids == before.output_ids  # same weights, only the label moved
+
+    asyncio.run(main())
+
+
 @pytest.mark.slow
 def test_pause_update_from_disk_continue(tiny_dir: Path, tmp_path: Path) -> None:
     """An answer that spans a weight update: new tokens carry the new version and its logprobs."""
