@@ -162,7 +162,7 @@ class Trainer:
         return lp
 
     def _apply_step(self, params: nnx.State, opt_state: Any, grads: nnx.State) -> tuple[nnx.State, Any, dict]:
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"grad_norm": grad_norm}
 
@@ -238,21 +238,33 @@ class Trainer:
     def train_prepared(self, prepared: PreparedBatch) -> dict[str, float]:
         """The update half: per minibatch, accumulate gradients over its micro-batches, then step."""
         micro_aux, apply_aux, lrs = [], [], []
-        with activate(self.mesh, self.rules):
-            for minibatch in prepared.minibatches:
-                units = [self._loss_units(m.arrays) for m in minibatch]
-                total = sum(units)
-                acc = self._zeros_fn(self.params)
-                for m, u in zip(minibatch, units, strict=True):
-                    scalars = {"loss_scale": np.float32(1.0 if total == 0 else u / total),
-                               "proximal_version": np.float32(prepared.version)}
-                    acc, aux = self._grad_fn(self.params, acc, self._train_inputs(m), scalars)
-                    micro_aux.append(aux)
-                lrs.append(float(self.schedule(self.step)))
+        for minibatch in prepared.minibatches:
+            acc, aux = self.minibatch_grads([self._train_inputs(m) for m in minibatch], prepared.version)
+            micro_aux.extend(aux)
+            lrs.append(float(self.schedule(self.step)))
+            with activate(self.mesh, self.rules):
                 self.params, self.opt_state, out = self._apply_fn(self.params, self.opt_state, acc)
-                apply_aux.append(out)
-                self.step += 1
+            apply_aux.append(out)
+            self.step += 1
         return self._reduce_stats(prepared, jax.device_get(micro_aux), jax.device_get(apply_aux), lrs)
+
+    def minibatch_grads(self, micro_batches: Sequence[dict[str, Any]], version: int = 0) -> tuple[nnx.State, list]:
+        """Gradient of one minibatch's loss, accumulated over its micro-batches (``[rows, length]``
+        dicts as ``batching.pack_rows`` makes them, plus ``advantages`` and, when recomputed,
+        ``proximal_logprobs``). Each micro-batch's loss is scaled by its share of the minibatch's
+        normaliser, so the sum is the gradient of the minibatch's loss however it was split.
+        Returns the gradients and each micro-batch's statistics (device arrays)."""
+        units = [self._loss_units(m) for m in micro_batches]
+        total = sum(units)
+        auxes = []
+        with activate(self.mesh, self.rules):
+            acc = self._zeros_fn(self.params)
+            for m, u in zip(micro_batches, units, strict=True):
+                scalars = {"loss_scale": np.float32(1.0 if total == 0 else u / total),
+                           "proximal_version": np.float32(version)}
+                acc, aux = self._grad_fn(self.params, acc, m, scalars)
+                auxes.append(aux)
+        return acc, auxes
 
     # --- helpers ------------------------------------------------------------------------------
 
