@@ -9,8 +9,7 @@ import pytest
 
 from areal_jax.algo import AlgoConfig
 from areal_jax.models import logprobs_from_logits
-from areal_jax.trainer import TrainConfig, Trainer
-from areal_jax.trainer import batching
+from areal_jax.trainer import TrainConfig, Trainer, batching
 from tests.trainer.helpers import random_trajectories, tiny_model
 
 TEMPERATURE = 0.8
