@@ -137,3 +137,15 @@ def test_compiled_shapes_bounded_by_buckets() -> None:
     assert trainer._logprob_fn._cache_size() <= len(buckets)
     assert trainer._apply_fn._cache_size() == 1
     assert trainer.step == 100
+
+
+def test_bfloat16_compute_keeps_float32_master_params() -> None:
+    trajs = random_trajectories(np.random.default_rng(6), 2, 4)
+    cfg = dict(micro_batch_tokens=64, length_buckets=(64,), lr=1e-3)
+    f32 = Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).train_batch(trajs, 0)
+    trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(compute_dtype="bfloat16", **cfg))
+    assert trainer.graphdef != trainer._source_graphdef
+    bf16 = trainer.train_batch(trajs, 0)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
+    np.testing.assert_allclose(bf16["entropy"], f32["entropy"], rtol=2e-2)
+    np.testing.assert_allclose(bf16["grad_norm"], f32["grad_norm"], rtol=0.1)
