@@ -1,0 +1,89 @@
+"""``TrainConfig``: the trainer's room of the run config (optimizer, schedule, batching, numerics).
+
+What the loss computes is ``AlgoConfig``'s business (including ``ppo_n_minibatches``, the number
+of optimizer steps per training batch); this dataclass only says how the step is carried out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import optax
+
+from areal_jax.data.packing import DEFAULT_BUCKETS
+
+SCHEDULES = ("constant", "warmup_cosine")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """How one training batch becomes optimizer steps."""
+
+    lr: float = 1e-6
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; applied to matrices only, never to norms or biases."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's first and second moment decay rates."""
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    grad_clip: float | None = 1.0
+    """Clip the minibatch gradient to this global L2 norm before the update; None disables it."""
+    lr_schedule: str = "constant"
+    """``constant`` (after warmup) or ``warmup_cosine`` (linear warmup, cosine decay to ``min_lr_ratio``)."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warmup from 0 to ``lr``."""
+    total_steps: int = 0
+    """Optimizer steps the cosine decay spans (warmup included); required by ``warmup_cosine``."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of ``warmup_cosine`` as a fraction of ``lr``."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one packed row, i.e. of one data-parallel group's share of a micro-batch."""
+    min_micro_batches: int = 1
+    """Each data-parallel group runs at least this many micro-batches per minibatch (memory cap)."""
+    length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    """Row lengths a micro-batch is padded to; each is one compiled shape, so keep the set small."""
+    compute_dtype: str = "float32"
+    """Activation and matmul dtype; parameters and optimizer state stay float32 either way."""
+    temperature: float = 1.0
+    """Logprobs are ``log_softmax(logits / temperature)``; must equal the rollout's sampling temperature."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk when forming logits from hidden states (bounds the ``[tokens, vocab]`` peak)."""
+    remat: bool = False
+    """Rematerialise decoder layers in the backward pass: less activation memory, about 1/3 more compute."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        object.__setattr__(self, "length_buckets", tuple(sorted(int(b) for b in self.length_buckets)))
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        if self.lr_schedule == "warmup_cosine" and self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"lr_schedule='warmup_cosine' needs total_steps > warmup_steps, got {self.total_steps} "
+                f"and {self.warmup_steps}"
+            )
+        if not self.length_buckets or self.length_buckets[-1] < self.micro_batch_tokens:
+            raise ValueError(
+                f"the largest length bucket ({max(self.length_buckets, default=0)}) must hold "
+                f"micro_batch_tokens={self.micro_batch_tokens}; add a bucket or lower the budget"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.min_micro_batches < 1 or self.micro_batch_tokens < 1 or self.logprob_chunk_size < 1:
+            raise ValueError("min_micro_batches, micro_batch_tokens and logprob_chunk_size must be >= 1")
+
+    def schedule(self) -> optax.Schedule:
+        if self.lr_schedule == "warmup_cosine":
+            return optax.warmup_cosine_decay_schedule(
+                init_value=0.0, peak_value=self.lr, warmup_steps=self.warmup_steps,
+                decay_steps=self.total_steps, end_value=self.lr * self.min_lr_ratio,
+            )
+        if self.warmup_steps:
+            return optax.join_schedules(
+                [optax.linear_schedule(0.0, self.lr, self.warmup_steps), optax.constant_schedule(self.lr)],
+                [self.warmup_steps],
+            )
+        return optax.constant_schedule(self.lr)

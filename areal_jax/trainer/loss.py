@@ -1,0 +1,77 @@
+"""The per-micro-batch computations the train step jits: token logprobs and the scaled PPO loss.
+
+A micro-batch is a dict of ``[rows, length]`` arrays in the position convention of
+``trainer/batching.py`` (position ``j`` carries target token ``j + 1``). These functions take a
+merged model; the trainer wraps them in ``jax.jit`` over split state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from areal_jax.algo import AlgoConfig, approx_proximal_logprobs, decoupled_ppo_loss, ppo_loss_kwargs
+from areal_jax.models import Decoder, chunked_logprobs
+
+Batch = dict[str, jax.Array]
+
+
+def token_logprobs(
+    model: Decoder, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool = False
+) -> tuple[jax.Array, jax.Array | None]:
+    """``log_softmax(logits / T)`` of each position's target, and optionally the entropy there."""
+    hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"])
+    return chunked_logprobs(
+        hidden, batch["targets"], model.logits_from_hidden,
+        temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+    )
+
+
+def packed_seq_ids(segment_ids: jax.Array) -> jax.Array:
+    """Ids unique across rows (``row * length + segment``) for the loss's sequence-level terms.
+
+    A sequence has at least two tokens, so a row holds at most ``length / 2`` segments and the
+    largest id, ``rows * length - length / 2``, stays under the loss's bound of ``rows * length``.
+    """
+    rows, length = segment_ids.shape
+    return jnp.arange(rows, dtype=jnp.int32)[:, None] * length + segment_ids
+
+
+def micro_batch_loss(
+    model: Decoder,
+    batch: Batch,
+    scalars: dict[str, jax.Array],
+    *,
+    algo: AlgoConfig,
+    temperature: float,
+    chunk_size: int,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """This micro-batch's share of the minibatch loss, and its (unscaled) statistics.
+
+    ``decoupled_ppo_loss`` normalises within the micro-batch (by its mask count, or its sequence
+    count); ``scalars["loss_scale"]`` is this micro-batch's share of the minibatch's normaliser,
+    so the scaled losses, and hence their gradients, sum to those of the whole minibatch's loss.
+    ``scalars["proximal_version"]`` is the policy version the proximal policy stands for; it is
+    read only by the ``loglinear`` approximation.
+    """
+    logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
+                                       with_entropy=True)
+    mask = batch["loss_mask"]
+    behavior = batch["behavior_logprobs"]
+    if not algo.use_decoupled_loss:
+        proximal = behavior  # ignored by the loss; naive PPO ratios against the behavior policy
+    elif algo.proximal_logprobs == "loglinear":
+        proximal = approx_proximal_logprobs(behavior, logprobs, batch["versions"], scalars["proximal_version"])
+    else:
+        proximal = batch["proximal_logprobs"]
+    loss, stats = decoupled_ppo_loss(
+        logprobs, proximal, behavior, batch["advantages"], mask,
+        seq_ids=packed_seq_ids(batch["segment_ids"]), **ppo_loss_kwargs(algo),
+    )
+    aux: dict[str, Any] = dict(stats)
+    aux["loss"] = loss
+    aux["mask_count"] = jnp.sum(mask)
+    aux["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask)
+    return loss * scalars["loss_scale"], aux

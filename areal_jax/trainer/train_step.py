@@ -1,0 +1,369 @@
+"""The decoupled-PPO train step: ``Trainer.train_batch(trajectories, version) -> stats``.
+
+One training batch becomes ``AlgoConfig.ppo_n_minibatches`` optimizer steps. Before any update
+the batch is packed (see ``trainer/batching.py``), the proximal logprobs are recomputed with the
+pre-update weights on exactly those micro-batches (or approximated from versions inside the
+loss), reference logprobs feed a KL reward penalty when ``kl_coef > 0``, and advantages are
+computed group-wise. Each minibatch then accumulates gradients over its micro-batches and takes
+one AdamW step.
+
+Everything on device runs in ``jax.jit`` over split NNX state with explicit shardings: one grad
+function (one compiled shape per length bucket), one logprob function, one apply function.
+Single-process for now: host arrays are placed with ``jax.device_put``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.algo import AlgoConfig, compute_advantages
+from areal_jax.algo.kl import KL_ESTIMATORS
+from areal_jax.data.packing import bucket_length
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.models import Decoder
+from areal_jax.trainer import batching
+from areal_jax.trainer.config import TrainConfig
+from areal_jax.trainer.loss import micro_batch_loss, token_logprobs
+from sharding import DEFAULT_RULES, MeshConfig, activate, logical_to_sharding, make_mesh
+from sharding.rules import Rules
+
+_MAX_STATS = ("behavior_imp_weight_max",)
+
+
+@dataclass
+class MicroBatch:
+    plan: batching.MicroBatchPlan
+    arrays: dict[str, Any]
+    """``[rows, length]`` fields; ``proximal_logprobs`` is a device array when recomputed."""
+
+
+@dataclass
+class PreparedBatch:
+    """A training batch after the pre-update half of the step: packed, scored, with advantages."""
+
+    trajectories: list[Trajectory]
+    version: int
+    minibatches: list[list[MicroBatch]]
+    advantages: list[np.ndarray]
+    """Per trajectory, index-``i`` convention (0 off the loss mask)."""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+class Trainer:
+    """Holds the policy's float32 master params, the AdamW state and, if ``kl_coef > 0``, a frozen
+    reference; runs decoupled-PPO training batches on a mesh."""
+
+    def __init__(
+        self,
+        model: Decoder,
+        algo: AlgoConfig,
+        train: TrainConfig | None = None,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules = DEFAULT_RULES,
+        reference: Decoder | None = None,
+    ) -> None:
+        if algo.adv_estimator == "gae":
+            raise NotImplementedError("adv_estimator='gae' needs a critic, which this trainer does not hold yet")
+        self.algo, self.train = algo, train or TrainConfig()
+        self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
+        self.rules = rules
+        self.dp_groups = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        self.step = 0
+        self._source_graphdef, state = nnx.split(model)
+        # The compute graph differs from the source model only in numerics: float32 storage (the
+        # master copy), the configured compute dtype and remat.
+        cfg = model.config.replace(param_dtype="float32", dtype=self.train.compute_dtype, remat=self.train.remat)
+        with activate(self.mesh, rules):
+            self.graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+        self.param_shardings = jax.tree.map(
+            lambda v: logical_to_sharding(v.get_metadata().get("out_sharding") or (), self.mesh, rules),
+            state, is_leaf=_is_var,
+        )
+        self.params = self._place(state)
+        # kl_coef == 0 keeps no reference at all: no memory, no forward pass.
+        self.ref_params = None
+        if algo.kl_coef > 0:
+            self.ref_params = self._place(nnx.split(reference)[1]) if reference is not None else jax.jit(
+                lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.params)
+
+        self.schedule = self.train.schedule()
+        t = self.train
+        self.tx = optax.chain(
+            optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
+            optax.adamw(self.schedule, b1=t.betas[0], b2=t.betas[1], eps=t.eps, weight_decay=t.weight_decay,
+                        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+        )
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.data_sharding = logical_to_sharding(("batch", "length"), self.mesh, rules)
+        self.opt_shardings = self._opt_state_shardings()
+        ps, os_, ds, rep = self.param_shardings, self.opt_shardings, self.data_sharding, self.replicated
+        with activate(self.mesh, rules):
+            self.opt_state = jax.jit(self.tx.init, out_shardings=os_)(self.params)
+        # Advantages run on small [batch, width] arrays; width is bucketed so this compiles rarely.
+        self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
+        self._zeros_fn = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ps)
+        self._grad_fn = jax.jit(self._grad_step, in_shardings=(ps, ps, ds, rep), out_shardings=(ps, rep),
+                                donate_argnums=(1,))
+        self._logprob_fn = jax.jit(self._logprob_step, in_shardings=(ps, ds), out_shardings=ds)
+        self._apply_fn = jax.jit(self._apply_step, in_shardings=(ps, os_, ps), out_shardings=(ps, os_, rep),
+                                 donate_argnums=(0, 1))
+
+    # --- jitted bodies ------------------------------------------------------------------------
+
+    def _place(self, state: nnx.State) -> nnx.State:
+        state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
+        return jax.device_put(state, self.param_shardings)
+
+    def _opt_state_shardings(self) -> Any:
+        """Moment buffers are sharded like their parameter, scalars (step count) replicated.
+
+        An optimizer-state leaf belongs to the parameter whose tree path ends its own path
+        (``...mu['layers'][0]['mlp']...`` ends with the param's path); jit alone would leave
+        the freshly made zeros on one device.
+        """
+        keystr = jax.tree_util.keystr
+        shapes = {keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(self.params)}
+        by_path = {keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(self.param_shardings)}
+
+        def pick(path: Any, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+            key = keystr(path)
+            hits = [k for k in by_path if key.endswith(k) and shapes[k] == leaf.shape]
+            return by_path[max(hits, key=len)] if hits else self.replicated
+
+        return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(self.tx.init, self.params))
+
+    def _grad_step(self, params: nnx.State, acc: nnx.State, batch: dict, scalars: dict) -> tuple[nnx.State, dict]:
+        def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
+            return micro_batch_loss(nnx.merge(self.graphdef, p), batch, scalars, algo=self.algo,
+                                    temperature=self.train.temperature, chunk_size=self.train.logprob_chunk_size)
+
+        (scaled, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        aux["scaled_loss"] = scaled
+        return jax.tree.map(jnp.add, acc, grads), aux
+
+    def _logprob_step(self, params: nnx.State, batch: dict) -> jax.Array:
+        lp, _ = token_logprobs(nnx.merge(self.graphdef, params), batch, temperature=self.train.temperature,
+                               chunk_size=self.train.logprob_chunk_size)
+        return lp
+
+    def _apply_step(self, params: nnx.State, opt_state: Any, grads: nnx.State) -> tuple[nnx.State, Any, dict]:
+        grad_norm = optax.tree.norm(grads)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"grad_norm": grad_norm}
+
+    # --- public API ---------------------------------------------------------------------------
+
+    def model(self) -> Decoder:
+        """The current policy as a ``Decoder`` for the weight streamer. It shares buffers with the
+        trainer, so read it before the next ``train_batch`` (which donates them)."""
+        return nnx.merge(self._source_graphdef, self.params)
+
+    params_for_streaming = model
+
+    def compute_logprobs(self, trajectories: Sequence[Trajectory], *, reference: bool = False) -> list[np.ndarray]:
+        """Logprobs of every token under the current (or reference) weights, index-``i`` convention
+        (``out[i]`` is token ``i``'s, ``out[0] = 0``): the proximal recompute on its own."""
+        trajectories = list(trajectories)
+        seqs = [batching.shifted_fields(t) for t in trajectories]
+        lengths = [len(t) for t in trajectories]
+        plans = self._plan(lengths, range(len(trajectories)))
+        mbs = [MicroBatch(p, batching.pack_rows(seqs, p)) for p in plans]
+        params = self.ref_params if reference else self.params
+        if params is None:
+            raise ValueError("reference logprobs asked for, but kl_coef == 0 keeps no reference model")
+        return self._unpacked_logprobs(mbs, params, lengths)
+
+    def train_batch(self, trajectories: Sequence[Trajectory], version: int) -> dict[str, float]:
+        """One training batch: ``ppo_n_minibatches`` optimizer steps. ``version`` is the policy
+        version of the current weights (the proximal policy). Returns scalar statistics."""
+        start = time.perf_counter()
+        prepared = self.prepare_batch(trajectories, version)
+        stats = self.train_prepared(prepared)
+        elapsed = time.perf_counter() - start
+        stats["time_s"] = elapsed
+        stats["tokens_per_s"] = stats["real_tokens"] / elapsed
+        return stats
+
+    def prepare_batch(self, trajectories: Sequence[Trajectory], version: int) -> PreparedBatch:
+        """Pack the batch, recompute proximal (and reference) logprobs with the current weights,
+        and compute advantages; nothing is updated."""
+        trajectories = list(trajectories)
+        n_mb = self.algo.ppo_n_minibatches
+        if len(trajectories) < n_mb:
+            raise ValueError(f"{len(trajectories)} trajectories cannot fill ppo_n_minibatches={n_mb}")
+        seqs = [batching.shifted_fields(t) for t in trajectories]
+        lengths = [len(t) for t in trajectories]
+        minibatches = [
+            [MicroBatch(p, batching.pack_rows(seqs, p)) for p in self._plan(lengths, idx)]
+            for idx in np.array_split(np.arange(len(trajectories)), n_mb)
+        ]
+        micro = [m for mb in minibatches for m in mb]
+        stats: dict[str, float] = {}
+        if self.algo.use_decoupled_loss and self.algo.proximal_logprobs == "recompute":
+            with activate(self.mesh, self.rules):
+                for m in micro:
+                    m.arrays["proximal_logprobs"] = self._logprob_fn(self.params, self._inputs(m))
+        token_kl = None
+        if self.ref_params is not None:
+            ref = self._unpacked_logprobs(micro, self.ref_params, lengths)
+            if "proximal_logprobs" in micro[0].arrays:
+                policy = self._unpack_device(micro, "proximal_logprobs", lengths)
+            else:
+                policy = [t.behavior_logprobs for t in trajectories]
+            est = KL_ESTIMATORS[self.algo.kl_estimator]
+            token_kl = [np.asarray(est(p, r)) * t.loss_mask for p, r, t in zip(policy, ref, trajectories, strict=True)]
+            stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(t.loss_mask.sum() for t in trajectories))
+        advantages = self._advantages(trajectories, token_kl)
+        adv_seqs = [{"input_ids": t.input_ids, "advantages": batching.shift_token_values(a)}
+                    for t, a in zip(trajectories, advantages, strict=True)]
+        for m in micro:
+            m.arrays["advantages"] = batching.pack_rows(adv_seqs, m.plan)["advantages"]
+        return PreparedBatch(trajectories, version, minibatches, advantages, stats)
+
+    def train_prepared(self, prepared: PreparedBatch) -> dict[str, float]:
+        """The update half: per minibatch, accumulate gradients over its micro-batches, then step."""
+        micro_aux, apply_aux, lrs = [], [], []
+        for minibatch in prepared.minibatches:
+            acc, aux = self.minibatch_grads([self._train_inputs(m) for m in minibatch], prepared.version)
+            micro_aux.extend(aux)
+            lrs.append(float(self.schedule(self.step)))
+            with activate(self.mesh, self.rules):
+                self.params, self.opt_state, out = self._apply_fn(self.params, self.opt_state, acc)
+            apply_aux.append(out)
+            self.step += 1
+        return self._reduce_stats(prepared, jax.device_get(micro_aux), jax.device_get(apply_aux), lrs)
+
+    def minibatch_grads(self, micro_batches: Sequence[dict[str, Any]], version: int = 0) -> tuple[nnx.State, list]:
+        """Gradient of one minibatch's loss, accumulated over its micro-batches (``[rows, length]``
+        dicts as ``batching.pack_rows`` makes them, plus ``advantages`` and, when recomputed,
+        ``proximal_logprobs``). Each micro-batch's loss is scaled by its share of the minibatch's
+        normaliser, so the sum is the gradient of the minibatch's loss however it was split.
+        Returns the gradients and each micro-batch's statistics (device arrays)."""
+        units = [self._loss_units(m) for m in micro_batches]
+        total = sum(units)
+        auxes = []
+        with activate(self.mesh, self.rules):
+            acc = self._zeros_fn(self.params)
+            for m, u in zip(micro_batches, units, strict=True):
+                scalars = {"loss_scale": np.float32(1.0 if total == 0 else u / total),
+                           "proximal_version": np.float32(version)}
+                acc, aux = self._grad_fn(self.params, acc, m, scalars)
+                auxes.append(aux)
+        return acc, auxes
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
+        t = self.train
+        return batching.plan_micro_batches(
+            lengths, indices, dp_groups=self.dp_groups, token_budget=t.micro_batch_tokens,
+            min_micro_batches=t.min_micro_batches, buckets=t.length_buckets)
+
+    @staticmethod
+    def _inputs(m: MicroBatch) -> dict[str, Any]:
+        return {k: m.arrays[k] for k in ("input_ids", "targets", "positions", "segment_ids")}
+
+    def _train_inputs(self, m: MicroBatch) -> dict[str, Any]:
+        keys = ["input_ids", "targets", "positions", "segment_ids", "loss_mask", "behavior_logprobs", "versions",
+                "advantages"]
+        if "proximal_logprobs" in m.arrays:
+            keys.append("proximal_logprobs")
+        return {k: m.arrays[k] for k in keys}
+
+    def _loss_units(self, arrays: dict[str, Any]) -> float:
+        """What the loss aggregation divides by, counted in this micro-batch."""
+        mask = arrays["loss_mask"] > 0
+        if self.algo.loss_aggregation == "seq_mean_token_mean":
+            ids = np.where(mask, arrays["segment_ids"] + np.arange(mask.shape[0])[:, None] * mask.shape[1], -1)
+            return float(len(np.unique(ids[ids >= 0])))
+        if self.algo.loss_aggregation == "constant":
+            return 1.0  # sums over micro-batches already add up; every share has scale 1
+        return float(mask.sum())
+
+    def _unpacked_logprobs(self, micro: list[MicroBatch], params: nnx.State,
+                           lengths: Sequence[int]) -> list[np.ndarray]:
+        with activate(self.mesh, self.rules):
+            outs = [self._logprob_fn(params, self._inputs(m)) for m in micro]
+        return self._unpack(micro, jax.device_get(outs), lengths)
+
+    def _unpack_device(self, micro: list[MicroBatch], key: str, lengths: Sequence[int]) -> list[np.ndarray]:
+        return self._unpack(micro, jax.device_get([m.arrays[key] for m in micro]), lengths)
+
+    @staticmethod
+    def _unpack(micro: list[MicroBatch], values: list[np.ndarray], lengths: Sequence[int]) -> list[np.ndarray]:
+        per: dict[int, np.ndarray] = {}
+        for m, v in zip(micro, values, strict=True):
+            per.update(batching.unpack_rows(v, m.plan, lengths))
+        return [batching.unshift(per[i]) for i in range(len(lengths))]
+
+    def _advantages(self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None) -> list[np.ndarray]:
+        """Group-wise advantages, index-``i`` convention. Groups are gathered by ``group_id``."""
+        order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, i))
+        sizes: dict[int, int] = {}
+        for t in trajectories:
+            sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
+        group_size = next(iter(sizes.values()))
+        if len(set(sizes.values())) > 1 and self.algo.adv_estimator != "reinforce_pp":
+            raise ValueError(f"groups must all have the same size for adv_estimator={self.algo.adv_estimator!r}; "
+                             f"got sizes by group_id {sizes}")
+        width = bucket_length(max(len(t) for t in trajectories), self.train.length_buckets)
+        pad = lambda x: np.pad(x, (0, width - len(x)))
+        mask = np.stack([pad(trajectories[i].loss_mask) for i in order])
+        rewards = np.array([trajectories[i].reward for i in order], np.float32)
+        kl = None if token_kl is None else np.stack([pad(token_kl[i]) for i in order])
+        lengths = np.array([trajectories[i].answer_len for i in order], np.float32)
+        adv, _ = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
+                                    response_lengths=lengths)
+        adv = np.asarray(adv)
+        out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
+        for row, i in enumerate(order):
+            out[i] = adv[row, : len(trajectories[i])].astype(np.float32)
+        return out
+
+    def _reduce_stats(self, prepared: PreparedBatch, micro: list[dict], applied: list[dict],
+                      lrs: list[float]) -> dict[str, float]:
+        counts = np.array([a["mask_count"] for a in micro], np.float64)
+        total = max(counts.sum(), 1.0)
+        stats: dict[str, float] = dict(prepared.stats)
+        for key in micro[0]:
+            if key in ("mask_count", "entropy_sum", "scaled_loss", "loss"):
+                continue
+            vals = np.array([a[key] for a in micro], np.float64)
+            stats[key] = float(vals.max() if key in _MAX_STATS else (vals * counts).sum() / total)
+        per_mb = np.split(np.array([a["scaled_loss"] for a in micro]),
+                          np.cumsum([len(mb) for mb in prepared.minibatches])[:-1])
+        stats["loss"] = float(np.mean([s.sum() for s in per_mb]))
+        stats["entropy"] = float(sum(a["entropy_sum"] for a in micro) / total)
+        norms = [float(a["grad_norm"]) for a in applied]
+        stats["grad_norm"] = float(np.mean(norms))
+        stats["grad_norm_max"] = float(np.max(norms))
+        stats["lr"] = lrs[-1]
+        trajs = prepared.trajectories
+        lengths = [len(t) for t in trajs]
+        plans = [m.plan for mb in prepared.minibatches for m in mb]
+        real = sum(lengths)
+        stats["real_tokens"] = float(real)
+        stats["loss_tokens"] = float(total)
+        stats["n_micro_batches"] = float(len(plans))
+        stats["padding_efficiency"] = real / sum(len(p.rows) * p.length for p in plans)
+        stats["reward_mean"] = float(np.mean([t.reward for t in trajs]))
+        staleness = [t.staleness(prepared.version) for t in trajs]
+        stats["staleness_max"] = float(max(staleness))
+        stats["staleness_mean"] = float(np.mean(staleness))
+        stats["step"] = float(self.step)
+        return stats

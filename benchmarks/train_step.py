@@ -1,0 +1,164 @@
+"""Train-step throughput on the tiny and small models with realistic packed batches.
+
+Reports, per model size: tokens per second of ``Trainer.train_batch`` (proximal recompute
+included), the model FLOP/s that implies and its fraction of this machine's float32 matmul peak
+(measured in the same run with a large jitted matmul), and the time of one minibatch gradient +
+update in packed layout beside the same data padded one sequence per row.
+
+Model FLOPs count useful work only: ``6 * N * tokens`` for forward + backward (N = parameters
+that take part in matmuls) plus causal attention ``3 * 4 * layers * heads * head_dim * n(n+1)/2``
+per sequence of n tokens, plus the recompute forward (a third of both). Padding and the
+full-row attention of packed rows are not counted, so they show up as a lower fraction of peak.
+
+    python benchmarks/train_step.py [--sizes tiny small] [--out f.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.algo import AlgoConfig
+from areal_jax.data.packing import make_buckets
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.models import Decoder, ModelConfig
+from areal_jax.models.tiny import TINY_SIZES
+from areal_jax.trainer import TrainConfig, Trainer, batching
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+    """Best float32 FLOP/s of an n x n matmul."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def batch(rng: np.random.Generator, groups: int, group_size: int, max_answer: int) -> list[Trajectory]:
+    """Prompts 16-96 tokens, answers long-tailed (lognormal, median ~max_answer/5), truncated."""
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, 128, int(rng.integers(16, 96)))
+        for _ in range(group_size):
+            a = int(min(rng.lognormal(np.log(max_answer / 5), 0.8) + 1, max_answer))
+            out.append(Trajectory.from_prompt_and_answer(prompt, rng.integers(0, 128, a), -rng.uniform(3, 5, a), 0,
+                                                         reward=float(rng.random()), group_id=g))
+    return out
+
+
+def model_flops(cfg: ModelConfig, lengths: list[int], recompute: bool) -> float:
+    n_matmul = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    attn_fwd = sum(4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * n * (n + 1) / 2
+                   for n in lengths)
+    tokens = sum(lengths)
+    passes = 3 + (1 if recompute else 0)  # forward + backward (2x), + recompute forward
+    return passes * (2 * n_matmul * tokens + attn_fwd)
+
+
+def _timed(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
+    cfg = ModelConfig(vocab_size=128, tie_word_embeddings=True, **TINY_SIZES[size])
+    buckets = make_buckets(128, 5)  # 128 ... 2048
+    train = TrainConfig(lr=1e-5, micro_batch_tokens=args.budget, length_buckets=buckets)
+    trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(), train)
+    rng = np.random.default_rng(0)
+    batches = [batch(rng, args.groups, args.group_size, args.max_answer) for _ in range(args.batches)]
+    for b in batches:  # compile every bucket the timed pass will meet
+        trainer.train_batch(b, 0)
+    stats = []
+    start = time.perf_counter()
+    for b in batches:
+        stats.append(trainer.train_batch(b, 0))
+    elapsed = time.perf_counter() - start
+    lengths = [len(t) for b in batches for t in b]
+    flops = model_flops(cfg, lengths, recompute=True)
+
+    # Packed vs padded: one minibatch gradient + update on identical data.
+    trajs = batches[0]
+    lens = [len(t) for t in trajs]
+    prepared = trainer.prepare_batch(trajs, 0)
+    seqs = []
+    for t, a in zip(trajs, prepared.advantages, strict=True):
+        s = batching.shifted_fields(t)
+        s["advantages"] = batching.shift_token_values(a)
+        s["proximal_logprobs"] = s["behavior_logprobs"]
+        seqs.append(s)
+    idx = range(len(trajs))
+    layouts = {
+        "packed": [batching.pack_rows(seqs, p) for p in batching.plan_micro_batches(
+            lens, idx, dp_groups=1, token_budget=args.budget, min_micro_batches=1, buckets=buckets)],
+        "padded": [batching.pack_rows(seqs, batching.padded_plan(lens, chunk, buckets))
+                   for chunk in np.array_split(np.arange(len(trajs)), args.padded_micro_batches)],
+    }
+
+    def step(micro: list[dict]) -> None:
+        grads, _ = trainer.minibatch_grads(micro)
+        jax.block_until_ready(grads)
+
+    layout_stats = {}
+    for name, micro in layouts.items():
+        seconds = _timed(lambda micro=micro: step(micro), args.reps)
+        processed = sum(m["input_ids"].size for m in micro)
+        layout_stats[name] = {"seconds": seconds, "micro_batches": len(micro), "processed_tokens": processed,
+                              "efficiency": sum(lens) / processed,
+                              "tokens_per_s": sum(lens) / seconds}
+    return {
+        "size": size,
+        "params": cfg.num_params(),
+        "batches": args.batches,
+        "trajectories_per_batch": args.groups * args.group_size,
+        "mean_length": float(np.mean(lengths)),
+        "tokens_per_s": sum(lengths) / elapsed,
+        "model_tflops_per_s": flops / elapsed / 1e12,
+        "fraction_of_matmul_peak": flops / elapsed / peak,
+        "padding_efficiency": float(np.mean([s["padding_efficiency"] for s in stats])),
+        "micro_batches_per_batch": float(np.mean([s["n_micro_batches"] for s in stats])),
+        "grad_only": layout_stats,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], choices=sorted(TINY_SIZES))
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-answer", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=1024, help="micro-batch token budget per row")
+    parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--padded-micro-batches", type=int, default=4)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    peak = matmul_peak()
+    result = {"device": str(jax.devices()[0].device_kind), "matmul_peak_tflops_per_s": peak / 1e12,
+              "sizes": [run_size(s, peak, args) for s in args.sizes]}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Shared test helpers: a tiny decoder, random trajectories, and a small KV-cache sampler.
+
+The sampler stands in for the inference engine: it draws answers from the trainer's current
+weights and reports ``log_softmax(logits / T)`` logprobs, the rollout side's convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.models import Decoder, ModelConfig
+
+TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Decoder:
+    return Decoder(TINY.replace(**overrides), rngs=nnx.Rngs(seed))
+
+
+def random_trajectories(
+    rng: np.random.Generator,
+    num_groups: int,
+    group_size: int,
+    *,
+    prompt_len: tuple[int, int] = (3, 10),
+    answer_len: tuple[int, int] = (2, 16),
+    version: int | Callable[[np.random.Generator], int] = 0,
+) -> list[Trajectory]:
+    """Groups of answers with random tokens, rewards and behavior logprobs near a model's scale."""
+    out = []
+    for g in range(num_groups):
+        p = int(rng.integers(*prompt_len))
+        prompt = rng.integers(0, 128, p)
+        for _ in range(group_size):
+            a = int(rng.integers(*answer_len))
+            v = version(rng) if callable(version) else version
+            out.append(Trajectory.from_prompt_and_answer(
+                prompt, rng.integers(0, 128, a), -rng.uniform(4.0, 5.5, a), v,
+                reward=float(rng.random()), group_id=g))
+    return out
+
+
+def make_sampler(graphdef: nnx.GraphDef, prompt_len: int, answer_len: int,
+                 temperature: float = 1.0) -> Callable:
+    """``sample(params, prompts [b, prompt_len], key) -> (tokens, logprobs)``, both ``[b, answer_len]``."""
+    total = prompt_len + answer_len
+
+    @jax.jit
+    def sample(params: nnx.State, prompts: jax.Array, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graphdef, params)
+        b = prompts.shape[0]
+        cache = model.init_cache(b, total)
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), (b, prompt_len))
+        logits, cache = model.decode(prompts, positions, cache, kv_len=total)
+
+        def step(carry, t):
+            last, cache, key = carry
+            key, sub = jax.random.split(key)
+            scaled = last / temperature
+            tok = jax.random.categorical(sub, scaled)
+            lp = jnp.take_along_axis(jax.nn.log_softmax(scaled), tok[:, None], axis=1)[:, 0]
+            logits, cache = model.decode(tok[:, None], jnp.full((b, 1), prompt_len + t), cache, kv_len=total)
+            return (logits[:, 0], cache, key), (tok, lp)
+
+        _, (toks, lps) = jax.lax.scan(step, (logits[:, -1], cache, key), jnp.arange(answer_len))
+        return toks.T, lps.T
+
+    return sample

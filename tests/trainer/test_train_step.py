@@ -1,0 +1,151 @@
+"""The train step's arithmetic: packing and micro-batching do not change the gradient, proximal
+logprobs are the pre-update model's, the KL reference exists only when asked for, and the number
+of compiled shapes stays bounded by the length buckets."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from areal_jax.algo import AlgoConfig
+from areal_jax.models import logprobs_from_logits
+from areal_jax.trainer import TrainConfig, Trainer, batching
+from tests.trainer.helpers import random_trajectories, tiny_model
+
+TEMPERATURE = 0.8
+
+
+def _micro_batches(trainer: Trainer, trajs: list, plans: list) -> list[dict]:
+    """Micro-batch dicts with recomputed proximal logprobs and the trainer's advantages."""
+    proximal = trainer.compute_logprobs(trajs)
+    advantages = trainer.prepare_batch(trajs, 0).advantages
+    seqs = []
+    for t, p, a in zip(trajs, proximal, advantages, strict=True):
+        s = batching.shifted_fields(t)
+        s["proximal_logprobs"] = batching.shift_token_values(p)
+        s["advantages"] = batching.shift_token_values(a)
+        seqs.append(s)
+    return [batching.pack_rows(seqs, p) for p in plans]
+
+
+def _grads(trainer: Trainer, micro: list[dict]) -> tuple[np.ndarray, float]:
+    grads, aux = trainer.minibatch_grads(micro)
+    flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(grads))])
+    return flat, float(sum(a["scaled_loss"] for a in jax.device_get(aux)))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_packed_equals_padded_and_accumulation_equals_one_micro_batch(aggregation: str) -> None:
+    """Three layouts of the same minibatch give one loss and one gradient: one sequence per row
+    right-padded; packed into one big micro-batch; packed into several small micro-batches."""
+    trainer = Trainer(tiny_model(), AlgoConfig(loss_aggregation=aggregation, eps_clip=0.1),
+                      TrainConfig(micro_batch_tokens=64, length_buckets=(32, 64, 256), temperature=TEMPERATURE))
+    trajs = random_trajectories(np.random.default_rng(0), 3, 4)
+    lengths = [len(t) for t in trajs]
+    idx = range(len(trajs))
+    padded = [batching.padded_plan(lengths, idx, (32,))]
+    one = batching.plan_micro_batches(lengths, idx, dp_groups=1, token_budget=256, min_micro_batches=1,
+                                      buckets=(256,))
+    several = batching.plan_micro_batches(lengths, idx, dp_groups=1, token_budget=64, min_micro_batches=1,
+                                          buckets=(32, 64))
+    assert len(one) == 1 and len(several) >= 3
+    g_pad, l_pad = _grads(trainer, _micro_batches(trainer, trajs, padded))
+    g_one, l_one = _grads(trainer, _micro_batches(trainer, trajs, one))
+    g_sev, l_sev = _grads(trainer, _micro_batches(trainer, trajs, several))
+    assert abs(l_pad) > 1e-4 and np.abs(g_pad).max() > 1e-4  # the comparison is not vacuous
+    np.testing.assert_allclose(l_one, l_pad, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(l_sev, l_one, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(g_one, g_pad, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(g_sev, g_one, rtol=1e-4, atol=1e-7)
+
+
+def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
+    model = tiny_model(seed=3)
+    trajs = random_trajectories(np.random.default_rng(2), 2, 3)
+    expected = []
+    for t in trajs:
+        logits = model(jnp.asarray(t.input_ids)[None])[0]
+        expected.append(np.asarray(logprobs_from_logits(logits[:-1], jnp.asarray(t.input_ids[1:]), TEMPERATURE)))
+    trainer = Trainer(model, AlgoConfig(), TrainConfig(micro_batch_tokens=64, length_buckets=(64,),
+                                                       temperature=TEMPERATURE, lr=1e-2))
+    got = trainer.compute_logprobs(trajs)
+    for g, e, t in zip(got, expected, trajs, strict=True):
+        assert g[0] == 0.0 and g.shape == (len(t),)
+        np.testing.assert_allclose(g[1:], e, atol=2e-5)
+    # Inside train_batch, every minibatch uses logprobs from before the first update.
+    prepared = trainer.prepare_batch(trajs, 0)
+    inside = trainer._unpack_device([m for mb in prepared.minibatches for m in mb], "proximal_logprobs",
+                                    [len(t) for t in trajs])
+    trainer.train_prepared(prepared)
+    for g, e in zip(inside, expected, strict=True):
+        np.testing.assert_allclose(g[1:], e, atol=2e-5)
+    moved = trainer.compute_logprobs(trajs)
+    assert max(np.abs(m - g).max() for m, g in zip(moved, got, strict=True)) > 1e-3
+
+
+def test_loglinear_proximal_needs_no_forward_and_interpolates() -> None:
+    """Tokens from version 3 trained at version 5: alpha = (5 - 3) / (6 - 3), so the behavior
+    importance weight is ``exp(2/3 * (logp_theta - logp_behavior))``."""
+    algo = AlgoConfig(proximal_logprobs="loglinear", behavior_imp_weight_cap=None)
+    trainer = Trainer(tiny_model(seed=1), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
+    trajs = random_trajectories(np.random.default_rng(3), 2, 3, version=3)
+    current = trainer.compute_logprobs(trajs)
+    logged = trainer._logprob_fn._cache_size()
+    stats = trainer.train_batch(trajs, version=5)
+    assert trainer._logprob_fn._cache_size() == logged  # train_batch ran no proximal forward pass
+    w = np.concatenate([np.exp(2 / 3 * (c - t.behavior_logprobs))[t.loss_mask > 0]
+                        for c, t in zip(current, trajs, strict=True)])
+    np.testing.assert_allclose(stats["behavior_imp_weight_mean"], w.mean(), rtol=1e-4)
+    np.testing.assert_allclose(stats["behavior_imp_weight_max"], w.max(), rtol=1e-4)
+
+
+def test_kl_reference_only_when_kl_coef_positive() -> None:
+    trajs = random_trajectories(np.random.default_rng(4), 2, 4)
+    cfg = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2)
+    plain = Trainer(tiny_model(), AlgoConfig(kl_coef=0.0), cfg)
+    assert plain.ref_params is None
+    with pytest.raises(ValueError, match="reference"):
+        plain.compute_logprobs(trajs, reference=True)
+
+    trainer = Trainer(tiny_model(), AlgoConfig(kl_coef=0.5), cfg)
+    assert trainer.ref_params is not None
+    initial = jax.device_get(trainer.ref_params)
+    first = trainer.train_batch(trajs, 0)
+    assert first["kl_ref_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    prepared = trainer.prepare_batch(trajs, 1)
+    assert abs(prepared.stats["kl_ref_mean"]) > 1e-4
+    without = trainer._advantages(trajs, None)
+    diff = max(np.abs(a - b).max() for a, b in zip(prepared.advantages, without, strict=True))
+    assert diff > 1e-3  # the penalty changed the rewards the advantages came from
+    for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(jax.device_get(trainer.ref_params)), strict=True):
+        np.testing.assert_array_equal(a, b)  # the reference stays frozen
+
+
+def test_compiled_shapes_bounded_by_buckets() -> None:
+    """Fifty batches of random sizes and lengths compile at most one grad and one logprob shape
+    per length bucket, and one apply."""
+    buckets = (16, 32, 64)
+    trainer = Trainer(tiny_model(), AlgoConfig(ppo_n_minibatches=2),
+                      TrainConfig(micro_batch_tokens=64, length_buckets=buckets, lr=1e-3))
+    rng = np.random.default_rng(5)
+    for step in range(50):
+        trajs = random_trajectories(rng, int(rng.integers(2, 5)), 2, prompt_len=(2, 20),
+                                    answer_len=(1, int(rng.integers(3, 40))))
+        stats = trainer.train_batch(trajs, step)
+        assert np.isfinite(stats["loss"]) and 0 < stats["padding_efficiency"] <= 1
+    assert trainer._grad_fn._cache_size() <= len(buckets)
+    assert trainer._logprob_fn._cache_size() <= len(buckets)
+    assert trainer._apply_fn._cache_size() == 1
+    assert trainer.step == 100
+
+
+def test_bfloat16_compute_keeps_float32_master_params() -> None:
+    trajs = random_trajectories(np.random.default_rng(6), 2, 4)
+    cfg = dict(micro_batch_tokens=64, length_buckets=(64,), lr=1e-3)
+    f32 = Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).train_batch(trajs, 0)
+    trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(compute_dtype="bfloat16", **cfg))
+    assert trainer.graphdef != trainer._source_graphdef
+    bf16 = trainer.train_batch(trajs, 0)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
+    np.testing.assert_allclose(bf16["entropy"], f32["entropy"], rtol=2e-2)
+    np.testing.assert_allclose(bf16["grad_norm"], f32["grad_norm"], rtol=0.1)
