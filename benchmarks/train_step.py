@@ -2,8 +2,9 @@
 
 Reports, per model size: tokens per second of ``Trainer.train_batch`` (proximal recompute
 included), the model FLOP/s that implies and its fraction of this machine's float32 matmul peak
-(measured in the same run with a large jitted matmul), and the time of one minibatch gradient +
-update in packed layout beside the same data padded one sequence per row.
+(measured in the same run with a large jitted matmul), and the time of one minibatch gradient in
+three layouts of the same data: packed rows with full attention, packed rows with block-local
+attention (``TrainConfig.max_seq_len``), and one sequence per row padded.
 
 Model FLOPs count useful work only: ``6 * N * tokens`` for forward + backward (N = parameters
 that take part in matmuls) plus causal attention ``3 * 4 * layers * heads * head_dim * n(n+1)/2``
@@ -79,9 +80,13 @@ def _timed(fn, reps: int) -> float:
 
 def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
     cfg = ModelConfig(vocab_size=128, tie_word_embeddings=True, **TINY_SIZES[size])
-    buckets = make_buckets(128, 5)  # 128 ... 2048
-    train = TrainConfig(lr=1e-5, micro_batch_tokens=args.budget, length_buckets=buckets)
-    trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(), train)
+    buckets = make_buckets(128, 6)  # 128 ... 4096
+    max_len = 96 + args.max_answer  # longest prompt + longest answer of `batch`
+    full_attention = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(),
+                             TrainConfig(lr=1e-5, micro_batch_tokens=args.budget, length_buckets=buckets))
+    trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(),
+                      TrainConfig(lr=1e-5, micro_batch_tokens=args.budget, length_buckets=buckets,
+                                  max_seq_len=max_len))
     rng = np.random.default_rng(0)
     batches = [batch(rng, args.groups, args.group_size, args.max_answer) for _ in range(args.batches)]
     for b in batches:  # compile every bucket the timed pass will meet
@@ -105,20 +110,20 @@ def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
         s["proximal_logprobs"] = s["behavior_logprobs"]
         seqs.append(s)
     idx = range(len(trajs))
-    layouts = {
-        "packed": [batching.pack_rows(seqs, p) for p in batching.plan_micro_batches(
-            lens, idx, dp_groups=1, token_budget=args.budget, min_micro_batches=1, buckets=buckets)],
-        "padded": [batching.pack_rows(seqs, batching.padded_plan(lens, chunk, buckets))
-                   for chunk in np.array_split(np.arange(len(trajs)), args.padded_micro_batches)],
-    }
+    packed = [batching.pack_rows(seqs, p) for p in batching.plan_micro_batches(
+        lens, idx, dp_groups=1, token_budget=args.budget, min_micro_batches=1, buckets=buckets)]
+    padded = [batching.pack_rows(seqs, batching.padded_plan(lens, chunk, buckets))
+              for chunk in np.array_split(np.arange(len(trajs)), args.padded_micro_batches)]
+    layouts = {"packed_full_attention": (full_attention, packed), "packed_local_attention": (trainer, packed),
+               "padded": (full_attention, padded)}
 
-    def step(micro: list[dict]) -> None:
-        grads, _ = trainer.minibatch_grads(micro)
+    def step(t: Trainer, micro: list[dict]) -> None:
+        grads, _ = t.minibatch_grads(micro)
         jax.block_until_ready(grads)
 
     layout_stats = {}
-    for name, micro in layouts.items():
-        seconds = _timed(lambda micro=micro: step(micro), args.reps)
+    for name, (t, micro) in layouts.items():
+        seconds = _timed(lambda t=t, micro=micro: step(t, micro), args.reps)
         processed = sum(m["input_ids"].size for m in micro)
         layout_stats[name] = {"seconds": seconds, "micro_batches": len(micro), "processed_tokens": processed,
                               "efficiency": sum(lens) / processed,
@@ -144,9 +149,9 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-answer", type=int, default=512)
-    parser.add_argument("--budget", type=int, default=1024, help="micro-batch token budget per row")
-    parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--budget", type=int, default=4096, help="micro-batch token budget per row")
+    parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--padded-micro-batches", type=int, default=4)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -156,6 +161,11 @@ def main() -> None:
               "sizes": [run_size(s, peak, args) for s in args.sizes]}
     text = json.dumps(result, indent=2)
     print(text)
+    print(f"\nfloat32 matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    for r in result["sizes"]:
+        print(f"{r['size']:>6}: {r['tokens_per_s']:,.0f} tok/s, {100 * r['fraction_of_matmul_peak']:.1f}% of peak; "
+              "one minibatch gradient: " + ", ".join(
+                  f"{k} {v['seconds']:.2f}s (eff {v['efficiency']:.2f})" for k, v in r["grad_only"].items()))
     if args.out:
         args.out.write_text(text + "\n")
 

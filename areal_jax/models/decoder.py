@@ -127,6 +127,51 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, t, nh, d)
 
 
+def attend_packed_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int,
+                        block: int = 128) -> jax.Array:
+    """Causal segment-masked attention that looks back at most ``window`` positions.
+
+    For packed rows whose segments are all at most ``window`` long this equals full attention,
+    at a cost of ``t * (window + block)`` scores per head instead of ``t * t``: the row is cut
+    into query blocks, and each attends only to the key blocks that can hold its segments.
+    """
+    b, t, nh, d = q.shape
+    bs = min(block, t)
+    pad = (-t) % bs
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    nb = (t + pad) // bs
+    back = -(-(max(window, 1) - 1) // bs)  # key blocks behind the query's own block
+    if back + 1 >= nb:
+        return attend_packed(q, k, v, segment_ids)[:, :t]
+
+    def blocks(x: jax.Array) -> jax.Array:
+        return x.reshape(b, nb, bs, *x.shape[2:])
+
+    def slabs(x: jax.Array) -> jax.Array:
+        """``[b, nb, (back + 1) * bs, ...]``: for block i, the key blocks i - back .. i."""
+        xb = blocks(x)
+        xb = jnp.pad(xb, ((0, 0), (back, 0)) + ((0, 0),) * (xb.ndim - 2))  # zero segment = masked
+        return jnp.concatenate([xb[:, j : j + nb] for j in range(back + 1)], axis=2)
+
+    index = jnp.broadcast_to(jnp.arange(t + pad), segment_ids.shape)
+    seg_q, seg_k = blocks(segment_ids)[..., :, None], slabs(segment_ids)[..., None, :]
+    mask = (slabs(index)[..., None, :] <= blocks(index)[..., :, None]) & (seg_q == seg_k) & (seg_k != 0)
+    s = (back + 1) * bs
+    out = attend(blocks(q).reshape(b * nb, bs, nh, d), slabs(k).reshape(b * nb, s, *k.shape[2:]),
+                 slabs(v).reshape(b * nb, s, *v.shape[2:]), mask.reshape(b * nb, bs, s))
+    return out.reshape(b, nb * bs, nh, d)[:, :t]
+
+
+def attend_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Full causal attention within segments; segment 0 is padding."""
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return attend(q, k, v, causal[None] & same & (segment_ids[:, None, :] != 0))
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         h, d = cfg.hidden_size, cfg.head_dim
@@ -155,13 +200,13 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq)
         return q, k, v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 window: int | None = None) -> jax.Array:
         q, k, v = self._qkv(x, positions)
-        t = x.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        mask = causal[None] & same & (segment_ids[:, None, :] != 0)
-        out = attend(q, k, v, mask)
+        if window is None:
+            out = attend_packed(q, k, v, segment_ids)
+        else:
+            out = attend_packed_local(q, k, v, segment_ids, window)
         return self.o_proj(out.reshape(*x.shape[:2], -1))
 
     def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -201,8 +246,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids)
+    def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                 window: int | None = None) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, window)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
@@ -214,9 +260,9 @@ class DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
-def _layer_forward(layer: DecoderLayer, x: jax.Array, positions: jax.Array,
-                   segment_ids: jax.Array) -> jax.Array:
-    return layer(x, positions, segment_ids)
+def _layer_forward(layer: DecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+                   window: int | None) -> jax.Array:
+    return layer(x, positions, segment_ids, window)
 
 
 class Decoder(nnx.Module):
@@ -243,8 +289,12 @@ class Decoder(nnx.Module):
     # -- training / scoring path --
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None) -> jax.Array:
-        """Final-norm hidden states ``[batch, tokens, hidden]`` for packed or padded input."""
+                      segment_ids: jax.Array | None = None, *, attention_window: int | None = None) -> jax.Array:
+        """Final-norm hidden states ``[batch, tokens, hidden]`` for packed or padded input.
+
+        ``attention_window`` (static): a bound on every segment's length. Attention then looks
+        back only that far, so long packed rows cost ``tokens * window``, not ``tokens ** 2``.
+        """
         if input_ids.ndim == 1:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {input_ids.shape}")
         if positions is None:
@@ -252,9 +302,9 @@ class Decoder(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones_like(input_ids)
         x = constrain(self.embed_tokens(input_ids), ("batch", "length", "act_embed"))
-        layer_fn = nnx.remat(_layer_forward) if self.config.remat else _layer_forward
+        layer_fn = nnx.remat(_layer_forward, static_argnums=4) if self.config.remat else _layer_forward
         for layer in self.layers:
-            x = layer_fn(layer, x, positions, segment_ids)
+            x = layer_fn(layer, x, positions, segment_ids, attention_window)
         return self.norm(x)
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
@@ -265,9 +315,10 @@ class Decoder(nnx.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, *, attention_window: int | None = None) -> jax.Array:
         """Logits ``[batch, tokens, vocab]`` in float32."""
-        return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
+        return self.logits_from_hidden(
+            self.hidden_states(input_ids, positions, segment_ids, attention_window=attention_window))
 
     # -- generation path --
 

@@ -50,6 +50,10 @@ class TrainConfig:
     """Logprobs are ``log_softmax(logits / temperature)``; must equal the rollout's sampling temperature."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when forming logits from hidden states (bounds the ``[tokens, vocab]`` peak)."""
+    max_seq_len: int | None = None
+    """Longest trajectory (prompt + answer) the run produces. Packed attention then looks back at
+    most this far, so a packed row of ``T`` tokens costs about ``T * max_seq_len`` instead of
+    ``T ** 2``; a longer trajectory is an error. None: full attention over each row."""
     remat: bool = False
     """Rematerialise decoder layers in the backward pass: less activation memory, about 1/3 more compute."""
 
@@ -72,6 +76,9 @@ class TrainConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.max_seq_len is not None and not 1 <= self.max_seq_len <= self.micro_batch_tokens:
+            raise ValueError(f"max_seq_len must be in 1..micro_batch_tokens ({self.micro_batch_tokens}), "
+                             f"got {self.max_seq_len}")
         if self.min_micro_batches < 1 or self.micro_batch_tokens < 1 or self.logprob_chunk_size < 1:
             raise ValueError("min_micro_batches, micro_batch_tokens and logprob_chunk_size must be >= 1")
 

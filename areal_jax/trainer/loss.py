@@ -19,10 +19,12 @@ Batch = dict[str, jax.Array]
 
 
 def token_logprobs(
-    model: Decoder, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool = False
+    model: Decoder, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool = False,
+    attention_window: int | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``log_softmax(logits / T)`` of each position's target, and optionally the entropy there."""
-    hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"])
+    hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
+                                 attention_window=attention_window)
     return chunked_logprobs(
         hidden, batch["targets"], model.logits_from_hidden,
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
@@ -47,6 +49,7 @@ def micro_batch_loss(
     algo: AlgoConfig,
     temperature: float,
     chunk_size: int,
+    attention_window: int | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the minibatch loss, and its (unscaled) statistics.
 
@@ -57,7 +60,7 @@ def micro_batch_loss(
     read only by the ``loglinear`` approximation.
     """
     logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
-                                       with_entropy=True)
+                                       with_entropy=True, attention_window=attention_window)
     mask = batch["loss_mask"]
     behavior = batch["behavior_logprobs"]
     if not algo.use_decoupled_loss:

@@ -150,7 +150,8 @@ class Trainer:
     def _grad_step(self, params: nnx.State, acc: nnx.State, batch: dict, scalars: dict) -> tuple[nnx.State, dict]:
         def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
             return micro_batch_loss(nnx.merge(self.graphdef, p), batch, scalars, algo=self.algo,
-                                    temperature=self.train.temperature, chunk_size=self.train.logprob_chunk_size)
+                                    temperature=self.train.temperature, chunk_size=self.train.logprob_chunk_size,
+                                    attention_window=self.train.max_seq_len)
 
         (scaled, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         aux["scaled_loss"] = scaled
@@ -158,7 +159,7 @@ class Trainer:
 
     def _logprob_step(self, params: nnx.State, batch: dict) -> jax.Array:
         lp, _ = token_logprobs(nnx.merge(self.graphdef, params), batch, temperature=self.train.temperature,
-                               chunk_size=self.train.logprob_chunk_size)
+                               chunk_size=self.train.logprob_chunk_size, attention_window=self.train.max_seq_len)
         return lp
 
     def _apply_step(self, params: nnx.State, opt_state: Any, grads: nnx.State) -> tuple[nnx.State, Any, dict]:
@@ -270,6 +271,10 @@ class Trainer:
 
     def _plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
         t = self.train
+        if t.max_seq_len is not None and max(lengths, default=0) > t.max_seq_len:
+            longest = max(range(len(lengths)), key=lambda i: lengths[i])
+            raise ValueError(f"trajectory {longest} has {lengths[longest]} tokens, more than "
+                             f"TrainConfig.max_seq_len={t.max_seq_len}; raise max_seq_len or cap generation")
         return batching.plan_micro_batches(
             lengths, indices, dp_groups=self.dp_groups, token_budget=t.micro_batch_tokens,
             min_micro_batches=t.min_micro_batches, buckets=t.length_buckets)

@@ -79,3 +79,49 @@ def test_llama3_rope_scaling_bands() -> None:
     assert mid.any() and np.all(f1[mid] < f0[mid]) and np.all(f1[mid] > f0[mid] / 8)
     with pytest.raises(ValueError, match="yarn"):
         rope_inv_freq(base.replace(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def _random_packed(rng, rows: int, t: int, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    seg = np.zeros((rows, t), np.int32)
+    pos = np.zeros_like(seg)
+    for r in range(rows):
+        at, k = 0, 1
+        while (n := int(rng.integers(1, max_len + 1))) <= t - at - 3:
+            seg[r, at : at + n], pos[r, at : at + n] = k, np.arange(n)
+            at, k = at + n, k + 1
+    return seg, pos
+
+
+@pytest.mark.parametrize("t,block,window", [(64, 8, 11), (61, 8, 16), (64, 16, 40), (32, 8, 64)])
+def test_local_attention_equals_full_within_window(t: int, block: int, window: int) -> None:
+    """Block-local attention over packed rows equals full attention when no segment is longer
+    than the window, in value and gradient (blocks that do not divide the row are padded)."""
+    from areal_jax.models.decoder import attend_packed, attend_packed_local
+
+    rng = np.random.default_rng(t + block + window)
+    seg, _ = _random_packed(rng, 2, t, window)
+    q = jnp.asarray(rng.normal(size=(2, t, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, t, 2, 8)), jnp.float32) for _ in range(2))
+    real = jnp.asarray(seg > 0)[..., None, None]
+
+    def loss(fn, q, k, v):
+        return jnp.sum(jnp.where(real, fn(q, k, v), 0.0) ** 2)
+
+    full = lambda q, k, v: attend_packed(q, k, v, jnp.asarray(seg))
+    local = lambda q, k, v: attend_packed_local(q, k, v, jnp.asarray(seg), window, block=block)
+    np.testing.assert_allclose(np.where(real, local(q, k, v), 0), np.where(real, full(q, k, v), 0), atol=1e-5)
+    for a, b in zip(jax.grad(lambda *x: loss(local, *x), argnums=(0, 1, 2))(q, k, v),
+                    jax.grad(lambda *x: loss(full, *x), argnums=(0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+
+
+def test_model_attention_window_on_long_packed_rows() -> None:
+    model = load_pretrained(FIXTURES / "hf_llama")
+    rng = np.random.default_rng(3)
+    seg, pos = _random_packed(rng, 2, 600, 150)
+    ids = jnp.asarray(rng.integers(0, 96, seg.shape), jnp.int32)
+    fwd = jax.jit(lambda m, *a, w=None: m(*a, attention_window=w), static_argnames="w")
+    full = fwd(model, ids, jnp.asarray(pos), jnp.asarray(seg))
+    local = fwd(model, ids, jnp.asarray(pos), jnp.asarray(seg), w=150)
+    real = (seg > 0)[..., None]
+    np.testing.assert_allclose(np.where(real, local, 0), np.where(real, full, 0), atol=1e-5)

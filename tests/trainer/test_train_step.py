@@ -59,6 +59,27 @@ def test_packed_equals_padded_and_accumulation_equals_one_micro_batch(aggregatio
     np.testing.assert_allclose(g_sev, g_one, rtol=1e-4, atol=1e-7)
 
 
+def test_attention_window_keeps_the_gradient_and_bounds_lengths() -> None:
+    """With ``max_seq_len`` set, long packed rows use block-local attention: same loss and
+    gradient as full attention; a trajectory longer than the window is refused by name."""
+    algo = AlgoConfig(eps_clip=0.1)
+    base = dict(micro_batch_tokens=512, length_buckets=(512,), temperature=TEMPERATURE)
+    full = Trainer(tiny_model(), algo, TrainConfig(**base))
+    local = Trainer(tiny_model(), algo, TrainConfig(**base, max_seq_len=40))
+    trajs = random_trajectories(np.random.default_rng(1), 4, 4, prompt_len=(5, 15), answer_len=(10, 25))
+    lengths = [len(t) for t in trajs]
+    plans = batching.plan_micro_batches(lengths, range(len(trajs)), dp_groups=1, token_budget=512,
+                                        min_micro_batches=1, buckets=(512,))
+    assert len(plans) == 1 and sum(lengths) > 3 * 128  # one row of several 128-token attention blocks
+    g_full, l_full = _grads(full, _micro_batches(full, trajs, plans))
+    g_local, l_local = _grads(local, _micro_batches(local, trajs, plans))
+    np.testing.assert_allclose(l_local, l_full, rtol=1e-5)
+    np.testing.assert_allclose(g_local, g_full, rtol=1e-4, atol=1e-7)
+    too_long = random_trajectories(np.random.default_rng(2), 1, 1, prompt_len=(30, 31), answer_len=(20, 21))
+    with pytest.raises(ValueError, match=r"50 tokens, more than TrainConfig.max_seq_len=40"):
+        local.train_batch(too_long, 0)
+
+
 def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
     model = tiny_model(seed=3)
     trajs = random_trajectories(np.random.default_rng(2), 2, 3)
