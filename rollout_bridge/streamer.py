@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import json
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -33,7 +31,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from areal_jax.models.hf_io import TOKENIZER_FILES, iter_hf_tensors, write_safetensors_shards
+from areal_jax.models.hf_io import iter_hf_tensors, write_hf_dir
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -102,9 +100,6 @@ class DiskSink(WeightSink):
 
     def write(self, version: int, tensors: Tensors) -> tuple[Path, int, int]:
         """Write the checkpoint atomically; returns (dir, bytes, tensors). Blocking."""
-        out = self.version_dir(version)
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=self.root))
         count = {"bytes": 0, "n": 0}
 
         def counted() -> Iterator[tuple[str, np.ndarray]]:
@@ -113,19 +108,8 @@ class DiskSink(WeightSink):
                 count["n"] += 1
                 yield name, arr
 
-        try:
-            write_safetensors_shards(counted(), tmp, self.max_shard_bytes)
-            (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=2))
-            if self.tokenizer_dir is not None:
-                for name in TOKENIZER_FILES:
-                    if (self.tokenizer_dir / name).exists():
-                        shutil.copy2(self.tokenizer_dir / name, tmp / name)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        out = write_hf_dir(counted(), self.version_dir(version), self.hf_config, tokenizer_dir=self.tokenizer_dir,
+                           max_shard_bytes=self.max_shard_bytes)
         return out, count["bytes"], count["n"]
 
     def prune(self) -> None:

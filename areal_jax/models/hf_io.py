@@ -272,6 +272,38 @@ def write_safetensors_shards(
     return names
 
 
+def write_hf_dir(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    out_dir: str | os.PathLike,
+    hf_config: dict[str, Any],
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path:
+    """Write a HF model directory (safetensors shards, config.json, tokenizer files) atomically.
+
+    It is assembled in a temporary sibling and renamed into place, so a reader (an SGLang server
+    told to load it, say) never sees a half-written checkpoint; on error nothing is left behind.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write_safetensors_shards(tensors, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).exists():
+                    shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def save_pretrained(
     model: Decoder,
     out_dir: str | os.PathLike,
@@ -282,35 +314,18 @@ def save_pretrained(
 ) -> Path:
     """Write ``model`` as a HF model directory loadable by ``transformers`` and SGLang.
 
-    The directory is assembled in a temporary sibling and renamed into place, so a reader never
-    sees a half-written checkpoint. Tokenizer files are copied from ``tokenizer_dir`` (default:
-    the directory the model was loaded from). In a multi-process run every process must call
-    this (the gather is collective); only process 0 writes.
+    Tokenizer files are copied from ``tokenizer_dir`` (default: the directory the model was
+    loaded from). In a multi-process run every process must call this (the gather is
+    collective); only process 0 writes.
     """
-    out_dir = Path(out_dir)
-    cfg: ModelConfig = model.config
     tensors = iter_hf_tensors(model, dtype)
     if jax.process_index() != 0:
         for _ in tensors:  # take part in the collective gathers
             pass
-        return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        write_safetensors_shards(tensors, tmp, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(dtype), indent=2))
-        src = tokenizer_dir or getattr(model, "source_dir", None)
-        if src is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(src) / name).exists():
-                    shutil.copy2(Path(src) / name, tmp / name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+        return Path(out_dir)
+    return write_hf_dir(tensors, out_dir, model.config.to_hf_dict(dtype),
+                        tokenizer_dir=tokenizer_dir or getattr(model, "source_dir", None),
+                        max_shard_bytes=max_shard_bytes)
 
 
 def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[str]:
