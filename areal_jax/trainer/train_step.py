@@ -347,6 +347,7 @@ class Trainer:
         stats = self._reduce_stats(prepared, jax.device_get(micro_aux), jax.device_get(apply_aux), lrs)
         if critic_aux:
             stats.update(self._reduce_critic_stats(jax.device_get(critic_aux), jax.device_get(critic_apply)))
+            stats["critic_lr"] = float(self.critic_schedule(self.step - 1))
         return stats
 
     def minibatch_grads(self, micro_batches: Sequence[dict[str, Any]], version: int = 0) -> tuple[nnx.State, list]:

@@ -64,6 +64,7 @@ def test_ppo_preset_trains_policy_and_critic_and_the_critic_learns_returns() -> 
     losses = [h["value_loss"] for h in history]
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm", "loss", "grad_norm"):
         assert np.isfinite([h[key] for h in history]).all(), key
+    assert history[0]["critic_lr"] == 3e-3 and history[0]["lr"] == 1e-3
     assert np.abs(_flat(trainer.params) - policy0).max() > 1e-3
     assert np.abs(_flat(trainer.critic_params) - critic0).max() > 1e-3
     assert np.mean(losses[-3:]) < 0.25 * losses[0], losses
@@ -112,11 +113,11 @@ def test_critic_compiles_one_shape_per_bucket() -> None:
     trainer = Trainer(tiny_model(), _preset("ppo", ppo_n_minibatches=2),
                       TrainConfig(micro_batch_tokens=64, length_buckets=buckets, lr=1e-3))
     rng = np.random.default_rng(4)
-    for step in range(12):
+    for step in range(8):
         trajs = random_trajectories(rng, int(rng.integers(2, 5)), 2, prompt_len=(2, 20),
                                     answer_len=(1, int(rng.integers(3, 40))))
         assert np.isfinite(trainer.train_batch(trajs, step)["value_loss"])
-    assert trainer._critic_grad_fn._cache_size() <= len(buckets)
+    assert 2 <= trainer._critic_grad_fn._cache_size() <= len(buckets)  # several buckets seen, one shape each
     assert trainer._value_fn._cache_size() <= len(buckets)
     assert trainer._critic_apply_fn._cache_size() == 1
 
