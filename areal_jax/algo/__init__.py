@@ -18,15 +18,18 @@ from areal_jax.algo.advantages import (
 from areal_jax.algo.config import AlgoConfig, OverlongPenalty, compute_advantages, ppo_loss_kwargs
 from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3, kl_penalized_rewards
 from areal_jax.algo.ppo import decoupled_ppo_loss
+from areal_jax.algo.value import clipped_value_loss, explained_variance
 
 __all__ = [
     "AlgoConfig",
     "OverlongPenalty",
     "approx_proximal_logprobs",
     "broadcast_to_tokens",
+    "clipped_value_loss",
     "compute_advantages",
     "decoupled_ppo_loss",
     "dr_grpo_advantages",
+    "explained_variance",
     "gae_advantages",
     "grpo_advantages",
     "kl_k1",

@@ -81,7 +81,11 @@ class AlgoConfig:
     ppo_n_minibatches: int = 1
     """Optimizer steps per training batch; each takes an equal share of the sequences."""
     value_coef: float = 0.5
-    """Weight of the critic's value loss; used only with ``adv_estimator == 'gae'``."""
+    """Weight of the critic's value loss; used only with ``adv_estimator == 'gae'``. The critic has
+    its own optimizer, so under Adam this matters mostly against ``TrainConfig.grad_clip``."""
+    value_eps_clip: float | None = 0.2
+    """Clip range of the value loss, in return units: a step gains nothing from moving a value
+    further than this from the value the returns were computed with. None: plain squared error."""
 
     def __post_init__(self) -> None:
         if isinstance(self.overlong_penalty, dict):
@@ -103,6 +107,8 @@ class AlgoConfig:
             raise ValueError(f"c_clip must be > 1, got {self.c_clip}")
         if self.proximal_logprobs == "loglinear" and not self.use_decoupled_loss:
             raise ValueError("proximal_logprobs='loglinear' only makes sense with use_decoupled_loss")
+        if self.value_eps_clip is not None and self.value_eps_clip <= 0:
+            raise ValueError(f"value_eps_clip must be positive or None, got {self.value_eps_clip}")
         if self.ppo_n_minibatches < 1:
             raise ValueError("ppo_n_minibatches must be >= 1")
 

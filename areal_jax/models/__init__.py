@@ -1,7 +1,9 @@
 """The decoder family (Qwen2/2.5, Qwen3, Llama 3): one Flax NNX definition for packed training
-and KV-cache decoding, Hugging Face checkpoint reading and writing, tokenizer loading."""
+and KV-cache decoding, the critic built on it, Hugging Face checkpoint reading and writing,
+tokenizer loading."""
 
 from areal_jax.models.config import FAMILIES, ModelConfig
+from areal_jax.models.critic import Critic
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import (
     CheckpointError,
@@ -18,6 +20,7 @@ __all__ = [
     "FAMILIES",
     "CheckpointError",
     "assign_hf_tensors",
+    "Critic",
     "Decoder",
     "KVCache",
     "ModelConfig",

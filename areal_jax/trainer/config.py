@@ -22,6 +22,9 @@ class TrainConfig:
 
     lr: float = 1e-6
     """Peak learning rate of AdamW."""
+    critic_lr: float | None = None
+    """Peak learning rate of the critic's own AdamW (PPO, ``adv_estimator='gae'``); same schedule
+    shape and other optimizer settings as the policy. None means ``lr``."""
     weight_decay: float = 0.01
     """Decoupled weight decay; applied to matrices only, never to norms or biases."""
     betas: tuple[float, float] = (0.9, 0.999)

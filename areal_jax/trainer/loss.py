@@ -1,4 +1,5 @@
-"""The per-micro-batch computations the train step jits: token logprobs and the scaled PPO loss.
+"""The per-micro-batch computations the train step jits: token logprobs and the scaled PPO loss,
+and for PPO with a critic, token values and the scaled value loss.
 
 A micro-batch is a dict of ``[rows, length]`` arrays in the position convention of
 ``trainer/batching.py`` (position ``j`` carries target token ``j + 1``). These functions take a
@@ -12,8 +13,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from areal_jax.algo import AlgoConfig, approx_proximal_logprobs, decoupled_ppo_loss, ppo_loss_kwargs
-from areal_jax.models import Decoder, chunked_logprobs
+from areal_jax.algo import (
+    AlgoConfig,
+    approx_proximal_logprobs,
+    clipped_value_loss,
+    decoupled_ppo_loss,
+    ppo_loss_kwargs,
+)
+from areal_jax.models import Critic, Decoder, chunked_logprobs
 
 Batch = dict[str, jax.Array]
 
@@ -78,3 +85,33 @@ def micro_batch_loss(
     aux["mask_count"] = jnp.sum(mask)
     aux["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask)
     return loss * scalars["loss_scale"], aux
+
+
+def token_values(critic: Critic, batch: Batch, *, attention_window: int | None = None) -> jax.Array:
+    """The critic's output at every position, ``[rows, length]`` float32.
+
+    In the position convention this is already aligned with the targets: position ``j`` has seen
+    tokens ``0..j``, so its output is the value before token ``j + 1``, the token whose logprob
+    the logits at ``j`` give. Unshifted (``batching.unshift``), index ``i`` holds token ``i``'s value.
+    """
+    return critic(batch["input_ids"], batch["positions"], batch["segment_ids"], attention_window=attention_window)
+
+
+def micro_batch_value_loss(
+    critic: Critic,
+    batch: Batch,
+    scalars: dict[str, jax.Array],
+    *,
+    algo: AlgoConfig,
+    attention_window: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """This micro-batch's share of the minibatch's value loss (times ``value_coef``), and its
+    unscaled statistics. The value loss is a token mean whatever the policy's aggregation, so
+    ``scalars["loss_scale"]`` is this micro-batch's share of the minibatch's masked tokens."""
+    values = token_values(critic, batch, attention_window=attention_window)
+    mask = batch["loss_mask"]
+    loss, stats = clipped_value_loss(values, batch["old_values"], batch["returns"], mask,
+                                     eps_clip=algo.value_eps_clip)
+    aux: dict[str, Any] = dict(stats)
+    aux["mask_count"] = jnp.sum(mask)
+    return loss * algo.value_coef * scalars["loss_scale"], aux

@@ -7,16 +7,24 @@ loss), reference logprobs feed a KL reward penalty when ``kl_coef > 0``, and adv
 computed group-wise. Each minibatch then accumulates gradients over its micro-batches and takes
 one AdamW step.
 
-Everything on device runs in ``jax.jit`` over split NNX state with explicit shardings: one grad
-function (one compiled shape per length bucket), one logprob function, one apply function.
-Single-process for now: host arrays are placed with ``jax.device_put``.
+PPO with a critic (``adv_estimator='gae'``) is the same step with one option switched on: the
+trainer also holds a ``Critic`` with its own AdamW. Before any update the critic scores the same
+micro-batches (old values), GAE turns per-token rewards and those values into advantages and
+returns, and every minibatch also takes a critic step on the clipped value loss.
+
+Everything on device runs in ``jax.jit`` over split NNX state with explicit shardings: per model
+one grad function (one compiled shape per length bucket), one forward function (logprobs or
+values) and one apply function. Single-process for now: host arrays are placed with
+``jax.device_put``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import jax
@@ -26,25 +34,27 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from areal_jax.algo import AlgoConfig, compute_advantages
+from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
 from areal_jax.algo.kl import KL_ESTIMATORS
 from areal_jax.data.packing import bucket_length
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.models import Decoder
+from areal_jax.models import Critic, Decoder
 from areal_jax.trainer import batching
 from areal_jax.trainer.config import TrainConfig
-from areal_jax.trainer.loss import micro_batch_loss, token_logprobs
+from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
 from sharding import DEFAULT_RULES, MeshConfig, activate, logical_to_sharding, make_mesh
 from sharding.rules import Rules
 
 _MAX_STATS = ("behavior_imp_weight_max",)
+_FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
+_CRITIC_KEYS = (*_FORWARD_KEYS, "loss_mask", "old_values", "returns")
 
 
 @dataclass
 class MicroBatch:
     plan: batching.MicroBatchPlan
     arrays: dict[str, Any]
-    """``[rows, length]`` fields; ``proximal_logprobs`` is a device array when recomputed."""
+    """``[rows, length]`` fields; ``proximal_logprobs`` and ``old_values`` are device arrays."""
 
 
 @dataclass
@@ -57,6 +67,10 @@ class PreparedBatch:
     advantages: list[np.ndarray]
     """Per trajectory, index-``i`` convention (0 off the loss mask)."""
     stats: dict[str, float] = field(default_factory=dict)
+    values: list[np.ndarray] | None = None
+    """With a critic: its pre-update value of each token, index-``i`` convention (0 off the mask)."""
+    returns: list[np.ndarray] | None = None
+    """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
 
 
 def _is_var(x: Any) -> bool:
@@ -64,8 +78,13 @@ def _is_var(x: Any) -> bool:
 
 
 class Trainer:
-    """Holds the policy's float32 master params, the AdamW state and, if ``kl_coef > 0``, a frozen
-    reference; runs decoupled-PPO training batches on a mesh."""
+    """Holds the policy's float32 master params, the AdamW state, if ``kl_coef > 0`` a frozen
+    reference, and if ``adv_estimator == 'gae'`` a critic with its own AdamW state; runs
+    decoupled-PPO training batches on a mesh.
+
+    The critic is ``critic`` when given, else ``Critic.from_policy(model)``: a copy of the policy's
+    trunk with a fresh value head.
+    """
 
     def __init__(
         self,
@@ -76,60 +95,97 @@ class Trainer:
         mesh: Mesh | None = None,
         rules: Rules = DEFAULT_RULES,
         reference: Decoder | None = None,
+        critic: Critic | None = None,
     ) -> None:
-        if algo.adv_estimator == "gae":
-            raise NotImplementedError("adv_estimator='gae' needs a critic, which this trainer does not hold yet")
         self.algo, self.train = algo, train or TrainConfig()
         self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
         self.rules = rules
         self.dp_groups = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         self.step = 0
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.data_sharding = logical_to_sharding(("batch", "length"), self.mesh, rules)
+        ds, rep = self.data_sharding, self.replicated
         self._source_graphdef, state = nnx.split(model)
-        # The compute graph differs from the source model only in numerics: float32 storage (the
-        # master copy), the configured compute dtype and remat.
-        cfg = model.config.replace(param_dtype="float32", dtype=self.train.compute_dtype, remat=self.train.remat)
-        with activate(self.mesh, rules):
-            self.graphdef, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
-        self.param_shardings = jax.tree.map(
-            lambda v: logical_to_sharding(v.get_metadata().get("out_sharding") or (), self.mesh, rules),
-            state, is_leaf=_is_var,
-        )
-        self.params = self._place(state)
+        self.graphdef = self._compute_graphdef(Decoder, model.config)
+        self.param_shardings = self._shardings(state)
+        self.params = self._place(state, self.param_shardings)
         # kl_coef == 0 keeps no reference at all: no memory, no forward pass.
         self.ref_params = None
         if algo.kl_coef > 0:
-            self.ref_params = self._place(nnx.split(reference)[1]) if reference is not None else jax.jit(
-                lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.params)
+            self.ref_params = self._place(nnx.split(reference)[1], self.param_shardings) if reference is not None \
+                else jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.param_shardings)(self.params)
 
         self.schedule = self.train.schedule()
-        t = self.train
-        self.tx = optax.chain(
-            optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
-            optax.adamw(self.schedule, b1=t.betas[0], b2=t.betas[1], eps=t.eps, weight_decay=t.weight_decay,
-                        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
-        )
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
-        self.data_sharding = logical_to_sharding(("batch", "length"), self.mesh, rules)
-        self.opt_shardings = self._opt_state_shardings()
-        ps, os_, ds, rep = self.param_shardings, self.opt_shardings, self.data_sharding, self.replicated
+        self.tx = self._adamw(self.schedule)
+        self.opt_shardings = self._opt_state_shardings(self.tx, self.params, self.param_shardings)
+        ps, os_ = self.param_shardings, self.opt_shardings
         with activate(self.mesh, rules):
             self.opt_state = jax.jit(self.tx.init, out_shardings=os_)(self.params)
         # Advantages run on small [batch, width] arrays; width is bucketed so this compiles rarely.
         self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
+        self._ev_fn = jax.jit(explained_variance)
         self._zeros_fn = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ps)
         self._grad_fn = jax.jit(self._grad_step, in_shardings=(ps, ps, ds, rep), out_shardings=(ps, rep),
                                 donate_argnums=(1,))
         self._logprob_fn = jax.jit(self._logprob_step, in_shardings=(ps, ds), out_shardings=ds)
-        self._apply_fn = jax.jit(self._apply_step, in_shardings=(ps, os_, ps), out_shardings=(ps, os_, rep),
-                                 donate_argnums=(0, 1))
+        self._apply_fn = jax.jit(partial(self._apply_step, self.tx), in_shardings=(ps, os_, ps),
+                                 out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
+        # Critic-free estimators keep no critic at all: no memory, no forward or backward pass.
+        self.critic_params = None
+        if algo.adv_estimator == "gae":
+            self._init_critic(critic if critic is not None else Critic.from_policy(model, nnx.Rngs(0)))
+
+    def _init_critic(self, critic: Critic) -> None:
+        """The critic's counterpart of everything above: compute graph, placed float32 params,
+        its own AdamW (peak ``critic_lr``) and jitted grad, value and apply functions."""
+        self._critic_source_graphdef, state = nnx.split(critic)
+        self.critic_graphdef = self._compute_graphdef(Critic, critic.config)
+        self.critic_shardings = cs = self._shardings(state)
+        self.critic_params = self._place(state, cs)
+        lr = self.train.lr if self.train.critic_lr is None else self.train.critic_lr
+        self.critic_schedule = dataclasses.replace(self.train, lr=lr).schedule()
+        self.critic_tx = self._adamw(self.critic_schedule)
+        self.critic_opt_shardings = cos = self._opt_state_shardings(self.critic_tx, self.critic_params, cs)
+        ds, rep = self.data_sharding, self.replicated
+        with activate(self.mesh, self.rules):
+            self.critic_opt_state = jax.jit(self.critic_tx.init, out_shardings=cos)(self.critic_params)
+        self._critic_zeros_fn = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=cs)
+        self._critic_grad_fn = jax.jit(self._critic_grad_step, in_shardings=(cs, cs, ds, rep),
+                                       out_shardings=(cs, rep), donate_argnums=(1,))
+        self._value_fn = jax.jit(self._value_step, in_shardings=(cs, ds), out_shardings=ds)
+        self._critic_apply_fn = jax.jit(partial(self._apply_step, self.critic_tx), in_shardings=(cs, cos, cs),
+                                        out_shardings=(cs, cos, rep), donate_argnums=(0, 1))
 
     # --- jitted bodies ------------------------------------------------------------------------
 
-    def _place(self, state: nnx.State) -> nnx.State:
-        state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
-        return jax.device_put(state, self.param_shardings)
+    def _compute_graphdef(self, cls: type[nnx.Module], config: Any) -> nnx.GraphDef:
+        """The graph the jitted code merges params into. It differs from the source model's only
+        in numerics: float32 storage (the master copy), the configured compute dtype and remat."""
+        cfg = config.replace(param_dtype="float32", dtype=self.train.compute_dtype, remat=self.train.remat)
+        with activate(self.mesh, self.rules):
+            graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+        return graphdef
 
-    def _opt_state_shardings(self) -> Any:
+    def _shardings(self, state: nnx.State) -> Any:
+        return jax.tree.map(
+            lambda v: logical_to_sharding(v.get_metadata().get("out_sharding") or (), self.mesh, self.rules),
+            state, is_leaf=_is_var,
+        )
+
+    @staticmethod
+    def _place(state: nnx.State, shardings: Any) -> nnx.State:
+        state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
+        return jax.device_put(state, shardings)
+
+    def _adamw(self, schedule: optax.Schedule) -> optax.GradientTransformation:
+        t = self.train
+        return optax.chain(
+            optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
+            optax.adamw(schedule, b1=t.betas[0], b2=t.betas[1], eps=t.eps, weight_decay=t.weight_decay,
+                        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+        )
+
+    def _opt_state_shardings(self, tx: optax.GradientTransformation, params: nnx.State, shardings: Any) -> Any:
         """Moment buffers are sharded like their parameter, scalars (step count) replicated.
 
         An optimizer-state leaf belongs to the parameter whose tree path ends its own path
@@ -137,15 +193,15 @@ class Trainer:
         the freshly made zeros on one device.
         """
         keystr = jax.tree_util.keystr
-        shapes = {keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(self.params)}
-        by_path = {keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(self.param_shardings)}
+        shapes = {keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
+        by_path = {keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
 
         def pick(path: Any, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
             key = keystr(path)
             hits = [k for k in by_path if key.endswith(k) and shapes[k] == leaf.shape]
             return by_path[max(hits, key=len)] if hits else self.replicated
 
-        return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(self.tx.init, self.params))
+        return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
 
     def _grad_step(self, params: nnx.State, acc: nnx.State, batch: dict, scalars: dict) -> tuple[nnx.State, dict]:
         def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
@@ -162,10 +218,24 @@ class Trainer:
                                chunk_size=self.train.logprob_chunk_size, attention_window=self.train.max_seq_len)
         return lp
 
-    def _apply_step(self, params: nnx.State, opt_state: Any, grads: nnx.State) -> tuple[nnx.State, Any, dict]:
+    @staticmethod
+    def _apply_step(tx: optax.GradientTransformation, params: nnx.State, opt_state: Any,
+                    grads: nnx.State) -> tuple[nnx.State, Any, dict]:
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"grad_norm": grad_norm}
+
+    def _critic_grad_step(self, params: nnx.State, acc: nnx.State, batch: dict,
+                          scalars: dict) -> tuple[nnx.State, dict]:
+        def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
+            return micro_batch_value_loss(nnx.merge(self.critic_graphdef, p), batch, scalars, algo=self.algo,
+                                          attention_window=self.train.max_seq_len)
+
+        (_, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        return jax.tree.map(jnp.add, acc, grads), aux
+
+    def _value_step(self, params: nnx.State, batch: dict) -> jax.Array:
+        return token_values(nnx.merge(self.critic_graphdef, params), batch, attention_window=self.train.max_seq_len)
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -175,6 +245,12 @@ class Trainer:
         return nnx.merge(self._source_graphdef, self.params)
 
     params_for_streaming = model
+
+    def critic(self) -> Critic | None:
+        """The current critic (None without one); shares buffers like ``model()``."""
+        if self.critic_params is None:
+            return None
+        return nnx.merge(self._critic_source_graphdef, self.critic_params)
 
     def compute_logprobs(self, trajectories: Sequence[Trajectory], *, reference: bool = False) -> list[np.ndarray]:
         """Logprobs of every token under the current (or reference) weights, index-``i`` convention
@@ -202,7 +278,8 @@ class Trainer:
 
     def prepare_batch(self, trajectories: Sequence[Trajectory], version: int) -> PreparedBatch:
         """Pack the batch, recompute proximal (and reference) logprobs with the current weights,
-        and compute advantages; nothing is updated."""
+        score it with the critic if there is one, and compute advantages (and returns); nothing
+        is updated."""
         trajectories = list(trajectories)
         n_mb = self.algo.ppo_n_minibatches
         if len(trajectories) < n_mb:
@@ -229,16 +306,29 @@ class Trainer:
             est = KL_ESTIMATORS[self.algo.kl_estimator]
             token_kl = [np.asarray(est(p, r)) * t.loss_mask for p, r, t in zip(policy, ref, trajectories, strict=True)]
             stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(t.loss_mask.sum() for t in trajectories))
-        advantages = self._advantages(trajectories, token_kl)
-        adv_seqs = [{"input_ids": t.input_ids, "advantages": batching.shift_token_values(a)}
-                    for t, a in zip(trajectories, advantages, strict=True)]
+        values = None
+        if self.critic_params is not None:
+            with activate(self.mesh, self.rules):
+                for m in micro:
+                    m.arrays["old_values"] = self._value_fn(self.critic_params, self._forward_inputs(m))
+            # Position j's output is the value before token j + 1; unshifting puts it at index
+            # j + 1, so values[i] is token i's value: the GAE convention (and 0 on the prompt).
+            values = [v * t.loss_mask for v, t in
+                      zip(self._unpack_device(micro, "old_values", lengths), trajectories, strict=True)]
+        advantages, returns, adv_stats = self._advantages(trajectories, token_kl, values)
+        stats.update(adv_stats)
+        per_token = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
+        seqs = [{"input_ids": t.input_ids, **{k: batching.shift_token_values(v[i]) for k, v in per_token.items()}}
+                for i, t in enumerate(trajectories)]
         for m in micro:
-            m.arrays["advantages"] = batching.pack_rows(adv_seqs, m.plan)["advantages"]
-        return PreparedBatch(trajectories, version, minibatches, advantages, stats)
+            packed = batching.pack_rows(seqs, m.plan)
+            m.arrays.update({k: packed[k] for k in per_token})
+        return PreparedBatch(trajectories, version, minibatches, advantages, stats, values, returns)
 
     def train_prepared(self, prepared: PreparedBatch) -> dict[str, float]:
-        """The update half: per minibatch, accumulate gradients over its micro-batches, then step."""
-        micro_aux, apply_aux, lrs = [], [], []
+        """The update half: per minibatch, accumulate gradients over its micro-batches, then step
+        (the policy, and the critic on the same micro-batches when there is one)."""
+        micro_aux, apply_aux, lrs, critic_aux, critic_apply = [], [], [], [], []
         for minibatch in prepared.minibatches:
             acc, aux = self.minibatch_grads([self._train_inputs(m) for m in minibatch], prepared.version)
             micro_aux.extend(aux)
@@ -246,8 +336,19 @@ class Trainer:
             with activate(self.mesh, self.rules):
                 self.params, self.opt_state, out = self._apply_fn(self.params, self.opt_state, acc)
             apply_aux.append(out)
+            if self.critic_params is not None:
+                c_acc, c_aux = self.critic_minibatch_grads([{k: m.arrays[k] for k in _CRITIC_KEYS} for m in minibatch])
+                critic_aux.extend(c_aux)
+                with activate(self.mesh, self.rules):
+                    self.critic_params, self.critic_opt_state, c_out = self._critic_apply_fn(
+                        self.critic_params, self.critic_opt_state, c_acc)
+                critic_apply.append(c_out)
             self.step += 1
-        return self._reduce_stats(prepared, jax.device_get(micro_aux), jax.device_get(apply_aux), lrs)
+        stats = self._reduce_stats(prepared, jax.device_get(micro_aux), jax.device_get(apply_aux), lrs)
+        if critic_aux:
+            stats.update(self._reduce_critic_stats(jax.device_get(critic_aux), jax.device_get(critic_apply)))
+            stats["critic_lr"] = float(self.critic_schedule(self.step - 1))
+        return stats
 
     def minibatch_grads(self, micro_batches: Sequence[dict[str, Any]], version: int = 0) -> tuple[nnx.State, list]:
         """Gradient of one minibatch's loss, accumulated over its micro-batches (``[rows, length]``
@@ -267,6 +368,24 @@ class Trainer:
                 auxes.append(aux)
         return acc, auxes
 
+    def critic_minibatch_grads(self, micro_batches: Sequence[dict[str, Any]]) -> tuple[nnx.State, list]:
+        """The critic's counterpart of ``minibatch_grads``: the gradient of ``value_coef`` times the
+        minibatch's value loss (a token mean), accumulated over micro-batches that hold
+        ``input_ids``, ``positions``, ``segment_ids``, ``loss_mask``, ``old_values`` and
+        ``returns`` in the position convention. Returns the gradients and per-micro-batch stats."""
+        if self.critic_params is None:
+            raise ValueError(f"adv_estimator={self.algo.adv_estimator!r} keeps no critic")
+        counts = [float((np.asarray(m["loss_mask"]) > 0).sum()) for m in micro_batches]
+        total = sum(counts)
+        auxes = []
+        with activate(self.mesh, self.rules):
+            acc = self._critic_zeros_fn(self.critic_params)
+            for m, c in zip(micro_batches, counts, strict=True):
+                scalars = {"loss_scale": np.float32(1.0 if total == 0 else c / total)}
+                acc, aux = self._critic_grad_fn(self.critic_params, acc, m, scalars)
+                auxes.append(aux)
+        return acc, auxes
+
     # --- helpers ------------------------------------------------------------------------------
 
     def _plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
@@ -282,6 +401,10 @@ class Trainer:
     @staticmethod
     def _inputs(m: MicroBatch) -> dict[str, Any]:
         return {k: m.arrays[k] for k in ("input_ids", "targets", "positions", "segment_ids")}
+
+    @staticmethod
+    def _forward_inputs(m: MicroBatch) -> dict[str, Any]:
+        return {k: m.arrays[k] for k in _FORWARD_KEYS}
 
     def _train_inputs(self, m: MicroBatch) -> dict[str, Any]:
         keys = ["input_ids", "targets", "positions", "segment_ids", "loss_mask", "behavior_logprobs", "versions",
@@ -316,14 +439,18 @@ class Trainer:
             per.update(batching.unpack_rows(v, m.plan, lengths))
         return [batching.unshift(per[i]) for i in range(len(lengths))]
 
-    def _advantages(self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None) -> list[np.ndarray]:
-        """Group-wise advantages, index-``i`` convention. Groups are gathered by ``group_id``."""
+    def _advantages(
+        self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None,
+        values: list[np.ndarray] | None = None,
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None, dict[str, float]]:
+        """Advantages, returns (None without a critic) and their stats, index-``i`` convention.
+        Groups are gathered by ``group_id``; ``values`` are the critic's, GAE's input."""
         order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, i))
         sizes: dict[int, int] = {}
         for t in trajectories:
             sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
         group_size = next(iter(sizes.values()))
-        if len(set(sizes.values())) > 1 and self.algo.adv_estimator != "reinforce_pp":
+        if len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
             raise ValueError(f"groups must all have the same size for adv_estimator={self.algo.adv_estimator!r}; "
                              f"got sizes by group_id {sizes}")
         width = bucket_length(max(len(t) for t in trajectories), self.train.length_buckets)
@@ -332,13 +459,35 @@ class Trainer:
         rewards = np.array([trajectories[i].reward for i in order], np.float32)
         kl = None if token_kl is None else np.stack([pad(token_kl[i]) for i in order])
         lengths = np.array([trajectories[i].answer_len for i in order], np.float32)
-        adv, _ = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
-                                    response_lengths=lengths)
-        adv = np.asarray(adv)
-        out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
-        for row, i in enumerate(order):
-            out[i] = adv[row, : len(trajectories[i])].astype(np.float32)
-        return out
+        vals = None if values is None else np.stack([pad(values[i]) for i in order])
+        adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
+                                response_lengths=lengths, values=vals)
+        stats: dict[str, float] = {}
+        if ret is not None:
+            count = max(float(mask.sum()), 1.0)
+            stats["explained_variance"] = float(self._ev_fn(vals, ret, mask))
+            stats["value_mean"] = float((vals * mask).sum() / count)
+            stats["return_mean"] = float((np.asarray(ret) * mask).sum() / count)
+
+        def unpad(x: jax.Array | None) -> list[np.ndarray] | None:
+            if x is None:
+                return None
+            x = np.asarray(x)
+            out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
+            for row, i in enumerate(order):
+                out[i] = x[row, : len(trajectories[i])].astype(np.float32)
+            return out
+
+        return unpad(adv), unpad(ret), stats
+
+    @staticmethod
+    def _reduce_critic_stats(micro: list[dict], applied: list[dict]) -> dict[str, float]:
+        counts = np.array([a["mask_count"] for a in micro], np.float64)
+        total = max(counts.sum(), 1.0)
+        stats = {k: float((np.array([a[k] for a in micro], np.float64) * counts).sum() / total)
+                 for k in ("value_loss", "value_clip_fraction")}
+        stats["critic_grad_norm"] = float(np.mean([float(a["grad_norm"]) for a in applied]))
+        return stats
 
     def _reduce_stats(self, prepared: PreparedBatch, micro: list[dict], applied: list[dict],
                       lrs: list[float]) -> dict[str, float]:

@@ -40,3 +40,20 @@ def test_sharded_step_equals_single_device(single_device_result: tuple, mesh_cfg
         np.testing.assert_allclose(p, q, rtol=1e-4, atol=5e-5)
     leaf = jax.tree.leaves(trainer.params)[0]
     assert len(leaf.sharding.device_set) == 8
+
+
+def test_sharded_critic_step_equals_single_device() -> None:
+    """PPO with a critic on 8 FSDP devices: the critic's value head is sharded along ``embed``
+    and its step (values, GAE, value loss, update) equals the single-device one."""
+    algo = AlgoConfig(adv_estimator="gae", gae_lambda=0.95, adv_norm=True, ppo_n_minibatches=2)
+    trajs = random_trajectories(np.random.default_rng(0), 4, 4)
+    single = Trainer(tiny_model(seed=2), algo, TRAIN)
+    ref = single.train_batch(trajs, 0)
+    trainer = Trainer(tiny_model(seed=2), algo, TRAIN, mesh=make_mesh(MeshConfig(data=1, fsdp=8, tensor=1)))
+    stats = trainer.train_batch(trajs, 0)
+    assert ref["value_clip_fraction"] > 0  # the second minibatch's critic has moved off the old values
+    for key in ("value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm", "loss"):
+        np.testing.assert_allclose(stats[key], ref[key], rtol=2e-4, atol=1e-6, err_msg=key)
+    for p, q in zip(jax.tree.leaves(jax.device_get(trainer.critic_params)),
+                    jax.tree.leaves(jax.device_get(single.critic_params)), strict=True):
+        np.testing.assert_allclose(p, q, rtol=1e-4, atol=5e-5)

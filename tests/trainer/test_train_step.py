@@ -135,7 +135,7 @@ def test_kl_reference_only_when_kl_coef_positive() -> None:
     assert first["kl_ref_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
     prepared = trainer.prepare_batch(trajs, 1)
     assert abs(prepared.stats["kl_ref_mean"]) > 1e-4
-    without = trainer._advantages(trajs, None)
+    without, _, _ = trainer._advantages(trajs, None)
     diff = max(np.abs(a - b).max() for a, b in zip(prepared.advantages, without, strict=True))
     assert diff > 1e-3  # the penalty changed the rewards the advantages came from
     for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(jax.device_get(trainer.ref_params)), strict=True):
