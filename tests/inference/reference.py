@@ -4,7 +4,7 @@ from the full forward pass, plus a sharpened tiny checkpoint."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -33,7 +33,7 @@ def run(coro: Awaitable[T]) -> T:
     return asyncio.run(coro)
 
 
-REF_LEN = 128  # references pad every sequence to this, so the jitted forward compiles once
+REF_LEN = 128  # references pad to this (or the next power of two), so the jitted forward compiles rarely
 
 
 @jax.jit
@@ -43,18 +43,20 @@ def _forward(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array) -> jax.Ar
 
 def _logits(model: Decoder, ids: list[int]) -> jax.Array:
     """Full-forward logits ``[len(ids), vocab]``; causal attention makes the right padding inert."""
-    assert len(ids) <= REF_LEN
     graphdef, state = nnx.split(model)
-    padded = np.zeros((1, REF_LEN), np.int32)
+    padded = np.zeros((1, max(REF_LEN, 1 << (len(ids) - 1).bit_length())), np.int32)
     padded[0, :len(ids)] = ids
     return _forward(graphdef, state, jnp.asarray(padded))[0, :len(ids)]
 
 
-def reference_greedy(model: Decoder, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy decoding with the full forward pass over the whole sequence at every step."""
+def reference_greedy(model: Decoder, prompt: list[int], num_tokens: int, eos: Sequence[int] = ()) -> list[int]:
+    """Greedy decoding with the full forward pass over the whole sequence at every step; stops
+    after an ``eos`` token (kept, as the engine keeps it)."""
     ids = list(prompt)
     for _ in range(num_tokens):
         ids.append(int(jnp.argmax(_logits(model, ids)[-1])))
+        if ids[-1] in eos:
+            break
     return ids[len(prompt):]
 
 

@@ -7,11 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-
 from areal_jax.models import load_pretrained, load_tokenizer
-from areal_jax.models.logprobs import logprobs_from_logits
 
 
 @contextlib.asynccontextmanager
@@ -31,27 +27,3 @@ async def running_server(model_dir: Path, *, api_key: str | None = None, num_slo
         yield f"127.0.0.1:{port}", engine
     finally:
         await runner.cleanup()
-
-
-def full_forward_logprobs(model: Any, prompt: list[int], output: list[int], temperature: float = 1.0) -> np.ndarray:
-    """Logprobs of ``output`` after ``prompt`` from one full forward pass (the reference)."""
-    ids = jnp.asarray([prompt + output])
-    logits = model(ids)[0, len(prompt) - 1: len(prompt) + len(output) - 1]
-    return np.asarray(logprobs_from_logits(logits, jnp.asarray(output), temperature))
-
-
-def greedy_reference(model: Any, prompt: list[int], n: int, eos: list[int]) -> list[int]:
-    """Greedy decoding by a full forward pass per token (no KV cache)."""
-    from flax import nnx
-
-    width = 1 << (len(prompt) + n).bit_length()  # one padded shape: causal attention ignores the tail
-    forward = nnx.jit(lambda m, ids: m(ids))
-    out: list[int] = []
-    for _ in range(n):
-        seq = prompt + out
-        logits = forward(model, jnp.asarray([seq + [0] * (width - len(seq))]))[0, len(seq) - 1]
-        tok = int(jnp.argmax(logits))
-        out.append(tok)
-        if tok in eos:
-            break
-    return out

@@ -17,7 +17,8 @@ import pytest
 
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
-from tests.rollout_bridge.bridge_helpers import full_forward_logprobs, running_server
+from tests.inference.reference import reference_logprobs
+from tests.rollout_bridge.bridge_helpers import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,7 @@ def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None
                 # A moved answer is one sequence: its logprobs are those of the full forward pass
                 # over prompt + all tokens, including the ones produced by the dead server.
                 r = moved[0]
-                ref = full_forward_logprobs(model, r.input_ids, r.output_ids)
+                ref = reference_logprobs(model, r.input_ids, r.output_ids, 1.0)
                 assert abs(ref - r.output_logprobs).max() < 1e-4
 
     try:

@@ -13,7 +13,8 @@ from flax import nnx
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient, WeightUpdateError
 from rollout_bridge.streamer import DiskSink, model_tensors
-from tests.rollout_bridge.bridge_helpers import full_forward_logprobs, greedy_reference, running_server
+from tests.inference.reference import reference_greedy, reference_logprobs
+from tests.rollout_bridge.bridge_helpers import running_server
 
 PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14], [70, 71, 72, 73, 74, 75, 76, 77]]
 
@@ -31,13 +32,13 @@ def test_greedy_and_logprobs_match_full_forward(tiny_dir: Path) -> None:
             greedy = await asyncio.gather(*(client.generate(p, {"max_new_tokens": 12, "temperature": 0.0})
                                             for p in PROMPTS))
             for p, r in zip(PROMPTS, greedy, strict=True):
-                assert r.output_ids == greedy_reference(model, p, 12, eos)
+                assert r.output_ids == reference_greedy(model, p, 12, eos)
                 assert r.output_versions == [0] * len(r.output_ids)
             sampled = await asyncio.gather(*(client.generate(p, {"max_new_tokens": 16, "temperature": 0.7,
                                                                  "ignore_eos": True}) for p in PROMPTS))
             for p, r in zip(PROMPTS, sampled, strict=True):
                 assert len(r.output_ids) == 16 and r.finish_reason == {"type": "length", "length": 16}
-                ref = full_forward_logprobs(model, p, r.output_ids, temperature=0.7)
+                ref = reference_logprobs(model, p, r.output_ids, 0.7)
                 np.testing.assert_allclose(r.output_logprobs, ref, atol=1e-4)
 
     asyncio.run(main())
@@ -97,8 +98,8 @@ def test_pause_update_from_disk_continue(tiny_dir: Path, tmp_path: Path) -> None
             vs = np.array(r.output_versions)
             assert set(vs.tolist()) == {0, 1} and (np.diff(vs) >= 0).all(), vs
             k = int((vs == 0).sum())
-            lp_old = full_forward_logprobs(old, prompt, r.output_ids)
-            lp_new = full_forward_logprobs(new, prompt, r.output_ids)
+            lp_old = reference_logprobs(old, prompt, r.output_ids, 1.0)
+            lp_new = reference_logprobs(new, prompt, r.output_ids, 1.0)
             np.testing.assert_allclose(r.output_logprobs[:k], lp_old[:k], atol=1e-4)
             np.testing.assert_allclose(r.output_logprobs[k:], lp_new[k:], atol=1e-4)
             assert (await client.versions()) == {f"http://{addr}": 1}
