@@ -30,11 +30,11 @@ async def _demo(args: argparse.Namespace) -> None:
     import numpy as np
 
     from areal_jax.inference.engine import Engine, EngineConfig
-    from areal_jax.models import encode_chat, load_pretrained, load_tokenizer
+    from areal_jax.models import encode_chat, iter_hf_tensors, load_pretrained, load_tokenizer
     from areal_jax.models.tiny import make_tiny_checkpoint
     from rollout_bridge.client import HttpRolloutClient
     from rollout_bridge.server import build_app, start_server
-    from rollout_bridge.streamer import HttpBucketSink, model_tensors
+    from rollout_bridge.streamer import HttpBucketSink
 
     work = Path(args.workdir)
     base = work / f"base-{args.model_type}"
@@ -71,7 +71,7 @@ async def _demo(args: argparse.Namespace) -> None:
             # An interrupted rollout: new weights (version 1) arrive while answers are half done.
             rng = np.random.default_rng(args.seed)
             new = {name: (arr + 0.02 * rng.standard_normal(arr.shape).astype(arr.dtype))
-                   for name, arr in model_tensors(model)}
+                   for name, arr in iter_hf_tensors(model)}
             start = engine.stats["decode_tokens"]
             tasks = [asyncio.create_task(client.generate(p, sp)) for p in prompts]
             while engine.stats["decode_tokens"] - start < n_tok // 3:  # about a third of the way through

@@ -20,10 +20,10 @@ from safetensors.numpy import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from areal_jax.models import Decoder, ModelConfig, save_pretrained  # noqa: E402
+from areal_jax.models import Decoder, ModelConfig, iter_hf_tensors, save_pretrained  # noqa: E402
 from rollout_bridge.client import ClientConfig, HttpRolloutClient  # noqa: E402
 from rollout_bridge.server import build_app, start_server  # noqa: E402
-from rollout_bridge.streamer import DiskSink, HttpBucketSink, model_tensors  # noqa: E402
+from rollout_bridge.streamer import DiskSink, HttpBucketSink  # noqa: E402
 
 SIZES = {  # name -> (hidden, intermediate, layers, heads, kv_heads, vocab)
     "3M": (256, 512, 4, 8, 2, 2048),
@@ -41,7 +41,7 @@ def make_model(name: str) -> Decoder:
 
 
 def raw_safetensors(model: Decoder, workdir: Path) -> tuple[float, float]:
-    tensors = dict(model_tensors(model, "float32"))
+    tensors = dict(iter_hf_tensors(model, "float32"))
     path = workdir / "raw.safetensors"
     t0 = time.perf_counter()
     save_file(tensors, str(path))
@@ -72,7 +72,7 @@ async def bench_size(name: str, workdir: Path, repeats: int) -> dict:
                 times = []
                 for _ in range(repeats):
                     version += 1
-                    m = await sink.push(version, model_tensors(model, "float32"))
+                    m = await sink.push(version, iter_hf_tensors(model, "float32"))
                     assert engine.version == version
                     times.append(m.seconds)
                     row["bytes"] = m.bytes

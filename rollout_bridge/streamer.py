@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from areal_jax.models.hf_io import iter_hf_tensors, write_hf_dir
+from areal_jax.models.hf_io import write_hf_dir
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -50,11 +50,6 @@ class TransferMetrics:
     servers: int = 0
     path: str | None = None
     """Checkpoint directory, for the disk path."""
-
-
-def model_tensors(model: Any, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """HF-named tensors of a Flax decoder, one at a time, cast to ``dtype`` (default: its own)."""
-    return iter_hf_tensors(model, dtype)
 
 
 def buckets(tensors: Tensors, bucket_bytes: int) -> Iterator[list[tuple[str, np.ndarray]]]:

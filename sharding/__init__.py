@@ -13,7 +13,7 @@ from sharding.rules import (
     constrain,
     logical_to_sharding,
     logical_to_spec,
-    place,
+    shardings_of,
 )
 
 __all__ = [
@@ -27,5 +27,5 @@ __all__ = [
     "logical_to_sharding",
     "logical_to_spec",
     "make_mesh",
-    "place",
+    "shardings_of",
 ]

@@ -81,6 +81,10 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules))
 
 
-def place(tree: Any, shardings: Any) -> Any:
-    """Put every leaf of ``tree`` on the device(s) its matching sharding names."""
-    return jax.tree.map(lambda x, s: jax.device_put(x, s), tree, shardings)
+def shardings_of(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """A ``NamedSharding`` for every variable of an NNX state, from its logical axis names (the
+    ``out_sharding`` metadata the model gave it); a variable without names is replicated."""
+    return jax.tree.map(
+        lambda v: logical_to_sharding(v.get_metadata().get("out_sharding") or (), mesh, rules),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )

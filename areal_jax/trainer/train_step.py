@@ -42,7 +42,7 @@ from areal_jax.models import Critic, Decoder
 from areal_jax.trainer import batching
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
-from sharding import DEFAULT_RULES, MeshConfig, activate, logical_to_sharding, make_mesh
+from sharding import DEFAULT_RULES, MeshConfig, activate, logical_to_sharding, make_mesh, shardings_of
 from sharding.rules import Rules
 
 _MAX_STATS = ("behavior_imp_weight_max",)
@@ -71,10 +71,6 @@ class PreparedBatch:
     """With a critic: its pre-update value of each token, index-``i`` convention (0 off the mask)."""
     returns: list[np.ndarray] | None = None
     """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
-
-
-def _is_var(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
 
 
 class Trainer:
@@ -167,10 +163,7 @@ class Trainer:
         return graphdef
 
     def _shardings(self, state: nnx.State) -> Any:
-        return jax.tree.map(
-            lambda v: logical_to_sharding(v.get_metadata().get("out_sharding") or (), self.mesh, self.rules),
-            state, is_leaf=_is_var,
-        )
+        return shardings_of(state, self.mesh, self.rules)
 
     @staticmethod
     def _place(state: nnx.State, shardings: Any) -> nnx.State:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,10 @@ import pytest
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from tests.inference.reference import reference_logprobs
+from tests.ports import free_port
 from tests.rollout_bridge.bridge_helpers import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 180.0) -> None:
@@ -47,7 +41,7 @@ async def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 1
 
 @pytest.mark.slow
 def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from areal_jax.models import load_pretrained
+from areal_jax.models import iter_hf_tensors, load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient, WeightUpdateError
-from rollout_bridge.streamer import DiskSink, model_tensors
+from rollout_bridge.streamer import DiskSink
 from tests.inference.reference import reference_greedy, reference_logprobs
 from tests.rollout_bridge.bridge_helpers import running_server
 
@@ -89,7 +89,7 @@ def test_pause_update_from_disk_continue(tiny_dir: Path, tmp_path: Path) -> None
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             await client.pause("abort")
-            metrics = await sink.push(1, model_tensors(new, "float32"))
+            metrics = await sink.push(1, iter_hf_tensors(new, "float32"))
             assert metrics.servers == 1 and engine.version == 1
             await client.continue_generation()
             r = await task

@@ -10,9 +10,9 @@ import pytest
 import torch
 from flax import nnx
 
-from areal_jax.models import Decoder, ModelConfig, hf_tensor_specs, load_pretrained
+from areal_jax.models import Decoder, ModelConfig, hf_tensor_specs, iter_hf_tensors, load_pretrained
 from areal_jax.models.tiny import make_tiny_checkpoint
-from rollout_bridge.streamer import DiskSink, buckets, model_tensors
+from rollout_bridge.streamer import DiskSink, buckets
 
 
 def _hf_model(cfg_dict: dict) -> torch.nn.Module:
@@ -53,11 +53,11 @@ def test_disk_sink_checkpoint_loads_in_transformers(tmp_path: Path) -> None:
     model = load_pretrained(src)
     sink = DiskSink(tmp_path / "weights", model.config.to_hf_dict("float32"), tokenizer_dir=src, keep_last=2,
                     max_shard_bytes=64 * 1024)
-    metrics = [asyncio.run(sink.push(v, model_tensors(model, "float32"))) for v in range(3)]
+    metrics = [asyncio.run(sink.push(v, iter_hf_tensors(model, "float32"))) for v in range(3)]
     assert [p.name for p in sorted((tmp_path / "weights").glob("v*"))] == ["v00000001", "v00000002"]
     assert not list((tmp_path / "weights").glob(".*tmp*"))  # no temp dir left behind
     m = metrics[-1]
-    assert m.bytes == sum(a.nbytes for _, a in model_tensors(model, "float32")) and m.seconds > 0
+    assert m.bytes == sum(a.nbytes for _, a in iter_hf_tensors(model, "float32")) and m.seconds > 0
     path = Path(m.path)
     assert (path / "model.safetensors.index.json").exists() and (path / "tokenizer.json").exists()
 

@@ -3,7 +3,6 @@ collectives over gloo, two fake devices each), build one global mesh, and a shar
 gradient agree with the single-process result."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,20 +14,15 @@ import pytest
 from flax import nnx
 
 from areal_jax.models import load_pretrained, logprobs_from_logits
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "tests" / "fixtures" / "hf_llama"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_agree_with_one(tmp_path: Path) -> None:
-    port, out = _free_port(), tmp_path / "multihost.npz"
+    port, out = free_port(), tmp_path / "multihost.npz"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     worker = Path(__file__).with_name("multihost_worker.py")
