@@ -45,10 +45,11 @@ def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> flo
     return asyncio.run(go())
 
 
-def make_engine(ckpt: Path, prompts: list[list[int]], new_tokens: int, decode_steps: int) -> Engine:
+def make_engine(ckpt: Path, prompts: list[list[int]], new_tokens: int, decode_steps: int,
+                lanes: int | None = None) -> Engine:
     model = load_pretrained(ckpt)
     cfg = EngineConfig(num_slots=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + decode_steps,
-                       max_prefill_batch=min(len(prompts), 64), decode_steps=decode_steps)
+                       max_prefill_batch=min(len(prompts), 64), decode_steps=decode_steps, lanes=lanes)
     return Engine(model, cfg)
 
 
@@ -77,9 +78,11 @@ def make_transformers_run(ckpt: Path, prompts: list[list[int]], new_tokens: int)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--size", default="small", choices=["tiny", "small"], help="tiny checkpoint size")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=8, help="tokens per compiled decode call")
+    ap.add_argument("--lanes", type=int, default=None, help="engine lanes (default: the engine's own choice)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side (best is kept)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -87,11 +90,11 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = make_tiny_checkpoint(Path(tmp) / "small", size="small")
+        ckpt = make_tiny_checkpoint(Path(tmp) / args.size, size=args.size)
         rng = np.random.default_rng(0)
         for c in args.concurrency:
             prompts = rng.integers(4, 128, (c, args.prompt_len)).tolist()
-            engine = make_engine(ckpt, prompts, args.new_tokens, args.decode_steps)
+            engine = make_engine(ckpt, prompts, args.new_tokens, args.decode_steps, args.lanes)
             warmup = engine_run(engine, prompts, args.new_tokens)  # compiles every shape the timed runs meet
             hf_run = None if args.skip_transformers else make_transformers_run(ckpt, prompts, args.new_tokens)
             # This machine's speed drifts: alternate the two sides and keep each one's best round.
@@ -103,14 +106,16 @@ def main() -> None:
             tokens = c * args.new_tokens
             row = {"concurrency": c, "engine": {
                 "tok_s": tokens / min(ours), "rounds_s": ours, "warmup_s": warmup,
-                "compiled_shapes": engine.prefill_fn._cache_size() + engine.decode_fn._cache_size()}}
+                "compiled_shapes": engine.prefill_fn._cache_size() + engine.decode_fn._cache_size(),
+                "lanes": engine.num_lanes}}
             if theirs:
                 row["transformers"] = {"tok_s": tokens / min(theirs), "rounds_s": theirs}
                 row["speedup"] = row["engine"]["tok_s"] / row["transformers"]["tok_s"]
             rows.append(row)
             hf = row.get("transformers", {}).get("tok_s", float("nan"))
             print(f"concurrency {c:3d}: engine {row['engine']['tok_s']:8.0f} tok/s "
-                  f"(warm-up {row['engine']['warmup_s']:.1f} s)   transformers {hf:8.0f} tok/s   "
+                  f"({engine.num_lanes} lane(s), warm-up {row['engine']['warmup_s']:.1f} s)   "
+                  f"transformers {hf:8.0f} tok/s   "
                   f"x{row.get('speedup', float('nan')):.2f}", flush=True)
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))

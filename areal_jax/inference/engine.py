@@ -1,16 +1,20 @@
-"""The generation engine: continuous batching over fixed KV slots, driven by one asyncio task.
+"""The generation engine: continuous batching over fixed KV slots in one or more lanes.
 
 Requests wait in a FIFO queue and enter as soon as a slot frees: waiting prompts are prefilled
 together (rows padded to a length bucket, each row written into its own slot), then one compiled
-call advances every slot by ``decode_steps`` tokens, attending only up to a bucketed live length.
-Each compiled call runs in a worker thread (``asyncio.to_thread``), so the event loop that owns the
-engine (an HTTP server, say) stays responsive. All scheduling state lives on the event loop and
-changes only under ``_lock``, which a step holds from launch to the bookkeeping of its result.
+call advances every slot of a lane by ``decode_steps`` tokens, attending only up to a bucketed live
+length. A lane is a group of slots with its own cache and its own asyncio task; lanes share the
+queue, the weights and the compiled steps, and their calls run concurrently in worker threads
+(``asyncio.to_thread``), so the event loop that owns the engine (an HTTP server, say) stays
+responsive. Scheduling state lives on the event loop; a lane changes its slots only under its own
+lock, held from launch to the bookkeeping of the result, and engine-wide changes (pause, abort,
+weight swap) take every lane's lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections import deque
@@ -23,77 +27,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.steps import SlotState, bucket, compile_steps
 from areal_jax.inference.types import GenerateOutput, GenerateRequest
 from areal_jax.models.decoder import CACHE_AXES, Decoder
 from areal_jax.models.hf_io import assign_hf_tensors, load_pretrained
 from sharding import activate, logical_to_sharding
 
+__all__ = ["PAUSE_MODES", "Engine", "EngineConfig"]
+
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-def _powers_of_two(lo: int, hi: int) -> list[int]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return out
-
-
-def default_prefill_buckets(max_seq_len: int) -> tuple[int, ...]:
-    """Powers of two from 16, capped by ``max_seq_len`` (which is always the last bucket)."""
-    return tuple(_powers_of_two(16, max_seq_len)) + (max_seq_len,)
-
-
-def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
-    """Powers of two up to a stride of ``max_seq_len / 8``, then multiples of that stride.
-
-    Attention cost follows the attended length, so the stride keeps the waste under 1/8 of the
-    cache for long sequences while the count stays around ten.
-    """
-    stride = max(16, -(-max_seq_len // 8 // 16) * 16)
-    small = _powers_of_two(16, stride)
-    return tuple(sorted({*small, *range(stride, max_seq_len, stride), max_seq_len}))
-
-
-@dataclass
-class EngineConfig:
-    """Sizes and scheduling knobs of one engine."""
-
-    num_slots: int = 32
-    """KV slots = most requests decoded at once. The decode batch is always this many rows."""
-    max_seq_len: int = 1024
-    """Prompt plus output tokens per request; the KV cache holds this many positions per slot."""
-    prefill_buckets: tuple[int, ...] | None = None
-    """Padded prompt lengths a prefill compiles for; None derives them from ``max_seq_len``."""
-    kv_buckets: tuple[int, ...] | None = None
-    """Attended lengths a decode chunk compiles for; None derives them from ``max_seq_len``."""
-    max_prefill_batch: int = 8
-    """Most prompts prefilled in one call; rows are padded to a power of two up to this."""
-    max_prefill_tokens: int = 8192
-    """Most padded tokens (rows x bucket) in one prefill call; one prompt always fits."""
-    decode_steps: int = 8
-    """Tokens per decode call (a scan on device). More amortises dispatch and host sync; a slot
-    whose request stops inside a chunk idles for the chunk's rest, and admission waits for it."""
-    seed: int = 0
-    """Seed of requests that bring none (each gets its own stream from a request counter)."""
-    cache_dtype: str | None = None
-    """KV cache dtype; None uses the model's compute dtype."""
-
-    def __post_init__(self) -> None:
-        self.prefill_buckets = tuple(sorted(self.prefill_buckets or default_prefill_buckets(self.max_seq_len)))
-        self.kv_buckets = tuple(sorted(self.kv_buckets or default_kv_buckets(self.max_seq_len)))
-        if self.prefill_buckets[-1] > self.max_seq_len or self.kv_buckets[-1] > self.max_seq_len:
-            raise ValueError(f"buckets {self.prefill_buckets} / {self.kv_buckets} exceed "
-                             f"max_seq_len={self.max_seq_len}")
-        if self.max_prefill_batch < 1 or self.decode_steps < 1 or self.num_slots < 1:
-            raise ValueError("num_slots, max_prefill_batch and decode_steps must be >= 1")
-
-    @property
-    def prefill_rows(self) -> tuple[int, ...]:
-        return tuple(_powers_of_two(1, self.max_prefill_batch)) + (self.max_prefill_batch,)
 
 
 @dataclass(eq=False)
@@ -104,13 +49,36 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: dict | None = None
+    lane: _Lane | None = None
     slot: int | None = None
+    """Index within ``lane.slots`` while the request holds a slot."""
     done: asyncio.Future | None = None
     updates: asyncio.Queue | None = None
 
     @property
     def length(self) -> int:
         return len(self.req.input_ids) + len(self.out_ids)
+
+
+@dataclass(eq=False)
+class _Lane:
+    """A group of KV slots with its own cache, slot state, step lock and loop task."""
+
+    index: int
+    slots: list[_Seq | None]
+    cache: Any = None
+    slot_state: SlotState | None = None
+    lock: asyncio.Lock | None = None
+    wake: asyncio.Event | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> list[_Seq]:
+        return [s for s in self.slots if s is not None]
+
+    @property
+    def free(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s is None]
 
 
 class Engine:
@@ -124,14 +92,15 @@ class Engine:
         self._graphdef, state = nnx.split(model)
         self._state = self._committed(state)
         self.prefill_fn, self.decode_fn = compile_steps(self._graphdef)
-        self._cache, self._slot_state = self._fresh_cache()
-        self._slots: list[_Seq | None] = [None] * cfg.num_slots
+        self.num_lanes = cfg.resolve_lanes(jax.default_backend(), mesh is not None)
+        self.lane_slots = cfg.num_slots // self.num_lanes
+        self._lanes = [_Lane(i, [None] * self.lane_slots) for i in range(self.num_lanes)]
+        for lane in self._lanes:
+            lane.cache, lane.slot_state = self._fresh_cache()
         self._waiting: deque[_Seq] = deque()
         self._counter = itertools.count(1)
         self._paused: str | None = None
-        self._task: asyncio.Task | None = None
-        self._lock: asyncio.Lock | None = None
-        self._wake: asyncio.Event | None = None
+        self._running = False
         self.stats = {"prefill_calls": 0, "decode_calls": 0, "decode_tokens": 0}
 
     # -- properties --
@@ -142,7 +111,7 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return sum(s is not None for s in self._slots)
+        return sum(len(lane.running) for lane in self._lanes)
 
     @property
     def num_waiting(self) -> int:
@@ -164,28 +133,43 @@ class Engine:
     # -- lifecycle --
 
     async def start(self) -> None:
-        if self._task is not None:
+        if self._running:
             return
-        self._lock, self._wake = asyncio.Lock(), asyncio.Event()
-        self._task = asyncio.create_task(self._loop(), name="engine-loop")
+        self._running = True
+        for lane in self._lanes:
+            lane.lock, lane.wake = asyncio.Lock(), asyncio.Event()
+            lane.task = asyncio.create_task(self._loop(lane), name=f"engine-lane-{lane.index}")
 
     async def stop(self) -> None:
-        """Finish the step in flight, abort every request, and end the loop."""
-        if self._task is None:
+        """Finish the steps in flight, abort every request, and end the lane loops."""
+        if not self._running:
             return
-        task, self._task = self._task, None
-        async with self._lock:
-            task.cancel()
+        self._running = False
+        tasks = [lane.task for lane in self._lanes]
+        async with self._all_lanes():
+            for task in tasks:
+                task.cancel()
             self._abort_where(lambda s: True, "engine stopped")
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @contextlib.asynccontextmanager
+    async def _all_lanes(self) -> AsyncIterator[None]:
+        """Hold every lane's lock (taken in lane order, so two holders cannot deadlock)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for lane in self._lanes:
+                await stack.enter_async_context(lane.lock)
+            yield
+
+    def _wake_all(self) -> None:
+        for lane in self._lanes:
+            lane.wake.set()
 
     # -- requests --
 
     def _admit(self, req: GenerateRequest, streaming: bool) -> _Seq:
-        if self._task is None:
+        if not self._running:
             raise RuntimeError("Engine.start() has not been awaited")
         req.sampling.validate(self.vocab_size)
         n = len(req.input_ids)
@@ -203,7 +187,7 @@ class Engine:
             self._finish(seq, {"type": "length", "length": 0})
         else:
             self._waiting.append(seq)
-            self._wake.set()
+            self._wake_all()
         return seq
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
@@ -230,28 +214,28 @@ class Engine:
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
         """Abort one request (by rid) or all; they return their partial output. Returns how many."""
-        async with self._lock:
+        async with self._all_lanes():
             return self._abort_where(lambda s: abort_all or s.req.rid == rid, "aborted")
 
     async def pause(self, mode: str = "abort") -> None:
-        """Stop stepping after the step in flight. ``abort``: every request returns now (partial
+        """Stop stepping after the steps in flight. ``abort``: every request returns now (partial
         output); ``retract``: running requests go back to the queue front and, after resume,
         recompute their KV and continue; ``in_place``: slots and KV stay as they are."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         self._paused = mode
-        async with self._lock:
+        async with self._all_lanes():
             if mode == "abort":
                 self._abort_where(lambda s: True, "paused with mode abort")
             elif mode == "retract":
-                running = sorted((s for s in self._slots if s is not None), key=lambda s: s.stream_id)
+                running = sorted((s for lane in self._lanes for s in lane.running), key=lambda s: s.stream_id)
                 for seq in reversed(running):
-                    self._slots[seq.slot] = seq.slot = None
+                    self._release(seq)
                     self._waiting.appendleft(seq)
 
     async def resume(self) -> None:
         self._paused = None
-        self._wake.set()
+        self._wake_all()
 
     async def update_weights(self, tensors: dict[str, np.ndarray] | None = None, *,
                              model_dir: str | None = None, version: int) -> None:
@@ -263,7 +247,7 @@ class Engine:
         """
         if (tensors is None) == (model_dir is None):
             raise ValueError("update_weights needs exactly one of tensors or model_dir")
-        async with self._lock:
+        async with self._all_lanes():
             if tensors is not None:
                 await asyncio.to_thread(self._in_mesh, assign_hf_tensors, self.model, tensors)
             else:
@@ -282,10 +266,11 @@ class Engine:
 
     async def flush_cache(self) -> bool:
         """Zero the KV cache; refused (False) while requests are running or waiting."""
-        async with self._lock:
+        async with self._all_lanes():
             if self.num_running or self.num_waiting:
                 return False
-            self._cache, self._slot_state = await asyncio.to_thread(self._fresh_cache)
+            for lane in self._lanes:
+                lane.cache, lane.slot_state = await asyncio.to_thread(self._fresh_cache)
             return True
 
     # -- bookkeeping --
@@ -294,10 +279,14 @@ class Engine:
         return GenerateOutput(seq.req.rid, len(seq.req.input_ids), list(seq.out_ids), list(seq.logprobs),
                               list(seq.versions), seq.finish_reason, self._version)
 
+    def _release(self, seq: _Seq) -> None:
+        if seq.lane is not None:
+            seq.lane.slots[seq.slot] = None
+            seq.lane = seq.slot = None
+
     def _finish(self, seq: _Seq, reason: dict) -> None:
         seq.finish_reason = reason
-        if seq.slot is not None:
-            self._slots[seq.slot] = seq.slot = None
+        self._release(seq)
         out = self._snapshot(seq)
         if not seq.done.done():
             seq.done.set_result(out)
@@ -305,7 +294,8 @@ class Engine:
             seq.updates.put_nowait(out)
 
     def _abort_where(self, pred: Any, message: str) -> int:
-        hits = [s for s in self._waiting if pred(s)] + [s for s in self._slots if s is not None and pred(s)]
+        running = [s for lane in self._lanes for s in lane.running]
+        hits = [s for s in self._waiting if pred(s)] + [s for s in running if pred(s)]
         if hits:
             self._waiting = deque(s for s in self._waiting if not pred(s))
             for seq in hits:
@@ -324,7 +314,7 @@ class Engine:
             self._finish(seq, {"type": "length", "length": len(seq.out_ids)})
         return seq.finish_reason is not None
 
-    # -- the loop --
+    # -- the lane loops --
 
     def _in_mesh(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         with activate(self.mesh):
@@ -339,42 +329,43 @@ class Engine:
         return jax.tree.map(lambda x: jax.device_put(x, x.sharding if self.mesh is not None else single), tree)
 
     def _fresh_cache(self) -> tuple[Any, SlotState]:
+        """A zero cache and empty slot state for one lane."""
         with activate(self.mesh):
             dtype = self.cfg.cache_dtype and np.dtype(self.cfg.cache_dtype)
-            cache = self.model.init_cache(self.cfg.num_slots, self.cfg.max_seq_len, dtype)
-            state = SlotState.empty(self.cfg.num_slots)
+            cache = self.model.init_cache(self.lane_slots, self.cfg.max_seq_len, dtype)
+            state = SlotState.empty(self.lane_slots)
             if self.mesh is not None:
                 cache = jax.device_put(cache, logical_to_sharding(CACHE_AXES, self.mesh))
                 state = jax.device_put(state, logical_to_sharding((None,), self.mesh))
         return self._committed(cache), self._committed(state)
 
-    def _can_step(self) -> bool:
+    def _can_step(self, lane: _Lane) -> bool:
         if self._paused is not None:
             return False
-        return self.num_running > 0 or (bool(self._waiting) and None in self._slots)
+        return any(s is not None for s in lane.slots) or (bool(self._waiting) and None in lane.slots)
 
-    async def _loop(self) -> None:
+    async def _loop(self, lane: _Lane) -> None:
         while True:
-            if not self._can_step():
-                self._wake.clear()
-                await self._wake.wait()
+            if not self._can_step(lane):
+                lane.wake.clear()
+                await lane.wake.wait()
                 continue
-            async with self._lock:
+            async with lane.lock:
                 try:
                     if self._paused is not None:
                         continue
-                    if self._waiting and None in self._slots:
-                        await self._prefill()
-                    elif self.num_running:
-                        await self._decode()
+                    if self._waiting and None in lane.slots:
+                        await self._prefill(lane)
+                    elif lane.running:
+                        await self._decode(lane)
                 except Exception as e:  # a failed step must not hang its requests
-                    log.exception("engine step failed")
-                    self._abort_where(lambda s: s.slot is not None, f"engine error: {e!r}")
-                    self._cache, self._slot_state = self._fresh_cache()
+                    log.exception("engine step failed (lane %d)", lane.index)
+                    self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}")
+                    lane.cache, lane.slot_state = self._fresh_cache()
 
-    async def _prefill(self) -> None:
+    async def _prefill(self, lane: _Lane) -> None:
         cfg = self.cfg
-        free = [i for i, s in enumerate(self._slots) if s is None]
+        free = lane.free
         batch: list[_Seq] = []
         while self._waiting and len(batch) < min(len(free), cfg.max_prefill_batch):
             longest = max([s.length for s in batch] + [self._waiting[0].length])
@@ -385,7 +376,7 @@ class Engine:
         rows = bucket(len(batch), cfg.prefill_rows)
         ids = np.zeros((rows, length), np.int32)
         lengths = np.zeros((rows,), np.int32)
-        slots = np.full((rows,), cfg.num_slots, np.int32)  # padding rows write nowhere
+        slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows write nowhere
         first_step = np.zeros((rows,), np.int32)
         temp, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
         top_k = np.full((rows,), -1, np.int32)
@@ -397,29 +388,29 @@ class Engine:
             sp = seq.req.sampling
             temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
             seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (cfg.seed, seq.stream_id)
-            seq.slot = free[i]
-            self._slots[free[i]] = seq
+            seq.lane, seq.slot = lane, free[i]
+            lane.slots[free[i]] = seq
         version = self._version
-        self._cache, self._slot_state, out = await asyncio.to_thread(
-            self._run_step, self.prefill_fn, self._state, self._cache, self._slot_state, ids, lengths, slots,
+        lane.cache, lane.slot_state, out = await asyncio.to_thread(
+            self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, ids, lengths, slots,
             first_step, temp, top_p, top_k, seed, stream)
         self.stats["prefill_calls"] += 1
         for i, seq in enumerate(batch):
-            if self._slots[free[i]] is seq:  # not aborted or retracted meanwhile
+            if lane.slots[free[i]] is seq:  # not aborted or retracted meanwhile
                 self._append(seq, int(out[0, i]), float(out[1, i]), version)
                 self._notify(seq)
 
-    async def _decode(self) -> None:
+    async def _decode(self, lane: _Lane) -> None:
         n = self.cfg.decode_steps
-        live = [s for s in self._slots if s is not None]
+        live = lane.running
         kv_len = bucket(max(s.length - 1 for s in live) + n, self.cfg.kv_buckets)
         version = self._version
-        self._cache, self._slot_state, out = await asyncio.to_thread(
-            self._run_step, self.decode_fn, self._state, self._cache, self._slot_state, kv_len=kv_len, num_steps=n)
+        lane.cache, lane.slot_state, out = await asyncio.to_thread(
+            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, kv_len=kv_len, num_steps=n)
         self.stats["decode_calls"] += 1
         tokens, logprobs = out[0].astype(np.int64).tolist(), out[1].tolist()
         for seq in live:
-            if seq.slot is None:
+            if seq.lane is not lane:  # aborted or retracted meanwhile
                 continue
             slot = seq.slot
             for i in range(n):

@@ -28,9 +28,10 @@ def model(ckpt: Path) -> Decoder:
     return load_pretrained(ckpt)
 
 
-# One engine for the whole session: compiling a step shape takes about a second on CPU. Tests that
-# change its weights put the original ones back.
-ENGINE_CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, decode_steps=4)
+# One engine for the whole session, in two lanes of four slots (the harder scheduling path):
+# compiling a step shape takes about a second on CPU. Tests that change its weights put the
+# original ones back.
+ENGINE_CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, decode_steps=4, lanes=2)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,95 @@
+"""The engine's sizes and scheduling knobs, and the bucket sets its compiled shapes come from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out
+
+
+def default_prefill_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """Powers of two from 16, capped by ``max_seq_len`` (which is always the last bucket)."""
+    return tuple(_powers_of_two(16, max_seq_len)) + (max_seq_len,)
+
+
+def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
+    """Powers of two up to a stride of ``max_seq_len / 8``, then multiples of that stride.
+
+    Attention cost follows the attended length, so the stride keeps the waste under 1/8 of the
+    cache for long sequences while the count stays around ten.
+    """
+    stride = max(16, -(-max_seq_len // 8 // 16) * 16)
+    small = _powers_of_two(16, stride)
+    return tuple(sorted({*small, *range(stride, max_seq_len, stride), max_seq_len}))
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class EngineConfig:
+    """Sizes and scheduling knobs of one engine."""
+
+    num_slots: int = 32
+    """KV slots = most requests decoded at once, over all lanes."""
+    max_seq_len: int = 1024
+    """Prompt plus output tokens per request; the KV cache holds this many positions per slot."""
+    prefill_buckets: tuple[int, ...] | None = None
+    """Padded prompt lengths a prefill compiles for; None derives them from ``max_seq_len``."""
+    kv_buckets: tuple[int, ...] | None = None
+    """Attended lengths a decode chunk compiles for; None derives them from ``max_seq_len``."""
+    max_prefill_batch: int = 8
+    """Most prompts prefilled in one call; rows are padded to a power of two up to this."""
+    max_prefill_tokens: int = 8192
+    """Most padded tokens (rows x bucket) in one prefill call; one prompt always fits."""
+    decode_steps: int = 8
+    """Tokens per decode call (a scan on device). More amortises dispatch and host sync; a slot
+    whose request stops inside a chunk idles for the chunk's rest, and admission waits for it."""
+    lanes: int | None = None
+    """Groups of slots, each with its own cache, stepped concurrently from its own thread; the
+    compiled steps are shared (all lanes have ``num_slots / lanes`` rows). On a multi-core CPU,
+    two half-width batches keep the cores busier than one full-width batch (small matmuls scale
+    badly across threads), and one lane's host bookkeeping overlaps the other's compute. None
+    picks 2 on a CPU backend with at least 2 usable cores, no mesh and an even ``num_slots`` of
+    at least 16, else 1. More than one lane needs ``mesh=None``."""
+    seed: int = 0
+    """Seed of requests that bring none (each gets its own stream from a request counter)."""
+    cache_dtype: str | None = None
+    """KV cache dtype; None uses the model's compute dtype."""
+
+    def __post_init__(self) -> None:
+        self.prefill_buckets = tuple(sorted(self.prefill_buckets or default_prefill_buckets(self.max_seq_len)))
+        self.kv_buckets = tuple(sorted(self.kv_buckets or default_kv_buckets(self.max_seq_len)))
+        if self.prefill_buckets[-1] > self.max_seq_len or self.kv_buckets[-1] > self.max_seq_len:
+            raise ValueError(f"buckets {self.prefill_buckets} / {self.kv_buckets} exceed "
+                             f"max_seq_len={self.max_seq_len}")
+        if self.max_prefill_batch < 1 or self.decode_steps < 1 or self.num_slots < 1:
+            raise ValueError("num_slots, max_prefill_batch and decode_steps must be >= 1")
+        if self.lanes is not None and (self.lanes < 1 or self.num_slots % self.lanes):
+            raise ValueError(f"lanes={self.lanes} must be >= 1 and divide num_slots={self.num_slots}")
+
+    @property
+    def prefill_rows(self) -> tuple[int, ...]:
+        return tuple(_powers_of_two(1, self.max_prefill_batch)) + (self.max_prefill_batch,)
+
+    def resolve_lanes(self, backend: str, has_mesh: bool) -> int:
+        """The lane count to run with on ``backend`` (see ``lanes``)."""
+        if self.lanes is not None:
+            if self.lanes > 1 and has_mesh:
+                raise ValueError(f"lanes={self.lanes} needs mesh=None: lanes are concurrent programs, "
+                                 "and over a mesh their collectives could interleave; use lanes=1")
+            return self.lanes
+        auto = backend == "cpu" and not has_mesh and usable_cpus() >= 2
+        return 2 if auto and self.num_slots >= 16 and self.num_slots % 2 == 0 else 1

@@ -1,0 +1,100 @@
+"""Lanes: how many an engine picks, that two lanes give exactly what one lane gives, and that
+their compiled calls really run at the same time."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingParams
+from areal_jax.inference import config as config_mod
+from areal_jax.models.hf_io import load_pretrained
+from tests.inference.conftest import ENGINE_CFG
+from tests.inference.reference import prompts, run
+
+
+@pytest.mark.parametrize(("num_slots", "backend", "mesh", "cpus", "lanes"), [
+    (32, "cpu", False, 2, 2), (16, "cpu", False, 8, 2), (8, "cpu", False, 2, 1), (17, "cpu", False, 2, 1),
+    (32, "cpu", False, 1, 1), (32, "cpu", True, 2, 1), (32, "tpu", False, 8, 1), (32, "gpu", False, 8, 1)])
+def test_automatic_lane_count(monkeypatch: pytest.MonkeyPatch, num_slots: int, backend: str, mesh: bool,
+                              cpus: int, lanes: int) -> None:
+    monkeypatch.setattr(config_mod, "usable_cpus", lambda: cpus)
+    assert EngineConfig(num_slots=num_slots).resolve_lanes(backend, mesh) == lanes
+
+
+def test_bad_lane_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match="lanes=3 must be >= 1 and divide num_slots=8"):
+        EngineConfig(num_slots=8, lanes=3)
+    with pytest.raises(ValueError, match="lanes=0"):
+        EngineConfig(num_slots=8, lanes=0)
+    with pytest.raises(ValueError, match="lanes=2 needs mesh=None"):
+        EngineConfig(num_slots=8, lanes=2).resolve_lanes("cpu", has_mesh=True)
+    assert EngineConfig(num_slots=8, lanes=1).resolve_lanes("cpu", has_mesh=True) == 1
+
+
+def _requests() -> list[GenerateRequest]:
+    ps = prompts([3, 9, 17, 30, 5, 12, 8, 21, 4, 14], seed=5)  # more prompts than slots
+    greedy = SamplingParams(max_new_tokens=14, temperature=0, ignore_eos=True)
+    return [GenerateRequest(p, greedy if i % 2 else SamplingParams(max_new_tokens=14, seed=i, top_p=0.9,
+                                                                   ignore_eos=True))
+            for i, p in enumerate(ps)]
+
+
+def _generate(engine: Engine, requests: list[GenerateRequest]) -> list:
+    async def go() -> list:
+        await engine.start()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+        finally:
+            await engine.stop()
+    return run(go())
+
+
+def test_two_lanes_equal_one_lane(engine: Engine, ckpt: Path) -> None:
+    assert engine.num_lanes == 2 and engine.lane_slots == 4
+    single = Engine(load_pretrained(ckpt), EngineConfig(**{**vars(ENGINE_CFG), "lanes": 1}))
+    assert single.num_lanes == 1
+    ours, theirs = _generate(engine, _requests()), _generate(single, _requests())
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
+
+
+def test_lanes_fill_and_step_concurrently(engine: Engine) -> None:
+    spans: list[tuple[str, float, float]] = []
+    real = engine._run_step
+
+    def timed(fn, *args, **kwargs):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        try:
+            return real(fn, *args, **kwargs)
+        finally:
+            spans.append((threading.current_thread().name, t0, time.perf_counter()))
+
+    engine._run_step = timed
+    try:
+        async def go() -> list[int]:
+            await engine.start()
+            try:
+                sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+                streams = [engine.stream(GenerateRequest(p, sp)) for p in prompts([5] * 8, seed=6)]
+                firsts = await asyncio.gather(*(anext(s) for s in streams))
+                assert all(len(f.output_ids) >= 1 for f in firsts)
+                busy = [len(lane.running) for lane in engine._lanes]
+                for s in streams:
+                    async for _ in s:
+                        pass
+                return busy
+            finally:
+                await engine.stop()
+        busy = run(go())
+    finally:
+        del engine._run_step
+    assert sum(busy) == 8 and min(busy) >= 1, busy  # both lanes took requests
+    overlaps = sum(1 for i, (_, s0, e0) in enumerate(spans) for (_, s1, e1) in spans[i + 1:] if s0 < e1 and s1 < e0)
+    assert overlaps >= 1, spans  # the two lanes' calls were in flight at the same time
