@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.steps import SlotState, bucket, compile_steps
 from areal_jax.inference.types import GenerateOutput, GenerateRequest
-from areal_jax.models.decoder import CACHE_AXES, Decoder
+from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import assign_hf_tensors, load_pretrained
 from sharding import activate, logical_to_sharding
 
@@ -335,7 +335,9 @@ class Engine:
             cache = self.model.init_cache(self.lane_slots, self.cfg.max_seq_len, dtype)
             state = SlotState.empty(self.lane_slots)
             if self.mesh is not None:
-                cache = jax.device_put(cache, logical_to_sharding(CACHE_AXES, self.mesh))
+                shard = lambda x, axes: jax.device_put(x, logical_to_sharding(axes, self.mesh))
+                cache = KVCache(*(tuple(map(shard, xs, axes)) for xs, axes in zip(cache, KVCache.axes(len(cache.k)),
+                                                                                 strict=True)))
                 state = jax.device_put(state, logical_to_sharding((None,), self.mesh))
         return self._committed(cache), self._committed(state)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.inference.sampling import row_keys, sample
-from areal_jax.models.decoder import CACHE_AXES, Decoder, KVCache
+from areal_jax.models.decoder import K_CACHE_AXES, V_CACHE_AXES, Decoder, KVCache
 from sharding import constrain
 
 
@@ -60,8 +60,8 @@ def _forward(model: Decoder, ids: jax.Array, positions: jax.Array, cache: KVCach
     ks, vs = [], []
     for layer, k, v in zip(model.layers, cache.k, cache.v, strict=True):
         x, k, v = layer.decode(x, positions, k, v, slots, kv_len)
-        ks.append(constrain(k, CACHE_AXES))
-        vs.append(constrain(v, CACHE_AXES))
+        ks.append(constrain(k, K_CACHE_AXES))
+        vs.append(constrain(v, V_CACHE_AXES))
     return model.norm(x), KVCache(tuple(ks), tuple(vs))
 
 
