@@ -192,7 +192,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
-                          "weight_version": str(e.version), "paused": st.paused}]))
+                          "weight_version": str(e.version), "paused": st.paused, "lanes": e.num_lanes}]))
 
 
 # --- control -----------------------------------------------------------------------------------
@@ -394,6 +394,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=None, help="engine slots (decode batch)")
     p.add_argument("--context-length", type=int, default=None, help="max prompt + answer tokens")
     p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--lanes", type=int, default=None,
+                   help="slot groups decoded concurrently (not an SGLang flag); default: 2 on a multi-core CPU, else 1")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -406,7 +408,7 @@ def run_server(args: argparse.Namespace | list[str] | None = None) -> None:
     asyncio.run(serve(args.model_path, args.host, args.port, args.api_key, tokenizer_path=args.tokenizer_path,
                       served_model_name=args.served_model_name, dtype=args.dtype,
                       num_slots=args.max_running_requests, max_seq_len=args.context_length,
-                      seed=args.random_seed))
+                      seed=args.random_seed, lanes=args.lanes))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from tests.inference.reference import prompts, run
 
 
 @pytest.mark.parametrize(("num_slots", "backend", "mesh", "cpus", "lanes"), [
-    (32, "cpu", False, 2, 2), (16, "cpu", False, 8, 2), (8, "cpu", False, 2, 1), (17, "cpu", False, 2, 1),
+    (32, "cpu", False, 2, 2), (16, "cpu", False, 8, 2), (4, "cpu", False, 2, 2), (2, "cpu", False, 2, 1),
+    (17, "cpu", False, 2, 1),
     (32, "cpu", False, 1, 1), (32, "cpu", True, 2, 1), (32, "tpu", False, 8, 1), (32, "gpu", False, 8, 1)])
 def test_automatic_lane_count(monkeypatch: pytest.MonkeyPatch, num_slots: int, backend: str, mesh: bool,
                               cpus: int, lanes: int) -> None:

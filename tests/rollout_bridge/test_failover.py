@@ -45,7 +45,7 @@ def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
-         "--max-running-requests", "8", "--context-length", "512", "--log-level", "warning"],
+         "--max-running-requests", "8", "--context-length", "512", "--lanes", "2", "--log-level", "warning"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     model = load_pretrained(tiny_dir)
 
@@ -53,6 +53,8 @@ def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None
         async with running_server(tiny_dir, num_slots=8, max_seq_len=512) as (survivor, _):
             doomed = f"127.0.0.1:{port}"
             await _wait_healthy(doomed, proc)
+            async with aiohttp.ClientSession() as s, s.get(f"http://{doomed}/get_server_info") as r:
+                assert (await r.json())["internal_states"][0]["lanes"] == 2  # --lanes reached the engine
             cfg = ClientConfig(generate_timeout_s=300, control_timeout_s=30, all_down_wait_s=10, health_interval_s=0.5)
             async with HttpRolloutClient([survivor, doomed], config=cfg) as client:
                 sp = {"max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0}
