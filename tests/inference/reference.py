@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,17 @@ def sharpened_checkpoint(out: Path, seed: int, scale: float = 10.0) -> Path:
 
 def run(coro: Awaitable[T]) -> T:
     return asyncio.run(coro)
+
+
+def generate_all(engine: Any, requests: list) -> list:
+    """Start ``engine``, run every request concurrently, stop it; the outputs in request order."""
+    async def go() -> list:
+        await engine.start()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+        finally:
+            await engine.stop()
+    return run(go())
 
 
 REF_LEN = 128  # references pad to this (or the next power of two), so the jitted forward compiles rarely

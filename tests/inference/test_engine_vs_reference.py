@@ -3,24 +3,12 @@ seeds, many concurrent requests, and the bound on compiled shapes."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
 from areal_jax.inference import Engine, GenerateRequest, SamplingParams
 from areal_jax.models.decoder import Decoder
-from tests.inference.reference import prompts, reference_greedy, reference_logprobs, run
-
-
-def generate_all(engine: Engine, requests: list[GenerateRequest]) -> list:
-    async def go() -> list:
-        await engine.start()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
-        finally:
-            await engine.stop()
-    return run(go())
+from tests.inference.reference import generate_all, prompts, reference_greedy, reference_logprobs, run
 
 
 def test_greedy_vs_reference(engine: Engine, model: Decoder) -> None:

@@ -15,7 +15,7 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference import config as config_mod
 from areal_jax.models.hf_io import load_pretrained
 from tests.inference.conftest import ENGINE_CFG
-from tests.inference.reference import prompts, run
+from tests.inference.reference import generate_all, prompts, run
 
 
 @pytest.mark.parametrize(("num_slots", "backend", "mesh", "cpus", "lanes"), [
@@ -46,21 +46,11 @@ def _requests() -> list[GenerateRequest]:
             for i, p in enumerate(ps)]
 
 
-def _generate(engine: Engine, requests: list[GenerateRequest]) -> list:
-    async def go() -> list:
-        await engine.start()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
-        finally:
-            await engine.stop()
-    return run(go())
-
-
 def test_two_lanes_equal_one_lane(engine: Engine, ckpt: Path) -> None:
     assert engine.num_lanes == 2 and engine.lane_slots == 4
     single = Engine(load_pretrained(ckpt), EngineConfig(**{**vars(ENGINE_CFG), "lanes": 1}))
     assert single.num_lanes == 1
-    ours, theirs = _generate(engine, _requests()), _generate(single, _requests())
+    ours, theirs = generate_all(engine, _requests()), generate_all(single, _requests())
     for a, b in zip(ours, theirs, strict=True):
         assert a.output_ids == b.output_ids
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
