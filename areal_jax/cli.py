@@ -1,5 +1,6 @@
-"""The ``areal-jax`` command: ``serve`` (the embedded SGLang-protocol server) and ``demo`` (the
-quick-start job: everything that runs end to end today, on CPU with a tiny model built locally).
+"""The ``areal-jax`` command: ``train`` (an RL run from a YAML config), ``eval`` (held-out
+accuracy of a checkpoint), ``serve`` (the embedded SGLang-protocol server) and ``demo`` (the
+rollout side on its own: generation through the client with a weight update mid-answer).
 """
 
 from __future__ import annotations
@@ -101,12 +102,61 @@ def _runs(versions: list[int]) -> str:
     return " ".join(out)
 
 
+COMMANDS = {
+    "train": "run RL from a YAML config: areal-jax train --config FILE [key=value ...]",
+    "eval": "held-out accuracy of a checkpoint: areal-jax eval --config FILE --model-path DIR",
+    "serve": "run the embedded JAX inference server (SGLang's HTTP protocol)",
+    "demo": "the rollout side alone: a tiny model served, answers generated, weights pushed mid-answer",
+}
+
+
+def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=COMMANDS[prog.split()[-1]],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    if with_model:
+        p.add_argument("--model-path", required=True, help="HF model directory to evaluate")
+    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=20 rollout.max_staleness=4")
+    return p.parse_args(argv)
+
+
+def _train(argv: list[str]) -> None:
+    from areal_jax.config import ConfigError
+    from areal_jax.trainer.rl import run_summary, train
+    from areal_jax.trainer.run_config import load_run_config
+
+    args = _train_args(argv, "areal-jax train")
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"areal-jax train: {e}")
+    print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, final/); "
+          f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
+    result = train(cfg)
+    print(run_summary(result))
+
+
+def _eval(argv: list[str]) -> None:
+    from areal_jax.config import ConfigError
+    from areal_jax.trainer.evaluate import evaluate_checkpoint
+    from areal_jax.trainer.run_config import load_run_config
+
+    args = _train_args(argv, "areal-jax eval", with_model=True)
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"areal-jax eval: {e}")
+    out = evaluate_checkpoint(cfg, args.model_path)
+    print(f"{args.model_path}: held-out accuracy {out['eval_accuracy']:.1%}, mean reward {out['eval_reward']:.3f} "
+          f"on {out['eval_prompts']} prompts")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": "run the embedded JAX inference server (SGLang's HTTP protocol)",
-                "demo": "the quick-start job on CPU with a tiny local model"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: areal-jax {serve,demo} ...\n" + "\n".join(f"  {k:<6} {v}" for k, v in commands.items()))
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: areal-jax {" + ",".join(COMMANDS) + "} ...\n\ncommands:\n"
+              + "\n".join(f"  {k:<6} {v}" for k, v in COMMANDS.items())
+              + "\n\n'areal-jax COMMAND --help' describes each.")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     cmd, rest = argv[0], argv[1:]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -116,6 +166,10 @@ def main(argv: list[str] | None = None) -> None:
         run_server(rest)
     elif cmd == "demo":
         asyncio.run(_demo(_demo_args(rest)))
+    elif cmd == "train":
+        _train(rest)
+    elif cmd == "eval":
+        _eval(rest)
 
 
 if __name__ == "__main__":

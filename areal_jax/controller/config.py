@@ -1,0 +1,73 @@
+"""``RolloutConfig``: the rollout room of the run config: where answers come from, how they are
+sampled, which workflow turns prompts into groups, and how far rollout may run ahead."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout servers, sampling, the workflow and the staleness bound."""
+
+    backend: Literal["embedded", "servers"] = "embedded"
+    """``embedded``: start ``num_servers`` of our JAX servers as child processes; ``servers``:
+    use the running servers (ours or SGLang) at ``servers``."""
+    num_servers: int = 1
+    """Embedded servers to start."""
+    servers: list[str] = field(default_factory=list)
+    """``host:port`` or URLs of running servers, with ``backend: servers``."""
+    api_key: str | None = None
+    """Bearer key the servers want, if any."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra ``areal-jax serve`` flags for embedded servers, e.g. ``["--max-running-requests", "64"]``."""
+    startup_timeout_s: float = 300.0
+    """How long to wait for embedded servers to answer ``/health``."""
+    workflow: str = "single_turn"
+    """``single_turn``, ``multi_turn``, ``agentic``, or a user's ``async def episode(client, row)``
+    by import path (``my_pkg.flows:episode``)."""
+    workflow_options: dict[str, Any] = field(default_factory=dict)
+    """The workflow's own options (``max_turns``, ``turn_discount``, ``feedback``, ``agent``, ...)."""
+    group_size: int = 8
+    """Answers per prompt (n): one group, normalised together by group-relative estimators."""
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's logprobs use the same (``train.temperature`` must match)."""
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] | None = None
+    mode: Literal["async", "sync"] = "async"
+    """``async``: rollout keeps generating while the trainer trains (AReaL). ``sync``: generate a
+    batch, stop, train, update the weights, repeat (same code path, ``max_staleness`` forced to 0)."""
+    max_staleness: int = 2
+    """eta: no trained token is more than this many policy versions older than the trainer."""
+    max_concurrent_rollouts: int | None = None
+    """Cap on groups in flight; None: ``(max_staleness + 1) * batch_size``."""
+    filter_uniform_reward: bool = False
+    """DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+    weight_sync: Literal["http", "disk"] = "http"
+    """``http``: stream buckets to our servers; ``disk``: write a versioned HF checkpoint and call
+    ``/update_weights_from_disk`` (SGLang, or any server on a shared filesystem)."""
+    pause_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """How servers pause for a weight update; ``abort`` ends in-flight requests and the client
+    resumes them under the new weights (interruptible rollout)."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 1:
+            raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
+        if self.backend == "servers" and not self.servers:
+            raise ValueError("rollout.backend=servers needs rollout.servers=[host:port, ...]")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def effective_max_staleness(self) -> int:
+        return 0 if self.mode == "sync" else self.max_staleness
+
+    def sampling_params(self) -> dict[str, Any]:
+        sp: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                              "top_p": self.top_p, "top_k": self.top_k}
+        if self.stop_token_ids:
+            sp["stop_token_ids"] = list(self.stop_token_ids)
+        return sp

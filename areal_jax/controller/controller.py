@@ -1,0 +1,208 @@
+"""The rollout controller: submits prompts to workflows while the staleness rule allows, and
+hands the trainer batches of groups that are within the bound.
+
+Everything runs on one asyncio loop. A background task pulls prompt rows and starts one episode
+(the workflow) per row whenever ``StalenessRule`` has capacity; finished groups are accepted
+into the queue, filtered (all rewards equal, when DAPO's dynamic filtering is on) or counted as
+failed. ``get_batch`` takes the oldest groups first and drops any that became staler than the
+bound while they waited, so a batch never trains on a token more than ``max_staleness``
+versions old. Rollout is reached only through the workflow's client, so the controller cannot
+tell our embedded servers from SGLang or an in-process engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal_jax.controller.staleness import StalenessRule
+from areal_jax.controller.workflow import Workflow, WorkflowError
+from areal_jax.data.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Group:
+    """The answers to one prompt, as one workflow call returned them."""
+
+    row_id: str
+    trajectories: list[Trajectory]
+    submit_version: int
+    seconds: float
+    """Wall time of the episode."""
+
+    @property
+    def oldest_version(self) -> int:
+        return min(int(t.versions[t.loss_mask > 0].min()) for t in self.trajectories)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(int(t.loss_mask.sum()) for t in self.trajectories)
+
+
+@dataclass
+class ControllerCounters:
+    """Totals since the start of the run (the step's metrics report them)."""
+
+    submitted: int = 0
+    accepted: int = 0
+    filtered: int = 0
+    """Groups dropped by dynamic filtering (every reward equal)."""
+    failed: int = 0
+    """Episodes that raised or returned no trajectory."""
+    stale_dropped: int = 0
+    """Accepted groups dropped because they grew staler than the bound before being trained."""
+    generated_tokens: int = 0
+    failures: list[str] = field(default_factory=list)
+    """The last few failure messages, with row ids."""
+
+
+class PromptsExhausted(RuntimeError):
+    """The prompt iterator ended (its epochs are done) before a batch filled."""
+
+
+class RolloutController:
+    """Runs episodes in the background; ``await get_batch()`` returns ``batch_size`` groups."""
+
+    def __init__(self, episode_client: Any, workflow: Workflow, rows: Iterator[Any], *, batch_size: int,
+                 max_staleness: int, max_concurrent: int | None = None, filter_uniform_reward: bool = False,
+                 version: int = 0):
+        self.client = episode_client
+        self.workflow = workflow
+        self.rows = rows
+        self.rule = StalenessRule(batch_size=batch_size, max_staleness=max_staleness,
+                                  max_concurrent=max_concurrent or (max_staleness + 1) * batch_size,
+                                  version=version, accepted=version * batch_size)
+        self.filter_uniform_reward = filter_uniform_reward
+        self.counters = ControllerCounters()
+        self._ready: list[Group] = []
+        self._changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._exhausted = False
+
+    @property
+    def version(self) -> int:
+        return self.rule.version
+
+    def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._submit_loop())
+
+    async def stop(self) -> None:
+        """Cancel the submit loop and every running episode."""
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop_task = None
+        self._tasks.clear()
+
+    def set_version(self, version: int) -> None:
+        """The trainer's new policy version (its weights reached rollout): capacity grows."""
+        self.rule.set_version(version)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+        self._changed.clear()
+
+    async def _submit_loop(self) -> None:
+        try:
+            while True:
+                while not self.rule.can_submit():
+                    await self._wait_change()
+                row = await asyncio.to_thread(next, self.rows, None)
+                if row is None:
+                    self._exhausted = True
+                    self._notify()
+                    return
+                self.rule.on_submit()
+                self.counters.submitted += 1
+                task = asyncio.create_task(self._run_episode(row, self.rule.version))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the prompt source broke: surface it to get_batch
+            self._error = e
+            self._notify()
+
+    async def _run_episode(self, row: Any, version: int) -> None:
+        t0 = time.perf_counter()
+        accepted = False
+        try:
+            trajs = await self.workflow(self.client, row)
+            if not isinstance(trajs, list) or not all(isinstance(t, Trajectory) for t in trajs):
+                raise WorkflowError(f"the workflow returned {type(trajs).__name__}, not a list of Trajectory")
+            group = Group(getattr(row, "id", "?"), trajs, version, time.perf_counter() - t0)
+            self.counters.generated_tokens += group.generated_tokens if trajs else 0
+            if not trajs:
+                self._fail(row, "the episode produced no trajectory (every answer empty)")
+            elif self.filter_uniform_reward and len({t.reward for t in trajs}) == 1:
+                self.counters.filtered += 1
+            else:
+                self._ready.append(group)
+                self.counters.accepted += 1
+                accepted = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # one bad episode never takes the run down
+            self._fail(row, f"{type(e).__name__}: {e}")
+            if isinstance(e, WorkflowError):
+                self._error = e  # a wrong workflow fails every episode: stop early, loudly
+        finally:
+            self.rule.on_finish(accepted)
+            self._notify()
+
+    def _fail(self, row: Any, message: str) -> None:
+        self.counters.failed += 1
+        msg = f"row {getattr(row, 'id', '?')}: {message}"
+        log.warning("episode failed: %s", msg)
+        self.counters.failures = [*self.counters.failures[-9:], msg]
+
+    async def get_batch(self, timeout: float | None = None) -> list[Group]:
+        """``batch_size`` groups within the staleness bound, oldest first. Raises when the
+        prompt source is exhausted before a batch fills, or the workflow is broken."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        n = self.rule.batch_size
+        while True:
+            self._drop_stale()
+            if len(self._ready) >= n:
+                self._ready.sort(key=lambda g: g.oldest_version)
+                batch, self._ready = self._ready[:n], self._ready[n:]
+                return batch
+            if self._error is not None:
+                raise RuntimeError(f"rollout stopped: {self._error}") from self._error
+            if self._exhausted and not self._tasks:
+                raise PromptsExhausted(f"the prompt source ran out before a batch of {n} groups filled "
+                                       f"({len(self._ready)} ready)")
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"no batch of {n} groups within {timeout}s ({len(self._ready)} ready, "
+                                   f"{self.rule.running} running; last failures: {self.counters.failures[-3:]})")
+            try:
+                await asyncio.wait_for(self._wait_change(), remaining)
+            except TimeoutError:
+                continue
+
+    def _drop_stale(self) -> None:
+        keep = []
+        for g in self._ready:
+            if self.rule.bound_ok(g.oldest_version):
+                keep.append(g)
+            else:
+                self.rule.on_reject_accepted()
+                self.counters.stale_dropped += 1
+        if len(keep) != len(self._ready):
+            self._ready = keep
+            self._notify()

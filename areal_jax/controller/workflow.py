@@ -1,0 +1,212 @@
+"""Workflows: how one prompt becomes a group of trajectories.
+
+A workflow is one async function, ``async def episode(client, row) -> list[Trajectory]``, named
+in the config by import path (``my_pkg.flows:episode``) or by a built-in name:
+
+* ``single_turn``: ``group_size`` answers to the prompt, each scored by the reward service (RLVR).
+* ``multi_turn``: on a wrong answer the model gets a feedback message and another try, up to
+  ``max_turns``; the conversation is one trajectory whose environment tokens carry no loss, and
+  its reward is discounted by ``turn_discount`` per extra turn.
+* ``agentic``: runs the user's agent, ``async def agent(chat, row) -> float``, against an
+  ``openai``-SDK-shaped chat client (``controller/chat.py``) that records every completion.
+
+``client`` is an ``EpisodeClient``: the rollout client plus the run's sampling settings, the
+tokenizer and the reward pool, so a workflow never builds those itself. The controller
+assigns group ids; a workflow's trajectories are one group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from areal_jax.data.trajectory import Trajectory
+
+Workflow = Callable[[Any, Any], Awaitable[list[Trajectory]]]
+
+
+class WorkflowError(ValueError):
+    """A workflow name that cannot be resolved, or a workflow that returned the wrong thing."""
+
+
+@dataclass
+class EpisodeClient:
+    """What a workflow gets as ``client``: generation with the run's settings, rewards, tokenizer."""
+
+    rollout: Any
+    """The ``RolloutClient`` (HTTP to SGLang or embedded servers, or in-process)."""
+    tokenizer: Any
+    reward_pool: Any
+    """A ``RewardPool`` (``await score(prompt, completion, reward_fields, row_id=...)``)."""
+    sampling: dict[str, Any]
+    """SGLang ``sampling_params`` used unless a call overrides them."""
+    group_size: int = 1
+    options: dict[str, Any] = field(default_factory=dict)
+    """The workflow's own options from the config (``rollout.workflow_options``)."""
+    reward_failures: int = 0
+
+    async def generate(self, input_ids: list[int], **overrides: Any) -> Any:
+        """One answer (a ``GenerateResult``): tokens, logprobs, per-token policy versions."""
+        return await self.rollout.generate(list(input_ids), {**self.sampling, **overrides})
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def reward(self, row: Any, completion: str) -> float:
+        """The reward service's score of ``completion`` for ``row``; a failed call scores 0
+        (the pool counts and logs it), so one bad answer never takes a run down."""
+        result = await self.reward_pool.score(row.prompt, completion, row.reward_fields, row_id=row.id)
+        if result.error:
+            self.reward_failures += 1
+        return float(result.reward)
+
+    @staticmethod
+    def trajectory(prompt_ids: list[int], result: Any, reward: float) -> Trajectory:
+        """A one-turn trajectory from a ``GenerateResult``."""
+        return Trajectory.from_prompt_and_answer(
+            np.asarray(prompt_ids), np.asarray(result.output_ids), np.asarray(result.output_logprobs),
+            np.asarray(result.output_versions), reward=reward, group_id=0)
+
+
+async def single_turn(client: EpisodeClient, row: Any) -> list[Trajectory]:
+    """``group_size`` independent answers to ``row``, each scored by the reward service."""
+
+    async def one() -> Trajectory | None:
+        result = await client.generate(row.prompt_ids)
+        if not result.output_ids:
+            return None
+        reward = await client.reward(row, client.decode(result.output_ids))
+        return client.trajectory(row.prompt_ids, result, reward)
+
+    done = await asyncio.gather(*(one() for _ in range(client.group_size)))
+    return [t for t in done if t is not None]
+
+
+DEFAULT_FEEDBACK = "Your answer is not correct. Think again and give your final answer."
+
+
+async def multi_turn(client: EpisodeClient, row: Any) -> list[Trajectory]:
+    """Up to ``max_turns`` tries per answer, with a feedback message after each wrong one.
+
+    Options: ``max_turns`` (default 2), ``turn_discount`` (0.9), ``feedback`` (the user message).
+    A try counts as right when its reward is positive; the trajectory's reward is the last try's
+    reward times ``turn_discount ** (tries - 1)``.
+    """
+    max_turns = int(client.options.get("max_turns", 2))
+    discount = float(client.options.get("turn_discount", 0.9))
+    feedback = str(client.options.get("feedback", DEFAULT_FEEDBACK))
+    if max_turns < 1:
+        raise WorkflowError(f"rollout.workflow_options.max_turns must be >= 1, got {max_turns}")
+
+    async def one() -> Trajectory | None:
+        messages = list(row.messages)
+        ids = list(row.prompt_ids)
+        mask, logprobs, versions = [0.0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
+        reward = 0.0
+        for turn in range(max_turns):
+            result = await client.generate(ids)
+            ids += result.output_ids
+            mask += [1.0] * len(result.output_ids)
+            logprobs += list(result.output_logprobs)
+            versions += list(result.output_versions)
+            text = client.decode(result.output_ids)
+            reward = await client.reward(row, text)
+            if reward > 0 or turn == max_turns - 1 or result.finish_reason.get("type") != "stop":
+                reward *= discount ** turn
+                break
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": feedback}]
+            env = environment_tokens(client.tokenizer, messages, ids)
+            ids += env
+            mask += [0.0] * len(env)
+            logprobs += [0.0] * len(env)
+            versions += [-1] * len(env)
+        if not any(mask):
+            return None
+        return Trajectory(input_ids=np.asarray(ids), loss_mask=np.asarray(mask),
+                          behavior_logprobs=np.asarray(logprobs), versions=np.asarray(versions),
+                          reward=reward, group_id=0, prompt_len=len(row.prompt_ids))
+
+    done = await asyncio.gather(*(one() for _ in range(client.group_size)))
+    return [t for t in done if t is not None]
+
+
+def environment_tokens(tokenizer: Any, messages: list[dict[str, Any]], so_far: list[int]) -> list[int]:
+    """Tokens the chat template puts after ``so_far`` (the conversation up to the last generated
+    token) to render ``messages`` (ending in the new user turn) plus a generation prompt: the end
+    of the assistant turn, the feedback message, the next assistant header. The template is the
+    tokenizer's own, so training sees exactly what a chat server would have fed the model."""
+    full = _ids(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True))
+    if full[:len(so_far)] == so_far:
+        return full[len(so_far):]
+    # The template re-tokenises the answer differently: keep the generated tokens as they were
+    # and append the template's text after the answer, tokenised on its own.
+    answer = messages[-2]["content"]
+    before = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=False)
+    after = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(before) or answer not in before:
+        raise WorkflowError("the chat template does not render a conversation as a prefix of its continuation; "
+                            "multi_turn needs a template that appends turns")
+    tail = before[before.rindex(answer) + len(answer):] + after[len(before):]
+    eos = tokenizer.eos_token or ""
+    if eos and so_far and so_far[-1] == tokenizer.eos_token_id and tail.startswith(eos):
+        tail = tail[len(eos):]  # the answer already ends with the end-of-turn token
+    return list(tokenizer.encode(tail, add_special_tokens=False))
+
+
+def _ids(out: Any) -> list[int]:
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
+    """``group_size`` runs of the user's agent (option ``agent``: ``pkg.mod:fn``), each against
+    a fresh recording chat client; every completion of a run becomes a trajectory with the
+    reward the agent returned (or per completion, with ``chat.set_reward``)."""
+    from areal_jax.controller.chat import RecordingChat
+
+    name = client.options.get("agent")
+    if not name:
+        raise WorkflowError("rollout.workflow=agentic needs rollout.workflow_options.agent: 'pkg.module:function'")
+    agent = resolve_callable(str(name), "rollout.workflow_options.agent")
+
+    async def one() -> list[Trajectory]:
+        chat = RecordingChat(client)
+        reward = await agent(chat, row)
+        return chat.export(reward=None if reward is None else float(reward))
+
+    runs = await asyncio.gather(*(one() for _ in range(client.group_size)))
+    return [t for run in runs for t in run]
+
+
+BUILTIN: dict[str, Workflow] = {"single_turn": single_turn, "multi_turn": multi_turn, "agentic": agentic}
+
+
+def resolve_callable(name: str, field_name: str) -> Callable[..., Any]:
+    """``pkg.mod:fn`` (or ``pkg.mod.fn``) -> the function, with an error naming the config field."""
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise WorkflowError(f"{field_name}={name!r}: expected an import path 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise WorkflowError(f"{field_name}={name!r}: cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise WorkflowError(f"{field_name}={name!r}: {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def get_workflow(name: str) -> Workflow:
+    """A built-in workflow by name, or a user's ``async def episode(client, row)`` by import path."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    fn = resolve_callable(name, "rollout.workflow")
+    if not asyncio.iscoroutinefunction(fn):
+        raise WorkflowError(f"rollout.workflow={name!r} must be an async function: async def episode(client, row)")
+    return fn

@@ -1,0 +1,99 @@
+"""``RunConfig``: one RL run, composed of every room's config; what ``areal-jax train --config``
+reads (YAML overriding these defaults, then ``key=value`` overrides)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_jax.algo import AlgoConfig
+from areal_jax.config import load_config
+from areal_jax.controller.config import RolloutConfig
+from areal_jax.data import DatasetConfig
+from areal_jax.rewards import RewardConfig
+from areal_jax.trainer.config import TrainConfig
+from areal_jax.trainer.metrics import LogConfig
+from areal_jax.trainer.sft import SFTConfig
+from sharding import MeshConfig
+
+
+@dataclass
+class ModelSource:
+    """The policy to start from: a HF model directory, or a tiny model the project builds."""
+
+    path: str | None = None
+    """HF model directory (config.json, safetensors, tokenizer files)."""
+    tiny: str | None = None
+    """Build a tiny random model of this size (``tiny``, ``small``, ...) with the project's
+    character tokenizer in ``<run dir>/base`` instead of loading ``path``."""
+    tiny_options: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the tiny model's config (``hidden_size``, ``num_hidden_layers``, ...)."""
+    model_type: str = "qwen2"
+    """Architecture of a tiny model: ``qwen2``, ``qwen3`` or ``llama``."""
+    dtype: str | None = None
+    """Parameter/compute dtype override (``float32``, ``bfloat16``); None: the checkpoint's."""
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("model: set exactly one of model.path (a HF model directory) or model.tiny (a size)")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation during and after the run."""
+
+    every: int = 0
+    """Evaluate every this many steps (and after the warm start and the last step); 0: only then."""
+    max_prompts: int | None = None
+    """Evaluate on at most this many held-out prompts (None: all)."""
+    temperature: float = 0.0
+    """0 is greedy decoding."""
+    max_new_tokens: int | None = None
+    """None: the rollout's ``max_new_tokens``."""
+    correct_threshold: float = 1.0
+    """An answer counts as correct when its reward is at least this."""
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``areal-jax train`` run needs."""
+
+    run_dir: str = "runs/default"
+    """Metrics, TensorBoard events, plots, logs, weights and the exported policy go here."""
+    steps: int = 100
+    """Training steps (policy versions) of RL."""
+    seed: int = 0
+    model: ModelSource = field(default_factory=lambda: ModelSource(tiny="tiny"))
+    data: DatasetConfig = field(default_factory=DatasetConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    batch_size: int = 8
+    """Groups (prompts) per training step."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    warm_start: SFTConfig | None = None
+    """A supervised warm start on the task's own examples before RL (None: none)."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    export: bool = True
+    """Save the final policy as a HF model directory in ``<run dir>/final``."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 group, got {self.batch_size}")
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+        if abs(self.train.temperature - self.rollout.temperature) > 1e-9 and self.rollout.temperature > 0:
+            raise ValueError(f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
+                             f"({self.rollout.temperature}): the trainer's logprobs must match the sampler's")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file, then ``key=value`` overrides; unknown keys and wrong types
+    fail here, before anything starts."""
+    return load_config(RunConfig, path, overrides)

@@ -1,0 +1,143 @@
+"""Starting embedded rollout servers as child processes, and stopping every one of them.
+
+``ServerFleet`` starts ``areal-jax serve`` processes on free loopback ports, waits for each
+``/health`` with a timeout (on failure the error carries the child's last log lines), watches
+them while the run lasts (``check()`` raises naming a child that died), and stops all it
+started on exit, on Ctrl-C, and when the parent itself fails. Logs go to one file per server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class LaunchError(RuntimeError):
+    """A server that did not come up, or died; the message names it and quotes its log."""
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen
+    address: str
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text[-lines:]) or "    (empty log)"
+
+
+class ServerFleet:
+    """``num_servers`` embedded servers for one model directory."""
+
+    def __init__(self, model_path: str | Path, num_servers: int, log_dir: str | Path, *,
+                 extra_args: list[str] | None = None, seed: int = 0, startup_timeout_s: float = 300.0,
+                 env: dict[str, str] | None = None):
+        if num_servers < 1:
+            raise ValueError(f"rollout.num_servers must be >= 1, got {num_servers}")
+        self.model_path = str(model_path)
+        self.num_servers = num_servers
+        self.log_dir = Path(log_dir)
+        self.extra_args = list(extra_args or [])
+        self.seed = seed
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env
+        self.children: list[_Child] = []
+
+    @property
+    def addresses(self) -> list[str]:
+        return [c.address for c in self.children]
+
+    def start(self) -> list[str]:
+        """Start every server and wait until all answer ``/health``; returns their addresses."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            for i in range(self.num_servers):
+                port = _free_port()
+                log = self.log_dir / f"server-{i}.log"
+                cmd = [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", self.model_path,
+                       "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(self.seed + i),
+                       *self.extra_args]
+                with log.open("w") as f:
+                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                            env={**os.environ, **(self.env or {})})
+                self.children.append(_Child(f"rollout server {i} (pid {proc.pid}, port {port})", proc,
+                                            f"127.0.0.1:{port}", log))
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self.addresses
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = list(self.children)
+        while pending:
+            self.check()
+            pending = [c for c in pending if not _healthy(c.address)]
+            if pending and time.monotonic() > deadline:
+                c = pending[0]
+                raise LaunchError(f"{c.name} did not answer /health within {self.startup_timeout_s:.0f}s; "
+                                  f"last lines of {c.log}:\n{_tail(c.log)}")
+            if pending:
+                time.sleep(0.25)
+
+    def check(self) -> None:
+        """Raise ``LaunchError`` naming the first child that has exited."""
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log}:\n{_tail(c.log)}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate every child (their whole process groups), killing those that linger."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
+        self.children.clear()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> ServerFleet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _healthy(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,43 @@
+"""ServerFleet: embedded servers as child processes, health waits, death noticed, all stopped."""
+
+import os
+import signal
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from areal_jax.models.tiny import make_tiny_checkpoint
+from rollout_bridge.launcher import LaunchError, ServerFleet
+
+
+@pytest.mark.slow
+def test_fleet_starts_notices_a_dead_child_and_stops_all(tmp_path: Path) -> None:
+    ckpt = make_tiny_checkpoint(tmp_path / "m")
+    fleet = ServerFleet(ckpt, 2, tmp_path / "logs", extra_args=["--max-running-requests", "4"],
+                        startup_timeout_s=120)
+    addresses = fleet.start()
+    try:
+        assert len(addresses) == 2 and len(set(addresses)) == 2
+        for a in addresses:
+            with urllib.request.urlopen(f"http://{a}/health", timeout=5) as r:
+                assert r.status == 200
+        fleet.check()  # all alive
+        pids = [c.proc.pid for c in fleet.children]
+        os.kill(pids[1], signal.SIGKILL)
+        fleet.children[1].proc.wait(10)
+        with pytest.raises(LaunchError, match="rollout server 1 .* exited with code -9"):
+            fleet.check()
+    finally:
+        fleet.stop()
+    for pid in pids:  # nothing left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_fleet_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
+    fleet = ServerFleet(tmp_path / "no-such-model", 1, tmp_path / "logs", startup_timeout_s=60)
+    with pytest.raises(LaunchError, match=r"rollout server 0 .* exited with code \d+; last lines") as e:
+        fleet.start()
+    assert "no-such-model" in str(e.value)  # the child's own error is quoted
+    assert fleet.children == []
