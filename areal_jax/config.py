@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -151,3 +152,20 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterabl
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping at top level")
     return from_dict(cls, merge(data, parse_overrides(overrides)))
+
+
+def resolve_import_path(name: str, field_name: str) -> Any:
+    """``pkg.mod:fn`` (or ``pkg.mod.fn``) -> the callable; errors name the config field."""
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        module_name, _, attr = name.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{field_name}={name!r}: expected an import path 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field_name}={name!r}: cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"{field_name}={name!r}: {module_name!r} has no function {attr!r}")
+    return fn

@@ -18,13 +18,13 @@ assigns group ids; a workflow's trajectories are one group.
 from __future__ import annotations
 
 import asyncio
-import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from areal_jax.config import ConfigError, resolve_import_path
 from areal_jax.data.trajectory import Trajectory
 
 Workflow = Callable[[Any, Any], Awaitable[list[Trajectory]]]
@@ -186,20 +186,10 @@ BUILTIN: dict[str, Workflow] = {"single_turn": single_turn, "multi_turn": multi_
 
 
 def resolve_callable(name: str, field_name: str) -> Callable[..., Any]:
-    """``pkg.mod:fn`` (or ``pkg.mod.fn``) -> the function, with an error naming the config field."""
-    module_name, sep, attr = name.partition(":")
-    if not sep:
-        module_name, _, attr = name.rpartition(".")
-    if not module_name or not attr:
-        raise WorkflowError(f"{field_name}={name!r}: expected an import path 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise WorkflowError(f"{field_name}={name!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise WorkflowError(f"{field_name}={name!r}: {module_name!r} has no function {attr!r}")
-    return fn
+        return resolve_import_path(name, field_name)
+    except ConfigError as e:
+        raise WorkflowError(str(e)) from None
 
 
 def get_workflow(name: str) -> Workflow:

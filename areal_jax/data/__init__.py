@@ -1,1 +1,6 @@
-"""Turning rollout trajectories into training batches: packing, bucketing, padding."""
+"""Prompts in (datasets on grain, row formats, chat templates) and trajectories out (packing,
+bucketing, padding)."""
+
+from areal_jax.data.datasets import DatasetConfig, DatasetError, PromptData, PromptRow, last_boxed, load_prompts
+
+__all__ = ["DatasetConfig", "DatasetError", "PromptData", "PromptRow", "last_boxed", "load_prompts"]

@@ -1,0 +1,24 @@
+"""Reward functions named by import path in the pool tests (workers import them by name)."""
+
+import os
+import time
+
+
+def echo(prompt: str, completion: str, value: float = 0.0, **_) -> tuple[float, dict]:
+    """A well-behaved reward: the row's value plus the completion's length, and a stat."""
+    return value + len(completion), {"length": len(completion)}
+
+
+def misbehave(prompt: str, completion: str, **_) -> float:
+    if completion == "sleep":
+        time.sleep(30)
+    elif completion == "raise":
+        raise RuntimeError("the reward function broke")
+    elif completion == "exit":
+        os._exit(3)
+    elif completion == "oom":
+        blob = bytearray(10 * 1024**3)  # 10 GiB, past the worker's address-space limit
+        return float(len(blob))
+    elif completion == "bad_type":
+        return "one"  # type: ignore[return-value]
+    return 1.0
