@@ -208,6 +208,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
                 await client.continue_generation()
         sync_s = time.perf_counter() - t2
         controller.set_version(version)
+        served = await _served_versions(client)
         now = time.perf_counter()
         counters = controller.counters
         metrics: dict[str, Any] = {
@@ -221,6 +222,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
             "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
             "reward_failures": episode_client.reward_failures,
+            "served_versions": served,
         }
         for k in ("loss", "clip_fraction", "dual_clip_fraction", "behavior_imp_weight_mean",
                   "behavior_imp_weight_max", "dropped_fraction", "behavior_kl", "entropy", "grad_norm", "lr",
@@ -234,6 +236,15 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         logger.log(metrics)
     if logger.history and logger.history[-1].get("eval_accuracy") is not None:
         result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
+
+
+async def _served_versions(client: Any) -> list[str] | None:
+    """The weight version each server reports (our servers: the pushed number; SGLang: its label)."""
+    try:
+        return sorted(str(r["reply"].get("weight_version")) for r in await client.get_model_info()
+                      if r["status"] == 200 and isinstance(r["reply"], dict))
+    except Exception:  # informational only; a server hiccup here must not stop training
+        return None
 
 
 async def _batch_or_dead_server(controller: RolloutController, fleet: Any) -> list[Any]:
