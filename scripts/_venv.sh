@@ -4,8 +4,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [[ ! -x .venv/bin/python ]]; then
+  echo "[setup] creating .venv with $("$PYTHON" --version 2>&1)"
   "$PYTHON" -m venv .venv
 fi
 VPY=.venv/bin/python
+echo "[setup] upgrading pip"
 "$VPY" -m pip install -q --upgrade pip >/dev/null
+echo "[setup] installing areal-jax$1 and its dependencies (jax, flax, optax, grain, ...): about a minute the first time"
 "$VPY" -m pip install -q -e ".$1"
+echo "[setup] done"

@@ -5,7 +5,10 @@ source "$(dirname "$0")/_venv.sh" "[test]"
 # torch is only the test-time reference for the model. Ask for the CPU build by its local version
 # so that pip never pulls the multi-GB CUDA wheels; without it the live cross-checks skip and the
 # committed reference fixtures still run.
+echo "[setup] installing CPU torch (test-only reference for the model)"
 "$VPY" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || echo "note: no CPU torch wheel found; live transformers cross-checks will skip"
 # SGLang's own API schema for the protocol contract test (one file from the sglang wheel).
+echo "[setup] fetching SGLang's API schema for the protocol contract test"
 PYTHON="$VPY" bash scripts/fetch_sglang_schema.sh >/dev/null || echo "note: could not fetch SGLang's schema; the contract test will skip"
+echo "[test] .venv/bin/python -m pytest -q $*"
 exec "$VPY" -m pytest -q "$@"
