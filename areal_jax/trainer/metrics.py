@@ -45,8 +45,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
+        # A run that starts at step 0 replaces the metrics of an earlier run in the same directory.
+        self._file = self.path.open("a" if start_step else "w")
         if self.cfg.tensorboard:
+            if not start_step:
+                for old in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
+                    old.unlink()
             from tensorboardX import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)

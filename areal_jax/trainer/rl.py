@@ -16,6 +16,7 @@ import asyncio
 import logging
 import math
 import random
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -80,7 +81,8 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
 
 
 def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """The base model directory: ``model.path``, or a tiny model built once in ``<run dir>/base``."""
+    """The base model directory: ``model.path``, or a tiny model built in ``<run dir>/base`` (anew
+    each run, so a changed ``model`` section never meets a stale checkpoint; it takes a second)."""
     if cfg.model.path is not None:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
@@ -89,9 +91,10 @@ def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     from areal_jax.models.tiny import make_tiny_checkpoint
 
     base = run_dir / "base"
-    if not (base / "config.json").exists():
-        make_tiny_checkpoint(base, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
-                             **cfg.model.tiny_options)
+    if base.exists():
+        shutil.rmtree(base)
+    make_tiny_checkpoint(base, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
+                         **cfg.model.tiny_options)
     return base
 
 
@@ -105,8 +108,6 @@ def _flatten(groups: list[Any]) -> list[Trajectory]:
 
 
 async def _train(cfg: RunConfig) -> RunResult:
-    import jax
-
     from areal_jax.data import load_prompts
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.rewards import RewardPool
@@ -167,7 +168,7 @@ async def _train(cfg: RunConfig) -> RunResult:
                                 t_start, iter_hf_tensors, result)
                 finally:
                     await controller.stop()
-        if cfg.export and jax.process_index() == 0:
+        if cfg.export:  # every process takes part in the gathers; process 0 writes
             result.final_model = save_pretrained(trainer.model(), run_dir / "final", tokenizer_dir=base)
         if logger.history:
             result.plot = plot_metrics(logger.history, run_dir / "curves.png", eval_before=result.eval_before)

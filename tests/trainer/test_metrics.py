@@ -67,3 +67,13 @@ def test_jsonl_is_valid_json_per_line(tmp_path: Path) -> None:
     logger.log({"step": 1, "loss": np.float32(0.5), "n": np.int64(3)})
     logger.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 0.5, "n": 3}
+
+
+def test_a_new_run_replaces_an_old_runs_metrics(tmp_path: Path) -> None:
+    for n in (3, 2):
+        logger = MetricsLogger(tmp_path, LogConfig(progress=False))
+        for m in _steps(n):
+            logger.log(m)
+        logger.close()
+    assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
