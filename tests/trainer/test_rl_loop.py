@@ -42,7 +42,8 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
 
 @pytest.mark.slow
 def test_sync_mode_trains_only_on_current_policy(tmp_path: Path) -> None:
-    cfg = load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "steps=4", "rollout.mode=sync", "export=false"])
+    cfg = load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "steps=4", "rollout.mode=sync", "export=false",
+                                 "rollout.workflow=multi_turn", "rollout.workflow_options={max_turns: 2}"])
     train(cfg)
     metrics = _metrics(tmp_path)
     assert len(metrics) == 4 and all(m["staleness_max"] == 0 for m in metrics)
