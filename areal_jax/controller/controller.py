@@ -57,6 +57,9 @@ class ControllerCounters:
     """Episodes that raised or returned no trajectory."""
     stale_dropped: int = 0
     """Accepted groups dropped because they grew staler than the bound before being trained."""
+    filtered_in_a_row: int = 0
+    """Groups filtered since the last accepted one: a run whose every group has equal rewards
+    gets no learning signal, and ``get_batch`` says so instead of waiting for ever."""
     generated_tokens: int = 0
     failures: list[str] = field(default_factory=list)
     """The last few failure messages, with row ids."""
@@ -71,7 +74,7 @@ class RolloutController:
 
     def __init__(self, episode_client: Any, workflow: Workflow, rows: Iterator[Any], *, batch_size: int,
                  max_staleness: int, max_concurrent: int | None = None, filter_uniform_reward: bool = False,
-                 version: int = 0):
+                 version: int = 0, filter_patience: int | None = None):
         self.client = episode_client
         self.workflow = workflow
         self.rows = rows
@@ -79,6 +82,7 @@ class RolloutController:
                                   max_concurrent=max_concurrent or (max_staleness + 1) * batch_size,
                                   version=version, accepted=version * batch_size)
         self.filter_uniform_reward = filter_uniform_reward
+        self.filter_patience = filter_patience or max(200, 20 * batch_size)
         self.counters = ControllerCounters()
         self._ready: list[Group] = []
         self._changed = asyncio.Event()
@@ -150,9 +154,11 @@ class RolloutController:
                 self._fail(row, "the episode produced no trajectory (every answer empty)")
             elif self.filter_uniform_reward and len({t.reward for t in trajs}) == 1:
                 self.counters.filtered += 1
+                self.counters.filtered_in_a_row += 1
             else:
                 self._ready.append(group)
                 self.counters.accepted += 1
+                self.counters.filtered_in_a_row = 0
                 accepted = True
         except asyncio.CancelledError:
             raise
@@ -183,6 +189,11 @@ class RolloutController:
                 return batch
             if self._error is not None:
                 raise RuntimeError(f"rollout stopped: {self._error}") from self._error
+            if self.counters.filtered_in_a_row >= self.filter_patience:
+                raise RuntimeError(
+                    f"the last {self.counters.filtered_in_a_row} groups all had equal rewards within the group, so "
+                    "dynamic filtering dropped them and no batch can fill: the policy gets no signal. Warm the "
+                    "model up (warm_start), make the task easier, or set rollout.filter_uniform_reward=false")
             if self._exhausted and not self._tasks:
                 raise PromptsExhausted(f"the prompt source ran out before a batch of {n} groups filled "
                                        f"({len(self._ready)} ready)")

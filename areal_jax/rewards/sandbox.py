@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 _GUARD = r'''
-import os, sys
+import os, resource, sys
+for _what, _value in zip((resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE,
+                          resource.RLIMIT_NPROC, resource.RLIMIT_CORE), map(int, sys.argv[3].split(","))):
+    try:
+        resource.setrlimit(_what, (_value, _value))
+    except (ValueError, OSError):
+        pass
 _ROOT = os.path.realpath(sys.argv[1])
 _READ_OK = tuple(os.path.realpath(p) for p in sys.argv[2].split(os.pathsep) if p)
 _main = os.path.join(_ROOT, "main.py")
@@ -70,7 +76,7 @@ def _hook(event, args):
         raise PermissionError("sandbox: ctypes is refused")
 
 sys.addaudithook(_hook)
-del sys.argv[:3]
+del sys.argv[:4]
 sys.argv.insert(0, _main)
 __file__ = _main
 with open(_main) as f:
@@ -108,23 +114,15 @@ def run_program(source: str, stdin: str = "", *, timeout_s: float = 5.0, memory_
     try:
         (root / "main.py").write_text(source)
         (root / "guard.py").write_text(_GUARD)
-
-        def limits() -> None:
-            cpu = int(timeout_s) + 1
-            resource = __import__("resource")
-            for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, memory_mb << 20),
-                                (resource.RLIMIT_FSIZE, max_file_mb << 20), (resource.RLIMIT_NOFILE, max_open_files),
-                                (resource.RLIMIT_NPROC, max_procs), (resource.RLIMIT_CORE, 0)):
-                try:
-                    resource.setrlimit(what, (value, value))
-                except (ValueError, OSError):
-                    pass
-
-        cmd = [*_netns_prefix(), sys.executable, "-I", "-B", str(root / "guard.py"), str(root), _read_roots()]
+        # The limits are set by the guard itself before the program runs: no Python code runs
+        # between fork and exec here, which would be unsafe in a multithreaded (JAX) parent.
+        limits = ",".join(str(v) for v in (int(timeout_s) + 1, memory_mb << 20, max_file_mb << 20, max_open_files,
+                                           max_procs, 0))
+        cmd = [*_netns_prefix(), sys.executable, "-I", "-B", str(root / "guard.py"), str(root), _read_roots(), limits]
         env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "TMPDIR": str(root), "PYTHONIOENCODING": "utf-8",
                "LANG": "C.UTF-8"}
         proc = subprocess.Popen(cmd, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, start_new_session=True, preexec_fn=limits)
+                                env=env, start_new_session=True)
         timed_out = False
         try:
             out, err = proc.communicate(stdin.encode(), timeout=timeout_s)

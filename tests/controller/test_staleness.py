@@ -98,3 +98,25 @@ def test_controller_batches_never_exceed_the_bound(seed: int, eta: int) -> None:
         assert worst == [0] * steps  # synchronous: every token from the current policy
     else:
         assert max(worst) >= 1  # asynchronous: rollout does run ahead of the trainer
+
+
+def test_dynamic_filtering_drops_uniform_groups_and_gives_up_loudly() -> None:
+    rewards = iter([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]] + [[0.0, 0.0]] * 100)
+
+    async def episode(client, row):
+        return [Trajectory.from_prompt_and_answer(np.arange(3), np.arange(2), -np.ones(2), 0, reward=r, group_id=0)
+                for r in next(rewards)]
+
+    async def run():
+        ctl = RolloutController(None, episode, iter(_Row(i) for i in range(10_000)), batch_size=1, max_staleness=0,
+                                filter_uniform_reward=True, filter_patience=30)
+        ctl.start()
+        batch = await ctl.get_batch(timeout=10)
+        assert [t.reward for t in batch[0].trajectories] == [0.0, 1.0]  # the one group with signal
+        ctl.set_version(1)
+        with pytest.raises(RuntimeError, match="equal rewards.*filter_uniform_reward=false"):
+            await ctl.get_batch(timeout=10)
+        assert ctl.counters.filtered >= 31 and ctl.counters.accepted == 1
+        await ctl.stop()
+
+    asyncio.run(run())

@@ -12,6 +12,7 @@ from areal_jax.trainer.run_config import load_run_config
 
 DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 QUICK = ["warm_start=null", "data.size=300", "data.eval_size=16", "batch_size=2", "rollout.group_size=4",
+         "rollout.filter_uniform_reward=false",
          "rollout.max_new_tokens=4", "log.progress=false", "reward.num_workers=1"]
 
 
