@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -159,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
               + "\n\n'areal-jax COMMAND --help' describes each.")
         sys.exit(0 if argv and argv[0] in ("-h", "--help") else 2)
     cmd, rest = argv[0], argv[1:]
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # tokenizers only: no "PyTorch was not found" notice
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if cmd == "serve":
         from rollout_bridge.server import run_server

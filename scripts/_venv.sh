@@ -11,5 +11,6 @@ VPY=.venv/bin/python
 echo "[setup] upgrading pip"
 "$VPY" -m pip install -q --upgrade pip >/dev/null
 echo "[setup] installing areal-jax$1 and its dependencies (jax, flax, optax, grain, ...): about a minute the first time"
-"$VPY" -m pip install -q -e ".$1"
+# pip's own chatter goes to a log, shown only when the install fails.
+"$VPY" -m pip install -q -e ".$1" > .venv/install.log 2>&1 || { cat .venv/install.log; exit 1; }
 echo "[setup] done"

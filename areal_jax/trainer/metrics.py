@@ -136,7 +136,7 @@ def plot_metrics(history: list[dict[str, Any]], out: str | Path, *, eval_before:
     rewards = [m.get("reward_mean") for m in history]
     evals = [(m["step"], m["time"] / 60, m["eval_accuracy"]) for m in history if m.get("eval_accuracy") is not None]
     if eval_before is not None:
-        evals.insert(0, (0, 0.0, eval_before["eval_accuracy"]))
+        evals.insert(0, (0, eval_before.get("time", 0.0) / 60, eval_before["eval_accuracy"]))
     for ax, xs, xe, label in ((axes[0], steps, [e[0] for e in evals], "step"),
                               (axes[1], times, [e[1] for e in evals], "wall-clock minutes")):
         ax.plot(xs, rewards, label="reward (train batch)", color="tab:blue", alpha=0.8)

@@ -156,6 +156,7 @@ async def _train(cfg: RunConfig) -> RunResult:
                 result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
                                                     max_new_tokens=rollout.max_new_tokens)
                 if result.eval_before:
+                    result.eval_before["time"] = time.perf_counter() - t_start
                     logger.write(f"held-out accuracy before RL: {result.eval_before['eval_accuracy']:.1%} "
                                  f"({result.eval_before['eval_prompts']} prompts)")
                 controller = RolloutController(
