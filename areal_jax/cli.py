@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # tokenizers only: no "PyTorch was not found" notice
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if cmd == "serve":
-        from rollout_bridge.server import run_server
+        from rollout_bridge.serve import run_server
 
         run_server(rest)
     elif cmd == "demo":

@@ -7,20 +7,25 @@ SGLang or ours. JSON field names, types and defaults are SGLang's (0.5.x, ``io_s
 
 * ``meta_info.weight_versions``: spans ``[{"version": "3", "start": 0, "end": 7}, ...]`` over
   ``output_ids`` (half-open) for an answer that crossed a weight update. SGLang's own schema has
-  the field with string versions; our versions are integers written as decimal strings.
+  the field. A version here, like ``weight_version`` everywhere, is an opaque label: stock SGLang
+  says ``"default"`` unless told otherwise, and the client never parses it into a number.
 * ``/update_weights_from_tensor`` with ``Content-Type: application/octet-stream``: the body is
-  one bucket of tensors in safetensors format, the query string carries the transfer's
-  ``weight_version``, ``transfer_id``, ``bucket`` index and ``last``. Buckets are staged by the
-  server and applied together, atomically, when the one marked ``last`` arrives.
+  one bucket of tensors in safetensors format (any dtype, bfloat16 included), the query string
+  carries the transfer's ``weight_version``, ``transfer_id``, ``bucket`` index and ``last``.
+  Buckets are staged by the server and applied together, atomically, when the one marked
+  ``last`` arrives.
 
 Validation raises ``ProtocolError`` whose message names the field; servers answer it with 400.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+import ml_dtypes
 import msgspec
+import numpy as np
 
 CONTEXT_UNLIMITED_TOP_K = 1 << 30
 """SGLang's spelling of "top_k disabled" in its schema; -1 means the same."""
@@ -241,41 +246,67 @@ def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length:
             f"length {context_length}; lower max_new_tokens to {context_length - len(ids)}")
 
 
-def parse_version(value: Any, field: str = "weight_version") -> int:
-    """Our versions are integers; SGLang carries them as strings ("3")."""
-    if isinstance(value, bool):
-        raise ProtocolError(field, f"must be an integer version, got {value!r}")
-    if isinstance(value, int):
-        return value
-    try:
-        return int(str(value).strip())
-    except (TypeError, ValueError):
-        raise ProtocolError(field, f"must be an integer version such as \"3\", got {value!r}") from None
-
-
-def version_spans(versions: list[int]) -> list[WeightVersionSpan]:
-    """Run-length spans of per-token versions over ``output_ids``."""
+def version_spans(labels: list[str]) -> list[WeightVersionSpan]:
+    """Run-length spans of per-token version labels over ``output_ids``."""
     spans: list[WeightVersionSpan] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1].version == str(v):
+    for i, v in enumerate(labels):
+        if spans and spans[-1].version == v:
             spans[-1].end = i + 1
         else:
-            spans.append(WeightVersionSpan(version=str(v), start=i, end=i + 1))
+            spans.append(WeightVersionSpan(version=v, start=i, end=i + 1))
     return spans
 
 
-def token_versions(meta: dict[str, Any], n_tokens: int) -> list[int]:
-    """Per-token versions of one reply: from our spans when present, else its one ``weight_version``.
-
-    A reply without any version (an old server) gets -1 for every token.
-    """
+def span_labels(meta: dict[str, Any], n_tokens: int) -> list[str | None] | None:
+    """Per-token version labels from a reply's ``weight_versions`` spans; None without spans."""
     spans = meta.get("weight_versions") or []
-    if spans:
-        out = [-1] * n_tokens
-        for s in spans:
-            v = parse_version(s["version"], "meta_info.weight_versions.version")
-            for i in range(max(0, s["start"]), min(n_tokens, s["end"])):
-                out[i] = v
-        return out
-    wv = meta.get("weight_version")
-    return [parse_version(wv, "meta_info.weight_version") if wv not in (None, "") else -1] * n_tokens
+    if not spans:
+        return None
+    out: list[str | None] = [None] * n_tokens
+    for s in spans:
+        for i in range(max(0, int(s["start"])), min(n_tokens, int(s["end"]))):
+            out[i] = str(s["version"])
+    return out
+
+
+# --- tensor buckets -------------------------------------------------------------------------------
+
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def encode_tensor_bucket(tensors: dict[str, np.ndarray]) -> bytes:
+    """One bucket as safetensors bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``)."""
+    from safetensors.numpy import save
+
+    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+
+def decode_tensor_bucket(body: bytes) -> dict[str, np.ndarray]:
+    """Safetensors bytes -> arrays (views into ``body``). ``safetensors.numpy.load`` cannot read
+    BF16, so the format (8-byte header length, JSON header, raw little-endian data) is read here."""
+    if len(body) < 8:
+        raise ProtocolError("body", f"not a safetensors buffer: {len(body)} bytes")
+    n = int.from_bytes(body[:8], "little")
+    if n > len(body) - 8:
+        raise ProtocolError("body", f"not a safetensors buffer: header of {n} bytes in a {len(body)}-byte body")
+    try:
+        header = json.loads(body[8:8 + n])
+    except ValueError as e:
+        raise ProtocolError("body", f"not a safetensors buffer: bad JSON header ({e})") from None
+    data = memoryview(body)[8 + n:]
+    out: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ProtocolError("body", f"tensor {name!r}: dtype {info.get('dtype')!r} is not supported; "
+                                f"send one of {sorted(_ST_DTYPES)}")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        arr = np.frombuffer(data[start:end], dtype=np.dtype(dtype).newbyteorder("<"))
+        if arr.size != int(np.prod(shape)):
+            raise ProtocolError("body", f"tensor {name!r}: {end - start} bytes do not hold shape {list(shape)}")
+        out[name] = arr.reshape(shape)
+    return out

@@ -1,15 +1,17 @@
 """The embedded JAX server: an aiohttp front that speaks SGLang's native API over an ``Engine``.
 
-A rollout client cannot tell it from a real SGLang server for the endpoints in ``protocol``.
-Errors in a request are HTTP 400 with ``{"error": {"message", "code"}}`` naming the field; a
-weight load that fails answers ``success: false`` (HTTP 400, as SGLang does) and the old weights
-keep serving. With an API key, every endpoint but ``/health`` and ``/health_generate`` wants
-``Authorization: Bearer KEY``.
+A rollout client cannot tell it from a real SGLang server for the endpoints in ``protocol`` and
+the OpenAI-compatible ones in ``openai_api``. Errors in a request are HTTP 400 with
+``{"error": {"message", "code"}}`` naming the field (a duplicate ``rid`` too); a full waiting
+queue is a 503 with ``Retry-After``; a weight load that fails answers ``success: false`` (HTTP
+400, as SGLang does) and the old weights keep serving. A client that goes away aborts its
+request. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
+names one); the engine's integer version is internal bookkeeping. With an API key, every endpoint
+but ``/health`` and ``/health_generate`` wants ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import logging
@@ -18,11 +20,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-import numpy as np
 from aiohttp import web
 
-from areal_jax.inference.types import GenerateOutput, GenerateRequest
+from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import protocol as P
 
@@ -30,16 +30,9 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
 SERVER_VERSION = "areal-jax-0.1"
-
-
-@dataclass
-class _Staged:
-    """Buckets of one /update_weights_from_tensor transfer, held until its last bucket."""
-
-    transfer_id: str
-    version: int
-    next_bucket: int = 0
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+DEFAULT_WEIGHT_VERSION = "default"
+"""SGLang's label for the weights a server started with (its ``--weight-version`` default)."""
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -54,19 +47,39 @@ class ServerState:
     port: int = 0
     health_timeout_s: float = 30.0
     paused: bool = False
-    staged: _Staged | None = None
+    staged: Any = None
+    """The weight transfer being received (``weights_api``)."""
     weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    weight_version: str = DEFAULT_WEIGHT_VERSION
+    """The label served now; any string."""
+    labels: dict[int, str] = field(default_factory=dict)
+    """Engine version -> the label it was served under, for the spans of answers in flight."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Extra ``internal_states`` of /get_server_info (tp_size, dp_size, ...)."""
+    metrics_mark: tuple[float, int] = (0.0, 0)
+    """(time, generated tokens) at the last /metrics scrape, for its tokens/s."""
+
+    def label_of(self, version: int) -> str:
+        return self.labels.get(version, self.weight_version)
+
+    def relabel(self, label: str) -> None:
+        self.weight_version = label
+        self.labels[self.engine.version] = label
+        while len(self.labels) > 1024:  # only versions still in flight matter
+            del self.labels[next(iter(self.labels))]
 
 
 STATE = web.AppKey("state", ServerState)
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
+def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=P.encode(obj), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str) -> web.Response:
-    return _json({"error": {"message": message, "code": status}}, status)
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    resp = json_response({"error": {"message": message, "code": status}}, status)
+    resp.headers.update(headers or {})
+    return resp
 
 
 @web.middleware
@@ -80,7 +93,14 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         return await handler(request)
     except P.ProtocolError as e:
         return _error(400, str(e))
+    except DuplicateRequestError as e:
+        return _error(400, f"rid: {e}")
+    except QueueFullError as e:
+        return _error(503, str(e), {"Retry-After": str(RETRY_AFTER_S)})
     except web.HTTPException:
+        raise
+    except ConnectionResetError:  # the client went away; its request was aborted
+        log.debug("%s %s: client closed the connection", request.method, request.path)
         raise
     except Exception as e:  # a bug, not a bad request: say so, keep serving
         log.exception("%s %s failed", request.method, request.path)
@@ -89,7 +109,7 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
 
 # --- /generate ---------------------------------------------------------------------------------
 
-def _engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
+def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
     engine = st.engine
     if req.input_ids is None:
         if req.text is None:
@@ -123,8 +143,8 @@ def _reply(st: ServerState, out: GenerateOutput, req: P.GenerateReqInput, t0: fl
     versions = list(out.output_versions or [])
     meta = P.MetaInfo(
         id=out.rid, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
-        completion_tokens=len(ids), weight_version=str(out.weight_version),
-        weight_versions=P.version_spans(versions) if len(versions) == len(ids) else [],
+        completion_tokens=len(ids), weight_version=st.label_of(out.weight_version),
+        weight_versions=P.version_spans([st.label_of(v) for v in versions]) if len(versions) == len(ids) else [],
         output_token_logprobs=(
             [(float(lp), int(t), None) for lp, t in zip(out.output_logprobs, ids, strict=False)]
             if req.return_logprob else None),
@@ -137,24 +157,49 @@ async def generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     t0 = time.perf_counter()
     req = P.decode(await request.read(), P.GenerateReqInput)
-    ereq = _engine_request(st, req)
+    ereq = engine_request(st, req)
     if not req.stream:
+        # A client that disconnects cancels this handler, and the cancel aborts the request.
         out = await st.engine.generate(ereq)
-        return _json(_reply(st, out, req, t0))
+        return json_response(_reply(st, out, req, t0))
+    return await stream_events(request, st.engine.stream(ereq), lambda part: _reply(st, part, req, t0))
+
+
+async def stream_events(request: web.Request, parts: Any, render: Any) -> web.StreamResponse:
+    """Server-sent events: ``data: <render(part)>`` per engine output, then ``data: [DONE]``. A
+    client that closes the stream ends it quietly (the engine aborts the request)."""
+    first = await _first(parts)  # admission errors (400, 503) still get a status line
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     try:
-        async for part in st.engine.stream(ereq):
-            await resp.write(b"data: " + P.encode(_reply(st, part, req, t0)) + b"\n\n")
+        if first is not None:
+            for chunk in _as_list(render(first)):
+                await resp.write(b"data: " + P.encode(chunk) + b"\n\n")
+            async for part in parts:
+                for chunk in _as_list(render(part)):
+                    await resp.write(b"data: " + P.encode(chunk) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
-    except (ConnectionResetError, asyncio.CancelledError):
-        await asyncio.shield(st.engine.abort(ereq.rid))
-        raise
+    except ConnectionResetError:
+        log.debug("%s: client closed the stream", request.path)
+        return resp
     except Exception as e:  # the status line is gone; report in-band as SGLang does
-        log.exception("stream %s failed", ereq.rid)
+        log.exception("stream on %s failed", request.path)
         await resp.write(b"data: " + P.encode({"error": {"message": f"{type(e).__name__}: {e}"}}) + b"\n\n")
+    finally:
+        await parts.aclose()  # an unfinished request is aborted here
     await resp.write_eof()
     return resp
+
+
+async def _first(parts: Any) -> Any:
+    try:
+        return await anext(parts)
+    except StopAsyncIteration:
+        return None
+
+
+def _as_list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else [x]
 
 
 # --- health and info ---------------------------------------------------------------------------
@@ -179,20 +224,56 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def get_model_info(request: web.Request) -> web.Response:
     st = request.app[STATE]
-    return _json(P.ModelInfo(model_path=st.model_path, tokenizer_path=st.tokenizer_path,
+    return json_response(P.ModelInfo(model_path=st.model_path, tokenizer_path=st.tokenizer_path,
                              served_model_name=st.served_model_name or st.model_path,
-                             weight_version=str(st.engine.version)))
+                             weight_version=st.weight_version))
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return json_response({"weight_version": request.app[STATE].weight_version})
 
 
 async def get_server_info(request: web.Request) -> web.Response:
     st = request.app[STATE]
     e = st.engine
-    return _json(P.ServerInfo(
+    return json_response(P.ServerInfo(
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
-                          "weight_version": str(e.version), "paused": st.paused, "lanes": e.num_lanes}]))
+                          "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
+                          "lanes": e.num_lanes, "random_seed": e.seed,
+                          "max_queued_requests": e.cfg.max_queued_requests,
+                          "chunked_prefill_size": e.cfg.chunked_prefill_size, **st.info}]))
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format, SGLang's metric names where it has them."""
+    st = request.app[STATE]
+    e = st.engine
+    now, tokens = time.monotonic(), e.stats["generated_tokens"]
+    t_prev, tok_prev = st.metrics_mark
+    throughput = (tokens - tok_prev) / (now - t_prev) if t_prev else 0.0
+    st.metrics_mark = (now, tokens)
+    name = (st.served_model_name or st.model_path).replace("\\", "\\\\").replace('"', '\\"')
+    label = st.weight_version.replace("\\", "\\\\").replace('"', '\\"')
+    rows = [
+        ("sglang:num_running_reqs", "gauge", "The number of running requests.", e.num_running, ""),
+        ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", e.num_waiting, ""),
+        ("sglang:gen_throughput", "gauge", "The generation throughput (token/s) since the last scrape.",
+         throughput, ""),
+        ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", e.stats["prompt_tokens"], ""),
+        ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", tokens, ""),
+        ("sglang:num_requests_total", "counter", "Number of finished requests.", e.stats["finished_requests"], ""),
+        ("areal_jax:weight_version", "gauge", "Weight updates applied (internal version); the label is "
+         "weight_version.", e.version, f',weight_version="{label}"'),
+    ]
+    lines = []
+    for metric, kind, help_, value, extra in rows:
+        lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}",
+                  f'{metric}{{model_name="{name}"{extra}}} {float(value)}']
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
 
 
 # --- control -----------------------------------------------------------------------------------
@@ -209,7 +290,7 @@ async def abort_request(request: web.Request) -> web.Response:
     if not req.abort_all and not req.rid:
         raise P.ProtocolError("rid", "give the rid to abort, or abort_all: true")
     n = await request.app[STATE].engine.abort(req.rid or None, abort_all=req.abort_all)
-    return _json({"success": True, "num_aborted": n})
+    return json_response({"success": True, "num_aborted": n})
 
 
 async def pause_generation(request: web.Request) -> web.Response:
@@ -217,118 +298,45 @@ async def pause_generation(request: web.Request) -> web.Response:
     req = P.decode(await request.read(), P.PauseGenerationReqInput)
     await st.engine.pause(req.mode)
     st.paused = True
-    return _json({"success": True, "message": f"Generation paused ({req.mode})."})
+    return json_response({"success": True, "message": f"Generation paused ({req.mode})."})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     st = request.app[STATE]
     await st.engine.resume()
     st.paused = False
-    return _json({"success": True, "message": "Generation continued."})
+    return json_response({"success": True, "message": "Generation continued."})
 
-
-async def _apply(st: ServerState, version: int, *, tensors: dict[str, np.ndarray] | None = None,
-                 model_dir: str | None = None, flush: bool = True) -> web.Response:
-    try:
-        await st.engine.update_weights(tensors, model_dir=model_dir, version=version)
-    except Exception as e:  # the engine keeps the old weights serving
-        log.warning("weight update to version %d failed: %s", version, e)
-        return _json(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
-                                           weight_version=str(st.engine.version)), 400)
-    if flush:
-        await st.engine.flush_cache()
-    return _json(P.UpdateWeightsResult(success=True, message="Succeeded to update model weights.",
-                                       weight_version=str(st.engine.version)))
-
-
-async def update_weights_from_disk(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    req = P.decode(await request.read(), P.UpdateWeightsFromDiskReqInput)
-    version = st.engine.version if req.weight_version is None else P.parse_version(req.weight_version)
-    async with st.weight_lock:
-        if req.abort_all_requests:
-            await st.engine.abort(abort_all=True)
-        return await _apply(st, version, model_dir=req.model_path, flush=req.flush_cache)
-
-
-async def update_weight_version(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    req = P.decode(await request.read(), P.UpdateWeightVersionReqInput)
-    version = P.parse_version(req.new_version, "new_version")
-    async with st.weight_lock:
-        if req.abort_all_requests:
-            await st.engine.abort(abort_all=True)
-        return await _apply(st, version, tensors={}, flush=False)
-
-
-async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    """One bucket of a bucketed push (see ``protocol``); the last bucket applies them all."""
-    st = request.app[STATE]
-    if request.content_type != "application/octet-stream":
-        raise P.ProtocolError("Content-Type", "send one bucket as safetensors bytes with "
-                              "Content-Type: application/octet-stream (the JSON form is not served)")
-    try:
-        q = msgspec.convert(dict(request.query), P.TensorBucketParams, strict=False)
-    except msgspec.ValidationError as e:
-        raise P.ProtocolError("query", str(e)) from None
-    version = P.parse_version(q.weight_version)
-    body = await request.read()
-    try:
-        from safetensors.numpy import load
-
-        tensors = load(body)
-    except Exception as e:
-        raise P.ProtocolError("body", f"not a safetensors buffer ({e})") from None
-    async with st.weight_lock:
-        staged = st.staged
-        if q.bucket == 0:
-            if staged is not None:
-                log.warning("dropping unfinished weight transfer %s", staged.transfer_id)
-            staged = st.staged = _Staged(q.transfer_id, version)
-        elif staged is None or staged.transfer_id != q.transfer_id:
-            raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress; start at bucket 0")
-        if q.bucket != staged.next_bucket or version != staged.version:
-            st.staged = None
-            raise P.ProtocolError("bucket", f"expected bucket {staged.next_bucket} of version {staged.version}, "
-                                  f"got bucket {q.bucket} of version {version}; transfer dropped")
-        dup = sorted(set(tensors) & set(staged.tensors))
-        if dup:
-            st.staged = None
-            raise P.ProtocolError("body", f"tensors {dup[:3]} sent twice in one transfer; transfer dropped")
-        staged.tensors.update(tensors)
-        staged.next_bucket += 1
-        if not q.last:
-            return _json(P.UpdateWeightsResult(success=True, message=f"staged bucket {q.bucket}",
-                                               weight_version=str(st.engine.version)))
-        st.staged = None
-        if q.abort_all_requests:
-            await st.engine.abort(abort_all=True)
-        return await _apply(st, version, tensors=staged.tensors, flush=q.flush_cache)
-
-
-# --- app -----------------------------------------------------------------------------------------
 
 def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *, model_path: str = "",
               tokenizer_path: str | None = None, served_model_name: str = "",
+              weight_version: str = DEFAULT_WEIGHT_VERSION, info: dict[str, Any] | None = None,
               max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True) -> web.Application:
     """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine."""
+    from rollout_bridge import openai_api, weights_api
+
     app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes)
-    app[STATE] = ServerState(engine=engine, tokenizer=tokenizer, api_key=api_key, model_path=model_path,
-                             tokenizer_path=tokenizer_path or model_path, served_model_name=served_model_name)
+    st = ServerState(engine=engine, tokenizer=tokenizer, api_key=api_key, model_path=model_path,
+                     tokenizer_path=tokenizer_path or model_path, served_model_name=served_model_name,
+                     info=dict(info or {}))
+    st.relabel(weight_version)
+    app[STATE] = st
     r = app.router
     r.add_post("/generate", generate)
     for path, fn in (("/health", health), ("/health_generate", health_generate),
-                     ("/get_model_info", get_model_info), ("/get_server_info", get_server_info)):
+                     ("/get_model_info", get_model_info), ("/model_info", get_model_info),
+                     ("/get_server_info", get_server_info), ("/server_info", get_server_info),
+                     ("/get_weight_version", get_weight_version), ("/weight_version", get_weight_version)):
         r.add_get(path, fn)
         r.add_post(path, fn)
+    r.add_get("/metrics", metrics)
     r.add_post("/flush_cache", flush_cache)
     r.add_get("/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)
     r.add_post("/pause_generation", pause_generation)
     r.add_post("/continue_generation", continue_generation)
-    r.add_post("/update_weights_from_disk", update_weights_from_disk)
-    r.add_post("/update_weight_version", update_weight_version)
-    r.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    weights_api.add_routes(app)
+    openai_api.add_routes(app)
     if manage_engine:
         async def _start(app: web.Application) -> None:
             await engine.start()
@@ -344,8 +352,9 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,
                        shutdown_timeout: float = 10.0) -> tuple[web.AppRunner, int]:
     """Serve ``app`` in this event loop; returns the runner (``await runner.cleanup()`` to stop,
-    giving running requests ``shutdown_timeout`` seconds) and the bound port (useful with port 0)."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    giving running requests ``shutdown_timeout`` seconds) and the bound port (useful with port 0).
+    A client that disconnects cancels its handler, which aborts its request in the engine."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -353,63 +362,3 @@ async def start_server(app: web.Application, host: str = "127.0.0.1", port: int 
     st = app[STATE]
     st.host, st.port = host, bound
     return runner, bound
-
-
-def _engine_config(**kw: Any) -> Any:
-    from areal_jax.inference.engine import EngineConfig
-
-    return EngineConfig(**{k: v for k, v in kw.items() if v is not None})
-
-
-async def serve(model_path: str, host: str = "127.0.0.1", port: int = 30000, api_key: str | None = None, *,
-                tokenizer_path: str | None = None, served_model_name: str = "", dtype: str | None = None,
-                **engine_cfg: Any) -> None:
-    """Load ``model_path`` and serve it until cancelled. ``engine_cfg`` goes to ``EngineConfig``."""
-    from areal_jax.inference.engine import Engine
-    from areal_jax.models import load_pretrained, load_tokenizer
-
-    model = load_pretrained(model_path, dtype=dtype)
-    tokenizer = load_tokenizer(tokenizer_path or model_path)
-    engine = Engine(model, _engine_config(**engine_cfg), eos_token_ids=model.config.eos_token_ids)
-    app = build_app(engine, tokenizer, api_key, model_path=model_path, tokenizer_path=tokenizer_path,
-                    served_model_name=served_model_name)
-    runner, bound = await start_server(app, host, port)
-    log.info("serving %s on http://%s:%d", model_path, host, bound)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
-
-
-def parser() -> argparse.ArgumentParser:
-    """SGLang's flag names for the options the embedded server has."""
-    p = argparse.ArgumentParser("areal-jax serve", description="Serve a model over SGLang's native HTTP API")
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--tokenizer-path", default=None)
-    p.add_argument("--served-model-name", default="")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
-    p.add_argument("--max-running-requests", type=int, default=None, help="engine slots (decode batch)")
-    p.add_argument("--context-length", type=int, default=None, help="max prompt + answer tokens")
-    p.add_argument("--random-seed", type=int, default=None)
-    p.add_argument("--lanes", type=int, default=None,
-                   help="slot groups decoded concurrently (not an SGLang flag); default: 2 on a multi-core CPU, else 1")
-    p.add_argument("--log-level", default="info")
-    return p
-
-
-def run_server(args: argparse.Namespace | list[str] | None = None) -> None:
-    """Entry point for ``areal-jax serve`` (argv list or parsed args)."""
-    if not isinstance(args, argparse.Namespace):
-        args = parser().parse_args(args)
-    logging.basicConfig(level=args.log_level.upper())
-    asyncio.run(serve(args.model_path, args.host, args.port, args.api_key, tokenizer_path=args.tokenizer_path,
-                      served_model_name=args.served_model_name, dtype=args.dtype,
-                      num_slots=args.max_running_requests, max_seq_len=args.context_length,
-                      seed=args.random_seed, lanes=args.lanes))
-
-
-if __name__ == "__main__":
-    run_server()

@@ -1,6 +1,13 @@
 """The JAX generation engine: continuous batching over KV slots with on-device sampling."""
 
 from areal_jax.inference.engine import Engine, EngineConfig
-from areal_jax.inference.types import GenerateOutput, GenerateRequest, SamplingParams
+from areal_jax.inference.types import (
+    DuplicateRequestError,
+    GenerateOutput,
+    GenerateRequest,
+    QueueFullError,
+    SamplingParams,
+)
 
-__all__ = ["Engine", "EngineConfig", "GenerateOutput", "GenerateRequest", "SamplingParams"]
+__all__ = ["DuplicateRequestError", "Engine", "EngineConfig", "GenerateOutput", "GenerateRequest", "QueueFullError",
+           "SamplingParams"]

@@ -65,8 +65,17 @@ class EngineConfig:
     picks 2 on a CPU backend with at least 2 usable cores, no mesh and an even ``num_slots`` of
     at least 4, else 1 (on 2 cores, 2 lanes beat 1 at 8, 32 and 64 slots, and 4 lanes lose to
     2). More than one lane needs ``mesh=None``."""
-    seed: int = 0
-    """Seed of requests that bring none (each gets its own stream from a request counter)."""
+    seed: int | None = None
+    """Seed of requests that bring none (each gets its own stream from a request counter). None
+    draws one at random when the engine starts, as SGLang does without ``--random-seed``, so two
+    servers started alike do not return the same samples; a request's ``seed`` still reproduces."""
+    max_queued_requests: int | None = None
+    """Most requests waiting for a slot; one more is refused (``QueueFullError``, HTTP 503 at the
+    server). None: unbounded."""
+    chunked_prefill_size: int = 1024
+    """Prompt tokens per prefill call (SGLang's ``--chunked-prefill-size``); a longer prompt is
+    prefilled alone in chunks of this size, so its attention scores take ``chunk x context``
+    memory instead of ``context ** 2``. -1 disables chunking."""
     cache_dtype: str | None = None
     """KV cache dtype; None uses the model's compute dtype."""
 
@@ -78,8 +87,19 @@ class EngineConfig:
                              f"max_seq_len={self.max_seq_len}")
         if self.max_prefill_batch < 1 or self.decode_steps < 1 or self.num_slots < 1:
             raise ValueError("num_slots, max_prefill_batch and decode_steps must be >= 1")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 16:
+            raise ValueError(f"chunked_prefill_size must be >= 16 tokens, or -1 to disable chunking; "
+                             f"got {self.chunked_prefill_size}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 or None (unbounded), got {self.max_queued_requests}")
         if self.lanes is not None and (self.lanes < 1 or self.num_slots % self.lanes):
             raise ValueError(f"lanes={self.lanes} must be >= 1 and divide num_slots={self.num_slots}")
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Tokens per chunk of a chunked prefill, or None when chunking is off or never needed."""
+        c = self.chunked_prefill_size
+        return None if c == -1 or c >= self.max_seq_len else c
 
     @property
     def prefill_rows(self) -> tuple[int, ...]:

@@ -1,14 +1,18 @@
 """The generation engine: continuous batching over fixed KV slots in one or more lanes.
 
-Requests wait in a FIFO queue and enter as soon as a slot frees: waiting prompts are prefilled
-together (rows padded to a length bucket, each row written into its own slot), then one compiled
-call advances every slot of a lane by ``decode_steps`` tokens, attending only up to a bucketed live
-length. A lane is a group of slots with its own cache and its own asyncio task; lanes share the
+Requests wait in a FIFO queue (bounded by ``max_queued_requests``) and enter as soon as a slot
+frees: waiting prompts are prefilled together (rows padded to a length bucket, each row written
+into its own slot; a prompt longer than ``chunked_prefill_size`` alone, in chunks), then one
+compiled call advances every slot of a lane by ``decode_steps`` tokens, attending only up to a
+bucketed live length. A lane is a group of slots with its own cache and its own asyncio task; lanes share the
 queue, the weights and the compiled steps, and their calls run concurrently in worker threads
 (``asyncio.to_thread``), so the event loop that owns the engine (an HTTP server, say) stays
 responsive. Scheduling state lives on the event loop; a lane changes its slots only under its own
-lock, held from launch to the bookkeeping of the result, and engine-wide changes (pause, abort,
-weight swap) take every lane's lock.
+lock, held from launch to the bookkeeping of the result, and engine-wide changes (pause, abort
+all, weight swap) take every lane's lock. Aborting or cancelling one request takes no lock and
+costs O(1): the queue is keyed by request, and a step whose request went away ignores its result.
+A weight update reads and converts the new weights outside the locks and only swaps them in
+under them.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections import deque
+import secrets
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +34,7 @@ from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.steps import SlotState, bucket, compile_steps
-from areal_jax.inference.types import GenerateOutput, GenerateRequest
+from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import assign_hf_tensors, load_pretrained
 from sharding import activate, logical_to_sharding
@@ -91,17 +96,26 @@ class Engine:
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._graphdef, state = nnx.split(model)
         self._state = self._committed(state)
-        self.prefill_fn, self.decode_fn = compile_steps(self._graphdef)
+        steps = compile_steps(self._graphdef)
+        self.prefill_fn, self.prefill_chunk_fn, self.decode_fn = steps.prefill, steps.prefill_chunk, steps.decode
+        # at[].set writes into the donated input buffer (zeros_like would not use it, so XLA would not
+        # reuse it): a flush never holds two caches.
+        self._zero_fn = jax.jit(lambda cache: jax.tree.map(lambda x: x.at[:].set(0), cache), donate_argnums=0)
+        self.seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
+        """Seed of requests that bring none: ``cfg.seed``, or drawn at random per engine."""
         self.num_lanes = cfg.resolve_lanes(jax.default_backend(), mesh is not None)
         self.lane_slots = cfg.num_slots // self.num_lanes
         self._lanes = [_Lane(i, [None] * self.lane_slots) for i in range(self.num_lanes)]
         for lane in self._lanes:
             lane.cache, lane.slot_state = self._fresh_cache()
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: OrderedDict[int, _Seq] = OrderedDict()  # by stream id: O(1) removal anywhere
+        self._live: dict[str, _Seq] = {}  # rid -> waiting or running request
         self._counter = itertools.count(1)
         self._paused: str | None = None
         self._running = False
-        self.stats = {"prefill_calls": 0, "decode_calls": 0, "decode_tokens": 0}
+        self._update_lock: asyncio.Lock | None = None
+        self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_tokens": 0,
+                      "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0}
 
     # -- properties --
 
@@ -136,6 +150,7 @@ class Engine:
         if self._running:
             return
         self._running = True
+        self._update_lock = asyncio.Lock()
         for lane in self._lanes:
             lane.lock, lane.wake = asyncio.Lock(), asyncio.Event()
             lane.task = asyncio.create_task(self._loop(lane), name=f"engine-lane-{lane.index}")
@@ -171,6 +186,11 @@ class Engine:
     def _admit(self, req: GenerateRequest, streaming: bool) -> _Seq:
         if not self._running:
             raise RuntimeError("Engine.start() has not been awaited")
+        if req.rid in self._live:
+            raise DuplicateRequestError(f"rid {req.rid!r} is already waiting or running; give each request its own rid")
+        cap = self.cfg.max_queued_requests
+        if cap is not None and len(self._waiting) >= cap and req.sampling.max_new_tokens:
+            raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
         req.sampling.validate(self.vocab_size)
         n = len(req.input_ids)
         if n == 0:
@@ -186,7 +206,8 @@ class Engine:
         if req.sampling.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
         else:
-            self._waiting.append(seq)
+            self._waiting[seq.stream_id] = seq
+            self._live[req.rid] = seq
             self._wake_all()
         return seq
 
@@ -196,7 +217,7 @@ class Engine:
         try:
             return await asyncio.shield(seq.done)
         except asyncio.CancelledError:
-            self._abort_where(lambda s: s is seq, "client cancelled")
+            self._abort_seq(seq, "client cancelled")
             raise
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
@@ -209,13 +230,16 @@ class Engine:
                 if out.finished:
                     return
         finally:
-            if seq.finish_reason is None:
-                self._abort_where(lambda s: s is seq, "client cancelled")
+            self._abort_seq(seq, "client cancelled")
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
-        """Abort one request (by rid) or all; they return their partial output. Returns how many."""
-        async with self._all_lanes():
-            return self._abort_where(lambda s: abort_all or s.req.rid == rid, "aborted")
+        """Abort one request (by rid, O(1), no lock) or all (between steps); they return their
+        partial output. Returns how many."""
+        if abort_all:
+            async with self._all_lanes():
+                return self._abort_where(lambda s: True, "aborted")
+        seq = self._live.get(rid) if rid is not None else None
+        return int(seq is not None and self._abort_seq(seq, "aborted"))
 
     async def pause(self, mode: str = "abort") -> None:
         """Stop stepping after the steps in flight. ``abort``: every request returns now (partial
@@ -231,7 +255,8 @@ class Engine:
                 running = sorted((s for lane in self._lanes for s in lane.running), key=lambda s: s.stream_id)
                 for seq in reversed(running):
                     self._release(seq)
-                    self._waiting.appendleft(seq)
+                    self._waiting[seq.stream_id] = seq
+                    self._waiting.move_to_end(seq.stream_id, last=False)
 
     async def resume(self) -> None:
         self._paused = None
@@ -242,36 +267,50 @@ class Engine:
         """Swap in new weights: HF-named ``tensors`` (any subset) or a whole HF ``model_dir``.
 
         Nothing changes unless every tensor is valid; on error the old weights keep serving and
-        the error is raised. Retracted requests recompute their KV under the new weights;
+        the error is raised. The new weights are read and converted while generation goes on; the
+        lanes stop only for the swap. Retracted requests recompute their KV under the new weights;
         ``in_place`` ones keep their (stale) KV.
         """
         if (tensors is None) == (model_dir is None):
             raise ValueError("update_weights needs exactly one of tensors or model_dir")
-        async with self._all_lanes():
-            if tensors is not None:
-                await asyncio.to_thread(self._in_mesh, assign_hf_tensors, self.model, tensors)
-            else:
-                await asyncio.to_thread(self._load_dir, model_dir)
-            self._state = self._committed(nnx.state(self.model), like=self._state)
-            self._version = version
+        async with self._update_lock:
+            new_state = await asyncio.to_thread(self._in_mesh, self._prepare_state, tensors, model_dir)
+            async with self._all_lanes():
+                nnx.update(self.model, new_state)
+                self._state = new_state
+                self._version = version
 
-    def _load_dir(self, model_dir: str) -> None:
+    def _prepare_state(self, tensors: dict[str, np.ndarray] | None, model_dir: str | None) -> Any:
+        """The served model's state with the new weights, committed like the current one; the
+        served model itself is not touched."""
+        if tensors is not None:
+            staged = nnx.clone(self.model)  # shares the untouched arrays: no copy of the model
+            assign_hf_tensors(staged, tensors)
+            return self._committed(nnx.state(staged), like=self._state)
         cfg = self.model.config
         new = load_pretrained(model_dir, mesh=self.mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype)
         old_state, new_state = nnx.state(self.model), nnx.state(new)
         describe = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
         if jax.tree.structure(old_state) != jax.tree.structure(new_state) or describe(old_state) != describe(new_state):
             raise ValueError(f"{model_dir}: parameters differ in names or shapes from the served model")
-        nnx.update(self.model, new_state)
+        return self._committed(new_state, like=self._state)
 
     async def flush_cache(self) -> bool:
-        """Zero the KV cache; refused (False) while requests are running or waiting."""
+        """Zero the KV cache in place (its buffers are donated, so no second cache is allocated);
+        refused (False) while requests are running or waiting."""
         async with self._all_lanes():
             if self.num_running or self.num_waiting:
                 return False
             for lane in self._lanes:
-                lane.cache, lane.slot_state = await asyncio.to_thread(self._fresh_cache)
+                lane.cache = await asyncio.to_thread(self._run_zero, lane.cache)
             return True
+
+    def _run_zero(self, cache: Any) -> Any:
+        shardings = jax.tree.map(lambda x: x.sharding, cache)
+        with activate(self.mesh):
+            zeroed = self._zero_fn(cache)
+        # jit outputs are uncommitted; the steps are compiled for committed inputs (no copy here)
+        return jax.tree.map(jax.device_put, zeroed, shardings)
 
     # -- bookkeeping --
 
@@ -287,19 +326,27 @@ class Engine:
     def _finish(self, seq: _Seq, reason: dict) -> None:
         seq.finish_reason = reason
         self._release(seq)
+        self._waiting.pop(seq.stream_id, None)
+        if self._live.get(seq.req.rid) is seq:
+            del self._live[seq.req.rid]
+        self.stats["finished_requests"] += 1
         out = self._snapshot(seq)
         if not seq.done.done():
             seq.done.set_result(out)
         if seq.updates is not None:
             seq.updates.put_nowait(out)
 
+    def _abort_seq(self, seq: _Seq, message: str) -> bool:
+        """End one request with an abort, wherever it is (O(1)); False if it had finished."""
+        if seq.finish_reason is not None:
+            return False
+        self._finish(seq, {"type": "abort", "message": message})
+        return True
+
     def _abort_where(self, pred: Any, message: str) -> int:
-        running = [s for lane in self._lanes for s in lane.running]
-        hits = [s for s in self._waiting if pred(s)] + [s for s in running if pred(s)]
-        if hits:
-            self._waiting = deque(s for s in self._waiting if not pred(s))
-            for seq in hits:
-                self._finish(seq, {"type": "abort", "message": message})
+        hits = [s for s in self._live.values() if pred(s)]
+        for seq in hits:
+            self._abort_seq(seq, message)
         return len(hits)
 
     def _append(self, seq: _Seq, token: int, logprob: float, version: int) -> bool:
@@ -307,6 +354,7 @@ class Engine:
         seq.out_ids.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        self.stats["generated_tokens"] += 1
         sp = seq.req.sampling
         if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
             self._finish(seq, {"type": "stop", "matched": token})
@@ -363,44 +411,94 @@ class Engine:
                 except Exception as e:  # a failed step must not hang its requests
                     log.exception("engine step failed (lane %d)", lane.index)
                     self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}")
+                    lane.cache = lane.slot_state = None  # free the old cache before the new one
                     lane.cache, lane.slot_state = self._fresh_cache()
+
+    def _take_prefill_batch(self, lane: _Lane) -> list[_Seq]:
+        """Waiting requests for one prefill, FIFO: several short prompts, or one long prompt alone
+        (to be prefilled in chunks)."""
+        cfg, chunk = self.cfg, self.cfg.prefill_chunk
+        batch: list[_Seq] = []
+        while self._waiting and len(batch) < min(len(lane.free), cfg.max_prefill_batch):
+            head = next(iter(self._waiting.values()))
+            if chunk is not None and head.length > chunk:
+                if not batch:
+                    batch.append(head)
+                    del self._waiting[head.stream_id]
+                break
+            longest = max([s.length for s in batch] + [head.length])
+            if batch and (len(batch) + 1) * bucket(longest, cfg.prefill_buckets) > cfg.max_prefill_tokens:
+                break
+            batch.append(head)
+            del self._waiting[head.stream_id]
+        return batch
 
     async def _prefill(self, lane: _Lane) -> None:
         cfg = self.cfg
         free = lane.free
-        batch: list[_Seq] = []
-        while self._waiting and len(batch) < min(len(free), cfg.max_prefill_batch):
-            longest = max([s.length for s in batch] + [self._waiting[0].length])
-            if batch and (len(batch) + 1) * bucket(longest, cfg.prefill_buckets) > cfg.max_prefill_tokens:
-                break
-            batch.append(self._waiting.popleft())
-        length = bucket(max(s.length for s in batch), cfg.prefill_buckets)
+        batch = self._take_prefill_batch(lane)
+        chunk = cfg.prefill_chunk
+        chunked = chunk is not None and batch[0].length > chunk
+        length = chunk if chunked else bucket(max(s.length for s in batch), cfg.prefill_buckets)
         rows = bucket(len(batch), cfg.prefill_rows)
-        ids = np.zeros((rows, length), np.int32)
         lengths = np.zeros((rows,), np.int32)
         slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows write nowhere
         first_step = np.zeros((rows,), np.int32)
         temp, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
         top_k = np.full((rows,), -1, np.int32)
         seed, stream = np.zeros((rows,), np.uint32), np.zeros((rows,), np.uint32)
+        tokens = []
         for i, seq in enumerate(batch):
             toks = seq.req.input_ids + seq.out_ids
-            ids[i, :len(toks)] = toks
+            tokens.append(toks)
             lengths[i], slots[i], first_step[i] = len(toks), free[i], len(seq.out_ids)
             sp = seq.req.sampling
             temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
-            seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (cfg.seed, seq.stream_id)
+            seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (self.seed, seq.stream_id)
             seq.lane, seq.slot = lane, free[i]
             lane.slots[free[i]] = seq
+        self.stats["prompt_tokens"] += int(lengths.sum())
+
+        def window(offset: int) -> np.ndarray:
+            ids = np.zeros((rows, length), np.int32)
+            for i, toks in enumerate(tokens):
+                part = toks[offset:offset + length]
+                ids[i, :len(part)] = part
+            return ids
+
+        offset = 0
+        if chunked:  # every chunk but the last writes KV only; the last one samples
+            total = int(lengths[0])
+            while total - offset > chunk:
+                kv_len = bucket(offset + chunk, cfg.kv_buckets)
+                lane.cache = await asyncio.to_thread(
+                    self._run_chunk, lane.cache, window(offset), np.int32(offset), lengths, slots, kv_len)
+                self.stats["prefill_chunks"] += 1
+                offset += chunk
+                if lane.slots[free[0]] is not batch[0]:  # aborted or retracted meanwhile
+                    return
+                if self._paused is not None:  # a pause does not wait for the whole prompt:
+                    self._release(batch[0])  # back to the queue front, prefilled again on resume
+                    self._waiting[batch[0].stream_id] = batch[0]
+                    self._waiting.move_to_end(batch[0].stream_id, last=False)
+                    return
+            kv_len = bucket(min(offset + chunk, total), cfg.kv_buckets)
+        else:
+            kv_len = length
         version = self._version
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
-            self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, ids, lengths, slots,
-            first_step, temp, top_p, top_k, seed, stream)
+            self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
+            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, kv_len=kv_len)
         self.stats["prefill_calls"] += 1
         for i, seq in enumerate(batch):
             if lane.slots[free[i]] is seq:  # not aborted or retracted meanwhile
                 self._append(seq, int(out[0, i]), float(out[1, i]), version)
                 self._notify(seq)
+
+    def _run_chunk(self, cache: Any, *args: Any) -> Any:
+        *rest, kv_len = args
+        with activate(self.mesh):
+            return self.prefill_chunk_fn(self._state, cache, *rest, kv_len=kv_len)
 
     async def _decode(self, lane: _Lane) -> None:
         n = self.cfg.decode_steps

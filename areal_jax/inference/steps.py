@@ -1,9 +1,12 @@
 """The engine's compiled steps: batched prefill into KV slots and a multi-token decode chunk.
 
-Both are pure functions of ``(model state, cache, slot state, ...)``, jitted once per engine over a
+All are pure functions of ``(model state, cache, slot state, ...)``, jitted once per engine over a
 fixed graphdef with the cache and slot state donated. Their shapes come from small bucket sets
 (prompt length x prefill rows for prefill, attended length for decode), so the number of
-compilations is bounded whatever the traffic. Sampling runs inside the same call, and each call
+compilations is bounded whatever the traffic. A prompt longer than the prefill chunk runs as
+``prefill_chunk`` calls (write one chunk's keys and values, attend to the cache so far) and a final
+``prefill`` at the last chunk's offset, so attention never holds more than ``chunk x context``
+scores. Sampling runs inside the same call, and each call
 returns one small float32 array (token ids and their logprobs) to the host.
 """
 
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from areal_jax.inference.sampling import row_keys, sample
-from areal_jax.models.decoder import K_CACHE_AXES, V_CACHE_AXES, Decoder, KVCache
+from areal_jax.models.decoder import Decoder, KVCache
 from sharding import constrain
 
 
@@ -56,31 +59,41 @@ def _forward(model: Decoder, ids: jax.Array, positions: jax.Array, cache: KVCach
              slots: jax.Array | None) -> tuple[jax.Array, KVCache]:
     """Final hidden states ``[b, t, hidden]`` and the updated cache (logits are left to the caller,
     so prefill projects only each row's last position onto the vocabulary)."""
-    x = model.embed_tokens(ids)
-    ks, vs = [], []
-    for layer, k, v in zip(model.layers, cache.k, cache.v, strict=True):
-        x, k, v = layer.decode(x, positions, k, v, slots, kv_len)
-        ks.append(constrain(k, K_CACHE_AXES))
-        vs.append(constrain(v, V_CACHE_AXES))
-    return model.norm(x), KVCache(tuple(ks), tuple(vs))
+    x, cache = model.decode_layers(model.embed_tokens(ids), positions, cache, kv_len=kv_len, slots=slots)
+    return model.norm(x), cache
 
 
 def _replicated(tree: Any) -> Any:
     return jax.tree.map(lambda x: constrain(x, (None,) * x.ndim), tree)
 
 
-def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState,
-             ids: jax.Array, lengths: jax.Array, slots: jax.Array, first_step: jax.Array,
-             temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed: jax.Array,
-             stream: jax.Array) -> tuple[KVCache, SlotState, jax.Array]:
-    """Write ``ids [rows, L]`` (row i: ``lengths[i]`` real tokens) into ``slots`` and sample each
-    row's next token. Padding rows have length 0 and slot ``num_slots``: all their writes drop."""
+def _chunk_positions(ids: jax.Array, offset: jax.Array, lengths: jax.Array, max_len: int) -> jax.Array:
+    """Positions of ``ids [rows, T]`` placed at ``offset``; padding lands past the cache (dropped)."""
+    pos = offset + jnp.arange(ids.shape[1])[None]
+    return jnp.broadcast_to(jnp.where(pos < lengths[:, None], pos, max_len), ids.shape)
+
+
+def _prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, ids: jax.Array, offset: jax.Array,
+                   lengths: jax.Array, slots: jax.Array, *, kv_len: int) -> KVCache:
+    """Write one chunk ``ids [rows, T]`` at positions ``offset ..`` into ``slots``, attending to the
+    first ``kv_len`` cache positions (a bucket >= offset + T); nothing is sampled."""
     model = nnx.merge(graphdef, state)
-    rows, length = ids.shape
-    idx = jnp.arange(length)[None]
-    positions = jnp.where(idx < lengths[:, None], idx, cache.max_len)  # padding lands past the cache
-    hidden, cache = _forward(model, ids, jnp.broadcast_to(positions, ids.shape), cache, length, slots)
-    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    _, cache = _forward(model, ids, _chunk_positions(ids, offset, lengths, cache.max_len), cache, kv_len, slots)
+    return cache
+
+
+def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState,
+             ids: jax.Array, offset: jax.Array, lengths: jax.Array, slots: jax.Array, first_step: jax.Array,
+             temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed: jax.Array,
+             stream: jax.Array, *, kv_len: int) -> tuple[KVCache, SlotState, jax.Array]:
+    """Write ``ids [rows, T]`` (row i: tokens ``offset ..`` of ``lengths[i]``) into ``slots`` and
+    sample each row's next token; every row's last token must lie in this call (an unchunked
+    prefill has ``offset`` 0 and ``kv_len`` T). Padding rows have length 0 and slot
+    ``num_slots``: all their writes drop."""
+    model = nnx.merge(graphdef, state)
+    positions = _chunk_positions(ids, offset, lengths, cache.max_len)
+    hidden, cache = _forward(model, ids, positions, cache, kv_len, slots)
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1 - offset, 0)[:, None, None], axis=1)
     logits = model.logits_from_hidden(last)[:, 0]
     tokens, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, first_step))
     put = lambda arr, val: arr.at[slots].set(val.astype(arr.dtype), mode="drop")
@@ -113,8 +126,17 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state
     return cache, _replicated(slot_state), jnp.moveaxis(out, 1, 0)
 
 
-def compile_steps(graphdef: nnx.GraphDef) -> tuple[Any, Any]:
-    """``(prefill, decode)`` jitted for one model graph, donating cache and slot state."""
-    prefill = jax.jit(partial(_prefill, graphdef), donate_argnums=(1, 2))
-    decode = jax.jit(partial(_decode, graphdef), donate_argnums=(1, 2), static_argnames=("kv_len", "num_steps"))
-    return prefill, decode
+class Steps(NamedTuple):
+    """The compiled steps of one model graph (cache and slot state donated)."""
+
+    prefill: Any
+    prefill_chunk: Any
+    decode: Any
+
+
+def compile_steps(graphdef: nnx.GraphDef) -> Steps:
+    """The steps jitted for one model graph, donating cache and slot state."""
+    return Steps(
+        prefill=jax.jit(partial(_prefill, graphdef), donate_argnums=(1, 2), static_argnames=("kv_len",)),
+        prefill_chunk=jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1,), static_argnames=("kv_len",)),
+        decode=jax.jit(partial(_decode, graphdef), donate_argnums=(1, 2), static_argnames=("kv_len", "num_steps")))

@@ -73,3 +73,11 @@ class GenerateOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queued_requests`` already; retry later (HTTP 503 at the server)."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request with this rid is already waiting or running (SGLang refuses it with a 400)."""

@@ -69,7 +69,8 @@ def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None
                 moved = [r for r in results if r.resends > 0]
                 assert moved, "no request was re-sent after the server died"
                 assert (await client.check_health()) == [True, False]
-                later = await asyncio.gather(*(client.generate([9, 9, i], {"max_new_tokens": 5}) for i in range(4)))
+                later = await asyncio.gather(*(client.generate([9, 9, i], {"max_new_tokens": 5, "ignore_eos": True})
+                                             for i in range(4)))
                 assert all(len(r.output_ids) == 5 and r.resends == 0 for r in later)  # routed to the survivor
                 # A moved answer is one sequence: its logprobs are those of the full forward pass
                 # over prompt + all tokens, including the ones produced by the dead server.

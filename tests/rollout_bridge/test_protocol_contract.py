@@ -1,7 +1,8 @@
-"""Our requests and replies validate against SGLang's own generated schema (sglang/api/v1/api_types.py).
+"""Our requests and replies validate against SGLang's own generated schema (sglang/api/v1/api_types.py),
+and the client works against replies shaped exactly as a stock SGLang server sends them.
 
 The schema comes from the pinned sglang wheel via ``scripts/fetch_sglang_schema.sh``; without it
-this test is skipped.
+these tests are skipped.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from rollout_bridge import protocol as P
+from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from tests.rollout_bridge.bridge_helpers import running_server
 
 SCHEMA = Path(__file__).resolve().parents[2] / ".cache" / "sglang" / "api_types.py"
@@ -60,10 +63,10 @@ def test_our_replies_validate(sgl: Any, tiny_dir: Path) -> None:
                     assert r.status == 200
                     reply = sgl.GenerateResponse.from_json_value(await r.json())
                 m = reply.meta_info
-                assert m.id == "c1" and m.completion_tokens == 5 and m.weight_version == "0"
+                assert m.id == "c1" and m.completion_tokens == 5 and m.weight_version == "default"
                 assert isinstance(m.finish_reason, sgl.FinishLength) and m.finish_reason.length == 5
                 assert [e.token_id for e in m.output_token_logprobs] == reply.output_ids
-                assert [(w.version, w.start, w.end) for w in m.weight_versions] == [("0", 0, 5)]
+                assert [(w.version, w.start, w.end) for w in m.weight_versions] == [("default", 0, 5)]
 
                 async with s.post(url + "/generate", json={**body, "stream": True, "rid": "c2"}) as r:
                     assert r.headers["Content-Type"].startswith("text/event-stream")
@@ -77,12 +80,95 @@ def test_our_replies_validate(sgl: Any, tiny_dir: Path) -> None:
 
                 async with s.get(url + "/get_model_info") as r:
                     info = sgl.GetModelInfoResponse.from_json_value(await r.json())
-                    assert info.weight_version == "0" and info.is_generation
+                    assert info.weight_version == "default" and info.is_generation
                 async with s.get(url + "/get_server_info") as r:
                     sgl.GetServerInfoResponse.from_json_value(await r.json())
                 async with s.post(url + "/abort_request", json={"rid": "nope"}) as r:
                     sgl.AbortResponse.from_json_value(await r.json())
                 async with s.get(url + "/health_generate") as r:
                     assert r.status == 200
+
+    asyncio.run(main())
+
+
+CALLS = web.AppKey("calls", list)
+
+
+def _stock_sglang(sgl: Any, abort_first: int) -> web.Application:
+    """A stand-in for a stock SGLang server (no --weight-version flag, so its label is always
+    "default"; it ignores the weight_version of updates as an older SGLang does). Every reply is
+    built from SGLang's own schema types. The first /generate is aborted after ``abort_first``
+    tokens, as a pause with mode "abort" does."""
+    calls: list[dict[str, Any]] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        req = sgl.GenerateRequest.from_json_value(body)  # the client's request is valid SGLang
+        calls.append(body)
+        n = req.sampling_params.max_new_tokens
+        aborted = len(calls) == 1
+        if aborted:
+            n = abort_first
+        last = req.input_ids[-1]
+        ids = [(last + 1 + i) % 100 for i in range(n)]
+        finish = (sgl.FinishAbort(message="Abort in waiting queue") if aborted else sgl.FinishLength(length=n))
+        reply = sgl.GenerateResponse(text="x" * n, output_ids=ids, meta_info=sgl.GenerateMetaInfo(
+            id=req.rid, prompt_tokens=len(req.input_ids), completion_tokens=n, finish_reason=finish,
+            output_token_logprobs=[sgl.LogprobEntry(logprob=-0.5, token_id=t) for t in ids],
+            e2e_latency=0.01, weight_version="default"))
+        return web.json_response(reply.to_json_value())
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default"})
+
+    async def update_from_disk(request: web.Request) -> web.Response:
+        calls.append(await request.json())
+        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
+                                  "num_paused_requests": 0})
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app[CALLS] = calls
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/get_model_info", model_info)
+    app.router.add_get("/health", ok)
+    app.router.add_post("/update_weights_from_disk", update_from_disk)
+    return app
+
+
+def test_client_against_stock_sglang_replies(sgl: Any) -> None:
+    """Label "default", no per-token versions, an aborted reply and its resume: the tokens carry
+    the versions the client pushed, whatever the server calls them."""
+    app = _stock_sglang(sgl, abort_first=3)
+
+    async def main() -> None:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        addr = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+        try:
+            async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
+                r = await client.generate([5, 6, 7], {"max_new_tokens": 8, "temperature": 1.0})
+                assert r.output_ids == [8, 9, 10] + [11, 12, 13, 14, 15] and r.resends == 1
+                assert r.output_versions == [0] * 8 and r.output_logprobs == [-0.5] * 8
+                assert r.finish_reason == {"type": "length", "length": 8}
+                resend = app[CALLS][1]
+                assert resend["input_ids"] == [5, 6, 7, 8, 9, 10]
+                assert resend["sampling_params"]["max_new_tokens"] == 5
+                await client.update_weights_from_disk("/ckpt/v1", version=1)
+                assert client.server_versions() == {f"http://{addr}": 1}
+                for _ in range(3):  # still "default", but it never took a label: not a restart
+                    await client.check_versions()
+                assert client.in_rotation() == [f"http://{addr}"]
+                assert len(app[CALLS]) == 3  # two /generate, one weight update: no reload loop
+                r = await client.generate([1, 2], {"max_new_tokens": 4})
+                assert r.output_versions == [1] * 4
+                assert await client.reported_versions() == {f"http://{addr}": "default"}
+        finally:
+            await runner.cleanup()
 
     asyncio.run(main())

@@ -1,0 +1,410 @@
+"""The set of inference servers a rollout client talks to: sessions, health, routing, the record
+of which policy version each server holds, and the control calls that fan out to all of them.
+
+Versions: the pool keeps its own record of which policy version each server holds, because it
+pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``). A
+server's ``weight_version`` is an opaque label (stock SGLang says "default"): it is only compared
+with the labels this pool gave that server, to notice a server that went back to older weights (a
+restart). Such a server is kept out of rotation until it holds the current version again:
+re-loaded at once from the last disk checkpoint when there is one, else at the next push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from rollout_bridge import protocol as P
+
+log = logging.getLogger("rollout_bridge.client")
+
+
+class RolloutError(RuntimeError):
+    """A generation or control call that cannot succeed; the message says which server and why."""
+
+
+class AllServersDownError(RolloutError):
+    pass
+
+
+class WeightUpdateError(RolloutError):
+    pass
+
+
+
+@dataclass
+class ClientConfig:
+    """Timeouts and retry policy of ``HttpRolloutClient``."""
+
+    generate_timeout_s: float = 3600.0
+    """Upper bound on one /generate call (one attempt, not the whole resumed answer)."""
+    control_timeout_s: float = 60.0
+    """Pause, continue, abort, flush, info, health."""
+    weight_timeout_s: float = 1800.0
+    """/update_weights_from_disk and each bucket of /update_weights_from_tensor."""
+    connect_timeout_s: float = 10.0
+    health_interval_s: float = 5.0
+    """Period of the background health check started by ``start()``."""
+    all_down_wait_s: float = 30.0
+    """How long a request waits for some server to come back before ``AllServersDownError``."""
+    max_resends: int = 1000
+    """Bound on re-sends of one request (aborts, failovers and refusals by a full server)."""
+    max_connections_per_server: int = 512
+    """Most concurrent /generate connections to one server; more requests wait for one. Control
+    calls use their own connections, so a pause is never stuck behind generations."""
+    busy_backoff_s: float = 1.0
+    """Wait after a 503 (full queue) when the server gives no Retry-After; doubles while it stays
+    full, up to 8x."""
+    initial_version: int = 0
+    """The policy version every server holds when the client starts (the weights it was launched with)."""
+
+
+@dataclass
+class _Server:
+    url: str
+    version: int = 0
+    """The policy version this server holds, by the client's record."""
+    healthy: bool = True
+    last_error: str = ""
+    inflight: set[str] = field(default_factory=set)
+    labels: dict[str, int] = field(default_factory=dict)
+    """weight_version labels this server reported or was given -> the policy version they stand for."""
+    keeps_labels: bool = False
+    """The server confirmed that it took a label we gave (ours and SGLang >= 0.5 do). Only then can
+    an older label mean a restart; a server that ignores labels always reports its first one."""
+
+
+class ServerPool:
+    """Servers by URL, their health and versions; see the module docstring."""
+
+    def __init__(self, addresses: list[str], *, api_key: str | None = None, config: ClientConfig | None = None):
+        if not addresses:
+            raise ValueError("a rollout client needs at least one server address (host:port or URL)")
+        self.cfg = config or ClientConfig()
+        v0 = self.cfg.initial_version
+        self.servers = [_Server(a if "://" in a else f"http://{a}", version=v0) for a in addresses]
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._gen_session: aiohttp.ClientSession | None = None
+        self._rr = itertools.cycle(range(len(self.servers)))
+        self._sticky: dict[str, _Server] = {}
+        self._health_task: asyncio.Task | None = None
+        self._current = v0
+        self._last_disk: tuple[str, int] | None = None
+
+    # -- versions --
+
+    @property
+    def current_version(self) -> int:
+        """The newest policy version pushed to the servers (``initial_version`` before any)."""
+        return self._current
+
+    def server_versions(self) -> dict[str, int]:
+        """Each server's policy version by the client's record (it pushed them), by URL."""
+        return {s.url: s.version for s in self.servers}
+
+    def in_rotation(self) -> list[str]:
+        """URLs of the servers new requests may go to: healthy and holding the current version."""
+        return [s.url for s in self.servers if s.healthy and s.version >= self._current]
+
+    def _record(self, s: _Server, version: int, reply: Any = None) -> None:
+        """``s`` now holds ``version`` (a push to it succeeded with ``reply``)."""
+        s.version = version
+        s.labels[str(version)] = version
+        s.keeps_labels = s.keeps_labels or _confirms_label(reply, str(version))
+
+    def _pushed(self, version: int, ok: list[tuple[_Server, Any]]) -> None:
+        for s, reply in ok:
+            self._record(s, version, reply)
+        if ok:
+            self._current = max(self._current, version)
+
+    async def check_versions(self) -> None:
+        """Ask every healthy server for its label; one reporting a label that stands for an older
+        version than the client's record went back (a restart): its record drops to that version,
+        which keeps it out of rotation until it holds the current one (reloaded from the last disk
+        checkpoint at once, if there is one)."""
+        await asyncio.gather(*(self._check_version(s) for s in self.servers if s.healthy))
+
+    async def _check_version(self, s: _Server) -> bool:
+        """See ``check_versions``; False if the server could not be reached."""
+        try:
+            status, body = await self._request(s, "GET", "/get_model_info", timeout=self.cfg.control_timeout_s)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._mark_down(s, e)
+            return False
+        if status != 200 or not isinstance(body, dict):
+            return True
+        label = body.get("weight_version")
+        label = "" if label is None else str(label)
+        if not s.labels:  # first contact: this label is the initial version
+            s.labels[label] = self.cfg.initial_version
+        held = s.labels.get(label)
+        if held is None or held >= s.version or not s.keeps_labels:
+            return True
+        log.warning("server %s reports weight_version %r (version %d) but was given version %d: restarted? "
+                    "Out of rotation until it holds version %d", s.url, label, held, s.version, self._current)
+        s.version = held
+        if self._last_disk is not None and self._last_disk[1] >= self._current:
+            path, version = self._last_disk
+            _, st, reply = await self._call_one(s, "/update_weights_from_disk", self._disk_body(path, version),
+                                                self.cfg.weight_timeout_s)
+            if st == 200 and not (isinstance(reply, dict) and reply.get("success") is False):
+                self._record(s, version, reply)
+                log.info("server %s reloaded version %d from %s", s.url, version, path)
+        return True
+
+    # -- plumbing --
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """Control calls (no connection cap)."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s))
+        return self._session
+
+    @property
+    def gen_session(self) -> aiohttp.ClientSession:
+        """/generate calls, at most ``max_connections_per_server`` per server."""
+        if self._gen_session is None or self._gen_session.closed:
+            self._gen_session = aiohttp.ClientSession(
+                headers=self._headers,
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.max_connections_per_server),
+                timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout_s))
+        return self._gen_session
+
+    async def start(self) -> None:
+        """Check health and versions now and keep checking in the background."""
+        await self.check_health()
+        await self.check_versions()
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+            self._health_task = None
+        for session in (self._session, self._gen_session):
+            if session is not None:
+                await session.close()
+
+
+    async def _request(self, server: _Server, method: str, path: str, *, json_body: Any = None,
+                       data: bytes | None = None, params: dict[str, str] | None = None,
+                       timeout: float, headers: dict[str, str] | None = None,
+                       session: aiohttp.ClientSession | None = None,
+                       reply_headers: dict[str, str] | None = None) -> tuple[int, Any]:
+        """One HTTP call; returns (status, parsed JSON or text). Connection errors propagate."""
+        kw: dict[str, Any] = {"timeout": aiohttp.ClientTimeout(total=timeout), "params": params,
+                              "headers": headers}
+        if data is not None:
+            kw["data"] = data
+        elif json_body is not None:
+            kw["data"] = P.encode(json_body)
+            kw["headers"] = {**(headers or {}), "Content-Type": "application/json"}
+        async with (session or self.session).request(method, server.url + path, **kw) as resp:
+            raw = await resp.read()
+            if reply_headers is not None:
+                reply_headers.update(resp.headers)
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        return resp.status, body
+
+    async def check_health(self) -> list[bool]:
+        """GET /health on every server concurrently; updates and returns their health."""
+        async def one(s: _Server) -> bool:
+            try:
+                status, body = await self._request(s, "GET", "/health", timeout=self.cfg.control_timeout_s)
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                s.healthy, s.last_error = False, f"{type(e).__name__}: {e}"
+                return False
+            if status != 200:
+                s.healthy, s.last_error = False, f"/health answered {status}: {body}"
+            elif not s.healthy:  # back: learn which weights it holds before it takes requests
+                s.healthy = await self._check_version(s)
+            return s.healthy
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.health_interval_s)
+            await self.check_health()
+            await self.check_versions()
+
+    def _mark_down(self, server: _Server, err: BaseException | str) -> None:
+        if server.healthy:
+            log.warning("server %s is down: %s", server.url, err)
+        server.healthy = False
+        server.last_error = str(err) or type(err).__name__
+        for rid in [r for r, s in self._sticky.items() if s is server]:
+            self._sticky.pop(rid, None)
+
+    async def _pick(self, rid: str) -> _Server:
+        """The rid's sticky server while in rotation, else the next one round-robin that is healthy
+        and holds the current version; if no healthy server holds it, any healthy one (its tokens
+        carry its older version), so a fleet that lost its weights still answers."""
+        s = self._sticky.get(rid)
+        if s is not None and s.healthy and s.version >= self._current:
+            return s
+        deadline = time.monotonic() + self.cfg.all_down_wait_s
+        while True:
+            for fresh_only in (True, False):
+                for _ in range(len(self.servers)):
+                    s = self.servers[next(self._rr)]
+                    if s.healthy and (s.version >= self._current or not fresh_only):
+                        self._sticky[rid] = s
+                        return s
+            if time.monotonic() >= deadline:
+                errors = "; ".join(f"{x.url}: {x.last_error}" for x in self.servers)
+                raise AllServersDownError(f"no healthy rollout server for {self.cfg.all_down_wait_s:.0f}s ({errors})")
+            await asyncio.sleep(min(1.0, self.cfg.all_down_wait_s / 10))
+            await self.check_health()
+
+    # -- fan-out control --
+
+    async def _call_one(self, s: _Server, path: str, body: Any, timeout: float, **kw: Any) -> tuple[_Server, int, Any]:
+        try:
+            status, reply = await self._request(s, "POST", path, json_body=body, timeout=timeout, **kw)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._mark_down(s, e)
+            return s, 0, f"{type(e).__name__}: {e}"
+        return s, status, reply
+
+    async def _broadcast(self, path: str, body: Any, *, timeout: float, strict: bool = True,
+                         version: int | None = None, **kw: Any) -> list[dict[str, Any]]:
+        """POST to every healthy server concurrently. With ``strict``, any failure raises after
+        all have answered; servers that cannot be reached are marked down and skipped. With a
+        ``version``, the servers that succeed are recorded as holding it."""
+        targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            raise AllServersDownError(f"{path}: no healthy server ("
+                                      + "; ".join(f"{s.url}: {s.last_error}" for s in self.servers) + ")")
+        if version is not None:
+            for s in targets:  # a label seen while the call runs is not mistaken for a restart
+                s.labels[str(version)] = version
+        results = await asyncio.gather(*(self._call_one(s, path, body, timeout, **kw) for s in targets))
+        failed = [(s, st, r) for s, st, r in results
+                  if st != 200 or (isinstance(r, dict) and r.get("success") is False)]
+        reached = [(s, st, r) for s, st, r in results if st != 0]
+        if version is not None:
+            self._pushed(version, [(s, r) for s, st, r in reached if (s, st, r) not in failed])
+        if strict and any(st != 0 for _, st, _ in failed):
+            msg = "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in failed if st != 0)
+            raise WeightUpdateError(f"{path} failed on {msg}") if "weight" in path else RolloutError(f"{path}: {msg}")
+        if not reached:
+            raise AllServersDownError(f"{path}: every server failed to answer")
+        return [{"server": s.url, "status": st, "reply": r} for s, st, r in reached]
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._broadcast("/pause_generation", {"mode": mode}, timeout=self.cfg.control_timeout_s)
+
+    async def continue_generation(self) -> None:
+        await self._broadcast("/continue_generation", {}, timeout=self.cfg.control_timeout_s)
+
+    async def flush_cache(self) -> None:
+        await self._broadcast("/flush_cache", {}, timeout=self.cfg.control_timeout_s)
+
+    @staticmethod
+    def _disk_body(model_path: str, version: int, abort_all_requests: bool = False,
+                   flush_cache: bool = True) -> dict[str, Any]:
+        return {"model_path": model_path, "abort_all_requests": abort_all_requests,
+                "weight_version": str(version), "flush_cache": flush_cache}
+
+    async def update_weights_from_disk(self, model_path: str, *, version: int, abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> list[dict[str, Any]]:
+        """Every healthy server loads ``model_path`` as ``version`` (labelled ``str(version)``);
+        those that succeed are recorded as holding it. The path is kept to reload a server that
+        restarts."""
+        replies = await self._broadcast("/update_weights_from_disk",
+                                        self._disk_body(model_path, version, abort_all_requests, flush_cache),
+                                        timeout=self.cfg.weight_timeout_s, version=version)
+        if version >= self._current:
+            self._last_disk = (model_path, version)
+        return replies
+
+    async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> list[dict[str, Any]]:
+        """Relabel what every server serves as ``version`` (no new weights) and record it."""
+        body = {"new_version": str(version), "abort_all_requests": abort_all_requests}
+        return await self._broadcast("/update_weight_version", body, timeout=self.cfg.control_timeout_s,
+                                     version=version)
+
+    async def push_tensor_bucket(self, payload: bytes, *, version: int, transfer_id: str, bucket: int, last: bool,
+                                 flush_cache: bool = True) -> list[dict[str, Any]]:
+        """One safetensors bucket of a version to every embedded server (see ``protocol``); after
+        the ``last`` one, the servers that applied it are recorded as holding ``version``."""
+        params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
+                  "last": "true" if last else "false", "flush_cache": "true" if flush_cache else "false"}
+        targets = [s for s in self.servers if s.healthy]
+        if not targets:
+            raise AllServersDownError("/update_weights_from_tensor: no healthy server")
+        if last:
+            for s in targets:
+                s.labels[str(version)] = version
+
+        async def one(s: _Server) -> tuple[_Server, int, Any]:
+            try:
+                status, reply = await self._request(
+                    s, "POST", "/update_weights_from_tensor", data=payload, params=params,
+                    headers={"Content-Type": "application/octet-stream"}, timeout=self.cfg.weight_timeout_s)
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                self._mark_down(s, e)
+                return s, 0, str(e)
+            return s, status, reply
+
+        results = await asyncio.gather(*(one(s) for s in targets))
+        if last:
+            self._pushed(version, [(s, r) for s, st, r in results if st == 200])
+        bad = [(s, st, r) for s, st, r in results if st not in (0, 200)]
+        if bad:
+            raise WeightUpdateError("/update_weights_from_tensor failed on "
+                                    + "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in bad))
+        return [{"server": s.url, "status": st, "reply": r} for s, st, r in results if st == 200]
+
+    async def get_model_info(self) -> list[dict[str, Any]]:
+        async def one(s: _Server) -> dict[str, Any]:
+            status, body = await self._request(s, "GET", "/get_model_info", timeout=self.cfg.control_timeout_s)
+            return {"server": s.url, "status": status, "reply": body}
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers if s.healthy)))
+
+    async def versions(self) -> dict[str, int]:
+        """Each server's policy version by the client's record (``server_versions``)."""
+        return self.server_versions()
+
+    async def reported_versions(self) -> dict[str, str | None]:
+        """The ``weight_version`` label each healthy server reports (opaque; SGLang: "default")."""
+        return {r["server"]: (r["reply"] or {}).get("weight_version") if isinstance(r["reply"], dict) else None
+                for r in await self.get_model_info() if r["status"] == 200}
+
+
+def reply_message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message"))
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+def _confirms_label(reply: Any, label: str) -> bool:
+    """Whether a weight-update reply says the server now reports ``label`` (our server: its
+    ``weight_version``; SGLang: ``new_version`` or "Weight version updated to ..." in the message)."""
+    if not isinstance(reply, dict):
+        return False
+    return (reply.get("weight_version") == label or reply.get("new_version") == label
+            or f"Weight version updated to {label}" in str(reply.get("message", "")))
+

@@ -1,0 +1,117 @@
+"""``areal-jax serve``: load a model directory and serve it on the embedded server, with SGLang's
+flag names for the options it shares (``--tp-size``, ``--dp-size``, ``--chunked-prefill-size``,
+``--max-queued-requests``, ``--random-seed``, ``--weight-version``, ...).
+
+With ``--tp-size`` / ``--dp-size`` above 1 the model is sharded over that many of the host's
+devices (tensor axis: heads and MLP columns; data axis: the KV slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+from rollout_bridge.server import DEFAULT_WEIGHT_VERSION, build_app, start_server
+
+log = logging.getLogger("rollout_bridge.serve")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("areal-jax serve", description="Serve a model over SGLang's HTTP API (native "
+                                "/generate and the weight-update endpoints, plus OpenAI-compatible /v1/...)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-path", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model path)")
+    p.add_argument("--served-model-name", default="", help="model name in replies (default: the model path)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=30000, help="port to listen on")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="parameter and compute dtype (default: the checkpoint's config)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices (heads and MLP columns split)")
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel devices (KV slots split)")
+    p.add_argument("--max-running-requests", type=int, default=32, help="KV slots: most requests decoded at once")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="most requests waiting for a slot; more are refused with 503 (default: unbounded)")
+    p.add_argument("--context-length", type=int, default=1024, help="most prompt + answer tokens per request")
+    p.add_argument("--chunked-prefill-size", type=int, default=1024,
+                   help="prompt tokens per prefill call; longer prompts prefill in chunks (-1: never chunk)")
+    p.add_argument("--random-seed", type=int, default=None,
+                   help="seed of requests without sampling_seed (default: drawn at random at start)")
+    p.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION, help="label of the initial weights")
+    p.add_argument("--lanes", type=int, default=None,
+                   help="slot groups decoded concurrently (not an SGLang flag; default: 2 on a multi-core CPU "
+                        "without tp/dp, else 1)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of the server's messages")
+    return p
+
+
+def setup_logging(level: str) -> None:
+    """Our loggers at ``level``; third-party chatter (jax, absl, ...) stays at warning unless debug."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    if level != "debug":
+        for name in ("jax", "absl", "aiohttp.access", "urllib3", "filelock"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def make_mesh_for(tp_size: int, dp_size: int) -> Any:
+    """A (data=dp, fsdp=1, tensor=tp) mesh over the first tp x dp local devices; None for 1 x 1."""
+    if tp_size < 1 or dp_size < 1:
+        raise SystemExit(f"areal-jax serve: --tp-size and --dp-size must be >= 1, got {tp_size} and {dp_size}")
+    if tp_size * dp_size == 1:
+        return None
+    import jax
+
+    from sharding import MeshConfig, make_mesh
+
+    devices = jax.local_devices()
+    if tp_size * dp_size > len(devices):
+        raise SystemExit(f"areal-jax serve: --tp-size {tp_size} x --dp-size {dp_size} needs {tp_size * dp_size} "
+                         f"devices, this host has {len(devices)} ({devices[0].platform})")
+    return make_mesh(MeshConfig(data=dp_size, fsdp=1, tensor=tp_size), devices[:tp_size * dp_size])
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load the model and serve it until cancelled."""
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import load_pretrained, load_tokenizer
+
+    mesh = make_mesh_for(args.tp_size, args.dp_size)
+    if args.max_running_requests % args.dp_size:
+        raise SystemExit(f"areal-jax serve: --max-running-requests {args.max_running_requests} must be a multiple "
+                         f"of --dp-size {args.dp_size}")
+    cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=args.context_length, seed=args.random_seed,
+                       lanes=args.lanes, max_queued_requests=args.max_queued_requests,
+                       chunked_prefill_size=args.chunked_prefill_size)
+    model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh)
+    tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+    engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
+    app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
+                    served_model_name=args.served_model_name, weight_version=args.weight_version,
+                    info={"tp_size": args.tp_size, "dp_size": args.dp_size})
+    runner, bound = await start_server(app, args.host, args.port)
+    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)",
+             args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
+             cfg.max_seq_len, engine.seed)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_server(argv: list[str] | argparse.Namespace | None = None) -> None:
+    """Entry point for ``areal-jax serve`` (argv list or parsed args)."""
+    args = argv if isinstance(argv, argparse.Namespace) else parser().parse_args(argv)
+    setup_logging(args.log_level)
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    run_server()

@@ -1,0 +1,119 @@
+"""The embedded server's weight endpoints: ``/update_weights_from_disk``, ``/update_weight_version``
+and our bucketed ``/update_weights_from_tensor`` (see ``protocol``).
+
+A new version is read and converted while the engine keeps generating and swapped in between
+steps; it is served under the label the request names (any string, as in SGLang; none keeps the
+current label) while the engine counts updates in its own integer version. A load that fails
+answers ``success: false`` with HTTP 400 and the old weights keep serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from rollout_bridge import protocol as P
+from rollout_bridge.server import STATE, ServerState, json_response
+
+log = logging.getLogger("rollout_bridge.server")
+
+
+@dataclass
+class _Staged:
+    """Buckets of one /update_weights_from_tensor transfer, held until its last bucket."""
+
+    transfer_id: str
+    label: str
+    next_bucket: int = 0
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+async def _apply(st: ServerState, label: str | None, *, tensors: dict[str, np.ndarray] | None = None,
+                 model_dir: str | None = None, flush: bool = True) -> web.Response:
+    """New weights under ``label`` (None keeps the current label, as SGLang does)."""
+    label = st.weight_version if label is None else label
+    try:
+        await st.engine.update_weights(tensors, model_dir=model_dir, version=st.engine.version + 1)
+    except Exception as e:  # the engine keeps the old weights serving
+        log.warning("weight update to %r failed: %s", label, e)
+        return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
+                                           weight_version=st.weight_version), 400)
+    st.relabel(label)
+    log.info("serving weights %r (update %d)", label, st.engine.version)
+    if flush:
+        await st.engine.flush_cache()
+    return json_response(P.UpdateWeightsResult(success=True, message="Succeeded to update model weights.",
+                                       weight_version=st.weight_version))
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    req = P.decode(await request.read(), P.UpdateWeightsFromDiskReqInput)
+    async with st.weight_lock:
+        if req.abort_all_requests:
+            await st.engine.abort(abort_all=True)
+        return await _apply(st, req.weight_version, model_dir=req.model_path, flush=req.flush_cache)
+
+
+async def update_weight_version(request: web.Request) -> web.Response:
+    """Relabel the weights being served (SGLang: the label only; nothing is reloaded)."""
+    st = request.app[STATE]
+    req = P.decode(await request.read(), P.UpdateWeightVersionReqInput)
+    async with st.weight_lock:
+        if req.abort_all_requests:
+            await st.engine.abort(abort_all=True)
+        st.relabel(req.new_version)
+    return json_response({"success": True, "message": f"Weight version updated to {req.new_version!r}.",
+                  "new_version": req.new_version})
+
+
+async def update_weights_from_tensor(request: web.Request) -> web.Response:
+    """One bucket of a bucketed push (see ``protocol``); the last bucket applies them all."""
+    st = request.app[STATE]
+    if request.content_type != "application/octet-stream":
+        raise P.ProtocolError("Content-Type", "send one bucket as safetensors bytes with "
+                              "Content-Type: application/octet-stream (the JSON form is not served)")
+    try:
+        q = msgspec.convert(dict(request.query), P.TensorBucketParams, strict=False)
+    except msgspec.ValidationError as e:
+        raise P.ProtocolError("query", str(e)) from None
+    label = q.weight_version
+    tensors = P.decode_tensor_bucket(await request.read())
+    async with st.weight_lock:
+        staged = st.staged
+        if q.bucket == 0:
+            if staged is not None:
+                log.warning("dropping unfinished weight transfer %s", staged.transfer_id)
+            staged = st.staged = _Staged(q.transfer_id, label)
+        elif staged is None or staged.transfer_id != q.transfer_id:
+            raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress; start at bucket 0")
+        if q.bucket != staged.next_bucket or label != staged.label:
+            st.staged = None
+            raise P.ProtocolError("bucket", f"expected bucket {staged.next_bucket} of version {staged.label!r}, "
+                                  f"got bucket {q.bucket} of version {label!r}; transfer dropped")
+        dup = sorted(set(tensors) & set(staged.tensors))
+        if dup:
+            st.staged = None
+            raise P.ProtocolError("body", f"tensors {dup[:3]} sent twice in one transfer; transfer dropped")
+        staged.tensors.update(tensors)
+        staged.next_bucket += 1
+        if not q.last:
+            return json_response(P.UpdateWeightsResult(success=True, message=f"staged bucket {q.bucket}",
+                                               weight_version=st.weight_version))
+        st.staged = None
+        if q.abort_all_requests:
+            await st.engine.abort(abort_all=True)
+        return await _apply(st, label, tensors=staged.tensors, flush=q.flush_cache)
+
+
+# --- app -----------------------------------------------------------------------------------------
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/update_weight_version", update_weight_version)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)

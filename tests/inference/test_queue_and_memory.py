@@ -1,0 +1,217 @@
+"""The waiting queue (bound, duplicate rids, O(1) cancel), the random default seed, weight reads
+outside the locks, in-place cache flush, and chunked prefill (same logprobs, bounded memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from areal_jax.inference import (
+    DuplicateRequestError,
+    Engine,
+    EngineConfig,
+    GenerateRequest,
+    QueueFullError,
+    SamplingParams,
+)
+from areal_jax.inference import engine as engine_module
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import load_pretrained
+from tests.inference.reference import generate_all, prompts, reference_greedy, reference_logprobs, run
+
+LONG = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+def test_full_queue_refuses_and_duplicate_rid_is_refused(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine.cfg, "max_queued_requests", 3)
+
+    async def go() -> None:
+        await engine.start()
+        try:
+            await engine.pause("in_place")  # nothing leaves the queue
+            reqs = [GenerateRequest(p, LONG, rid=f"q{i}") for i, p in enumerate(prompts([3] * 3))]
+            tasks = [asyncio.create_task(engine.generate(r)) for r in reqs]
+            await asyncio.sleep(0)
+            assert engine.num_waiting == 3
+            with pytest.raises(QueueFullError, match="3 requests"):
+                await engine.generate(GenerateRequest([1, 2], LONG))
+            with pytest.raises(DuplicateRequestError, match="q1"):
+                await engine.generate(GenerateRequest([1, 2], LONG, rid="q1"))
+            await engine.resume()
+            outs = await asyncio.gather(*tasks)
+            assert [len(o.output_ids) for o in outs] == [40] * 3
+            # a finished rid may be used again
+            out = await engine.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2), rid="q1"))
+            assert len(out.output_ids) == 2
+        finally:
+            await engine.stop()
+    run(go())
+
+
+def cancel_queued_seconds(engine: Engine, n: int) -> float:
+    """Queue ``n`` requests behind a paused engine, cancel them all; the seconds the cancels took."""
+    async def go() -> float:
+        await engine.start()
+        try:
+            await engine.pause("in_place")
+            tasks = [asyncio.create_task(engine.generate(GenerateRequest([1, 2, 3], LONG))) for _ in range(n)]
+            await asyncio.sleep(0)
+            assert engine.num_waiting == n
+            t0 = time.perf_counter()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            dt = time.perf_counter() - t0
+            assert engine.num_waiting == 0
+            await engine.resume()
+            return dt
+        finally:
+            await engine.stop()
+    return run(go())
+
+
+def test_cancelling_10000_queued_requests_is_fast(engine: Engine) -> None:
+    # Each cancel used to scan and rebuild the queue: 10,000 took about 11 s of blocked event loop.
+    assert cancel_queued_seconds(engine, 10_000) < 3.0
+
+
+def test_default_seed_differs_per_engine_explicit_seed_reproduces(ckpt: Path) -> None:
+    cfg = EngineConfig(num_slots=2, max_seq_len=32, max_prefill_batch=1, decode_steps=4, lanes=1)
+    a, b = Engine(load_pretrained(ckpt), cfg), Engine(load_pretrained(ckpt), cfg)
+    assert a.seed != b.seed
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True, seed=42)
+    prompt = prompts([4], seed=3)[0]
+    out_a = generate_all(a, [GenerateRequest(prompt, sp), GenerateRequest(prompt, seeded)])
+    out_b = generate_all(b, [GenerateRequest(prompt, sp), GenerateRequest(prompt, seeded)])
+    assert out_a[0].output_ids != out_b[0].output_ids
+    assert out_a[1].output_ids == out_b[1].output_ids
+    fixed = EngineConfig(num_slots=2, max_seq_len=32, max_prefill_batch=1, decode_steps=4, lanes=1, seed=7)
+    assert Engine(load_pretrained(ckpt), fixed).seed == 7
+
+
+def test_disk_update_reads_outside_the_locks(engine: Engine, ckpt: Path, ckpt_v1: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decoding goes on while the new checkpoint is read; only the swap stops it."""
+    reading = threading.Event()
+    real_load = engine_module.load_pretrained
+
+    def slow_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a slow disk, same loader
+        reading.set()
+        time.sleep(1.0)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_pretrained", slow_load)
+
+    async def go() -> None:
+        await engine.start()
+        try:
+            update = asyncio.create_task(engine.update_weights(model_dir=str(ckpt_v1), version=1))
+            while not reading.is_set():
+                await asyncio.sleep(0.01)
+            # a whole request runs while the checkpoint is being read (the read takes 1 s)
+            out = await asyncio.wait_for(engine.generate(GenerateRequest([5, 6, 7], LONG)), 0.8)
+            assert not update.done() and out.output_versions == [0] * 40
+            await update
+            out = await engine.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=2)))
+            assert engine.version == 1 and out.output_versions == [1, 1]
+        finally:
+            monkeypatch.setattr(engine_module, "load_pretrained", real_load)
+            await engine.update_weights(model_dir=str(ckpt), version=0)
+            await engine.stop()
+    run(go())
+
+
+def test_flush_zeroes_the_cache_in_place(engine: Engine) -> None:
+    async def go() -> None:
+        await engine.start()
+        try:
+            await engine.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=3)))
+            lane = engine._lanes[0]
+            before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(lane.cache)]
+            assert await engine.flush_cache()
+            after = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(lane.cache)]
+            assert after == before  # the donated buffers were reused: no second cache
+            assert all(not np.asarray(x).any() for x in jax.tree.leaves(lane.cache))
+            out = await engine.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=3)))
+            assert len(out.output_ids) == 3
+        finally:
+            await engine.stop()
+    run(go())
+
+
+def test_chunked_prefill_matches_full_forward(ckpt: Path, model: Decoder) -> None:
+    cfg = EngineConfig(num_slots=4, max_seq_len=64, max_prefill_batch=2, decode_steps=4, lanes=1,
+                       chunked_prefill_size=16)
+    engine = Engine(load_pretrained(ckpt), cfg)
+    reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=6, temperature=0.8, ignore_eos=True))
+            for p in prompts([50, 9, 33, 17], seed=12)]
+    outs = generate_all(engine, reqs)
+    assert engine.stats["prefill_chunks"] == 3 + 2 + 1  # 50, 33 and 17 tokens in chunks of 16
+    for r, o in zip(reqs, outs, strict=True):
+        np.testing.assert_allclose(o.output_logprobs, reference_logprobs(model, r.input_ids, o.output_ids, 0.8),
+                                   atol=1e-4)
+
+
+@pytest.mark.slow
+def test_16k_prompt_prefills_in_bounded_memory(ckpt: Path) -> None:
+    """Each compiled prefill call of a 16k-token prompt plans for chunk x context scores, not 16k^2."""
+    n, chunk = 16_384, 512
+    cfg = EngineConfig(num_slots=2, max_seq_len=n + 64, max_prefill_batch=1, decode_steps=2, lanes=1,
+                       chunked_prefill_size=chunk, kv_buckets=(chunk, 4096, 8192, 12288, n + 64))
+    engine = Engine(load_pretrained(ckpt), cfg)
+    prompt = prompts([n], seed=4)[0]
+    out = generate_all(engine, [GenerateRequest(prompt, SamplingParams(max_new_tokens=2, temperature=0))])[0]
+    assert len(out.output_ids) == 2 and engine.stats["prefill_chunks"] == n // chunk - 1
+    lane = engine._lanes[0]
+    args = (np.zeros((1, chunk), np.int32), np.int32(n - chunk), np.array([n], np.int32), np.zeros(1, np.int32))
+    chunked = engine.prefill_chunk_fn.lower(engine._state, lane.cache, *args, kv_len=n + 64).compile()
+    whole = engine.prefill_chunk_fn.lower(engine._state, lane.cache, np.zeros((1, n), np.int32), np.int32(0),
+                                          *args[2:], kv_len=n).compile()
+    chunked_mb = chunked.memory_analysis().temp_size_in_bytes / 2**20
+    whole_mb = whole.memory_analysis().temp_size_in_bytes / 2**20
+    # scores: 4 heads x 512 x 16k float32 = 128 MiB at most per chunk; 4 GiB and more unchunked
+    assert chunked_mb < 300 and whole_mb > 10 * chunked_mb, (chunked_mb, whole_mb)
+
+
+def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Decoder) -> None:
+    cfg = EngineConfig(num_slots=2, max_seq_len=64, max_prefill_batch=1, decode_steps=4, lanes=1,
+                       chunked_prefill_size=16)
+    engine = Engine(load_pretrained(ckpt), cfg)
+    prompt = prompts([60], seed=13)[0]
+    sp = SamplingParams(max_new_tokens=3, temperature=0)
+    generate_all(engine, [GenerateRequest(prompt, sp)])  # compile every chunk shape first
+    first_chunk = threading.Event()
+    real_chunk = engine._run_chunk
+
+    def slow_chunk(*args):  # noqa: ANN002, ANN202 - a slow device, same computation
+        first_chunk.set()
+        time.sleep(0.5)
+        return real_chunk(*args)
+
+    engine._run_chunk = slow_chunk
+
+    async def go() -> tuple[float, list[int]]:
+        await engine.start()
+        try:
+            task = asyncio.create_task(engine.generate(GenerateRequest(prompt, sp)))
+            while not first_chunk.is_set():
+                await asyncio.sleep(0.01)
+            t0 = time.perf_counter()
+            await engine.pause("in_place")  # 3 chunks of 0.5 s were left
+            waited = time.perf_counter() - t0
+            assert engine.num_running == 0 and engine.num_waiting == 1
+            engine._run_chunk = real_chunk
+            await engine.resume()
+            return waited, (await task).output_ids
+        finally:
+            await engine.stop()
+    waited, ids = run(go())
+    assert waited < 0.9, waited
+    assert ids == reference_greedy(model, prompt, 3)

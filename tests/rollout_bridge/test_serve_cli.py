@@ -1,0 +1,72 @@
+"""``areal-jax serve`` as a user runs it: --help shows the defaults; a server sharded over 8 fake
+devices (--tp-size 2 --dp-size 2) says where it listens and answers as one device does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from areal_jax.models import load_pretrained
+from tests.inference.reference import reference_greedy
+from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_serve_help_shows_defaults() -> None:
+    from rollout_bridge.serve import parser
+
+    text = parser().format_help().split("options:", 1)[1]
+    for flag, default in (("--chunked-prefill-size", "1024"), ("--max-running-requests", "32"),
+                          ("--context-length", "1024"), ("--weight-version", "default"), ("--tp-size", "1"),
+                          ("--log-level", "info")):
+        assert flag in text, flag
+        block = text.split(flag, 1)[1].split("\n  --", 1)[0]
+        assert f"(default: {default})" in " ".join(block.split()), (flag, block)
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+@pytest.mark.slow
+def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    log = tmp_path / "serve.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
+             "--tp-size", "2", "--dp-size", "2", "--max-running-requests", "4", "--context-length", "64",
+             "--log-level", "info"], env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if f"on {url}" in log.read_text():
+                break
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no 'serving ... on {url}' line:\n{log.read_text()[-3000:]}")
+        with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
+            state = json.loads(r.read())["internal_states"][0]
+        assert state["tp_size"] == 2 and state["dp_size"] == 2 and state["lanes"] == 1
+        prompt = [5, 17, 3, 42]
+        reply = _post(url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
+                                                                                   "temperature": 0}})
+        model = load_pretrained(tiny_dir)
+        assert reply["output_ids"] == reference_greedy(model, prompt, 8, model.config.eos_token_ids)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert "ERROR" not in log.read_text()

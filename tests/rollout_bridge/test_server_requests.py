@@ -1,0 +1,169 @@
+"""The embedded server's request handling: any weight_version label, duplicate rids, a bounded
+queue (503 and the client's back-off), disconnects and client timeouts that abort, per-server
+random seeds, /get_weight_version and /metrics (real HTTP on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from tests.rollout_bridge.bridge_helpers import running_server
+
+LONG = {"max_new_tokens": 24, "ignore_eos": True}
+TIMEOUT = aiohttp.ClientTimeout(total=60)
+
+
+async def _until(cond, timeout: float = 10.0) -> None:  # noqa: ANN001
+    for _ in range(int(timeout / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
+                aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            url = f"http://{addr}"
+            async with s.get(url + "/get_weight_version") as r:
+                assert (await r.json()) == {"weight_version": "default"}
+            async with s.post(url + "/update_weight_version", json={"new_version": "step-3"}) as r:
+                assert r.status == 200, await r.text()
+            body = {"model_path": str(tiny_dir), "weight_version": "v1"}
+            async with s.post(url + "/update_weights_from_disk", json=body) as r:
+                assert r.status == 200 and (await r.json())["weight_version"] == "v1"
+            async with s.get(url + "/get_weight_version") as r:
+                assert (await r.json()) == {"weight_version": "v1"}
+            gen = {"input_ids": [5, 6, 7], "sampling_params": LONG, "rid": "dup"}
+            async with s.post(url + "/pause_generation", json={"mode": "in_place"}) as r:
+                assert r.status == 200
+            first = asyncio.create_task(s.post(url + "/generate", json=gen))
+            await _until(lambda: engine.num_waiting == 1)
+            async with s.post(url + "/generate", json=gen) as r:
+                assert r.status == 400 and "rid" in (await r.json())["error"]["message"]
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            name = f'model_name="{tiny_dir}"'
+            assert f"sglang:num_queue_reqs{{{name}}} 1.0" in text
+            assert f"sglang:num_running_reqs{{{name}}} 0.0" in text
+            assert f'areal_jax:weight_version{{{name},weight_version="v1"}} 1.0' in text
+            assert "# TYPE sglang:generation_tokens_total counter" in text
+            async with s.post(url + "/continue_generation", json={}) as r:
+                assert r.status == 200
+            async with await first as r:
+                reply = await r.json()
+            assert reply["meta_info"]["weight_version"] == "v1" and len(reply["output_ids"]) == 24
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            assert f"sglang:generation_tokens_total{{{name}}} 24.0" in text
+
+    asyncio.run(main())
+
+
+def test_full_queue_answers_503_and_the_client_backs_off(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, num_slots=2, max_seq_len=64, max_queued_requests=2) as (addr, engine), \
+                aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            url = f"http://{addr}"
+            await s.post(url + "/pause_generation", json={"mode": "in_place"})
+            queued = [asyncio.create_task(s.post(url + "/generate", json={"input_ids": [5, i],
+                                                                          "sampling_params": LONG}))
+                      for i in range(2)]
+            await _until(lambda: engine.num_waiting == 2)
+            async with s.post(url + "/generate", json={"input_ids": [5, 9], "sampling_params": LONG}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert "queue is full" in (await r.json())["error"]["message"]
+            async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
+                task = asyncio.create_task(client.generate([5, 10], {"max_new_tokens": 4}))
+                await asyncio.sleep(0.3)  # refused at least once by now
+                await client.continue_generation()
+                result = await task
+            assert len(result.output_ids) == 4 and result.resends >= 1
+            for t in queued:
+                async with await t as r:
+                    assert r.status == 200
+
+    asyncio.run(main())
+
+
+def test_disconnects_and_client_timeouts_abort_on_the_server(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
+                running_server(tiny_dir, max_seq_len=64) as (other, _):
+            url = f"http://{addr}"
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                await s.post(url + "/pause_generation", json={"mode": "in_place"})
+                # a plain request whose client goes away
+                plain = asyncio.create_task(s.post(url + "/generate", json={"input_ids": [5, 6],
+                                                                            "sampling_params": LONG}))
+                await _until(lambda: engine.num_waiting == 1)
+                plain.cancel()
+                await _until(lambda: engine.num_waiting == 0)
+                await s.post(url + "/continue_generation", json={})
+                # a stream closed after its first event, while the server is paused mid-answer
+                async with s.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": LONG,
+                                                           "stream": True}) as r:
+                    await r.content.readline()
+                    await s.post(url + "/pause_generation", json={"mode": "in_place"})
+                    assert engine.num_running == 1
+                    r.close()
+                await _until(lambda: engine.num_running == 0)
+                await s.post(url + "/continue_generation", json={})
+                await s.post(url + "/pause_generation", json={"mode": "in_place"})
+                async with s.post(f"http://{other}/generate", json={"input_ids": [7, 8],  # compile there first
+                                                                     "sampling_params": {"max_new_tokens": 5}}) as r:
+                    assert r.status == 200
+            # a client that times out on a server aborts there before re-sending elsewhere
+            cfg = ClientConfig(generate_timeout_s=0.5, control_timeout_s=10, health_interval_s=60)
+            async with HttpRolloutClient([addr, other], config=cfg) as client:
+                result = await client.generate([7, 8], {"max_new_tokens": 5})
+                assert len(result.output_ids) == 5 and result.resends == 1
+                assert engine.num_waiting == 0
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                await s.post(url + "/continue_generation", json={})
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(main())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_two_servers_with_default_flags_sample_differently(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (a, ea), \
+                running_server(tiny_dir, max_seq_len=64) as (b, eb):
+            assert ea.seed != eb.seed
+            async with HttpRolloutClient([a], config=ClientConfig(control_timeout_s=10)) as ca, \
+                    HttpRolloutClient([b], config=ClientConfig(control_timeout_s=10)) as cb:
+                sp = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True}
+                ra, rb = await asyncio.gather(ca.generate([3, 4, 5], sp), cb.generate([3, 4, 5], sp))
+                assert ra.output_ids != rb.output_ids
+                seeded = {**sp, "sampling_seed": 1234}
+                ra, rb = await asyncio.gather(ca.generate([3, 4, 5], seeded), cb.generate([3, 4, 5], seeded))
+                assert ra.output_ids == rb.output_ids and ra.output_logprobs == rb.output_logprobs
+
+    asyncio.run(main())
+
+
+def test_client_caps_its_connections_per_server(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine):
+            cfg = ClientConfig(max_connections_per_server=2, control_timeout_s=10)
+            async with HttpRolloutClient([addr], config=cfg) as client:
+                await client.pause("in_place")
+                tasks = [asyncio.create_task(client.generate([5, i], {"max_new_tokens": 3, "ignore_eos": True}))
+                         for i in range(5)]
+                await _until(lambda: engine.num_waiting == 2)
+                await asyncio.sleep(0.3)
+                assert engine.num_waiting == 2  # the other three wait for a connection on the client
+                await client.continue_generation()  # control calls are not queued behind them
+                results = await asyncio.gather(*tasks)
+            assert [len(r.output_ids) for r in results] == [3] * 5
+
+    asyncio.run(main())

@@ -1,0 +1,109 @@
+"""Weight pushes end to end: every dtype the trainer can hold goes through both sinks and serves
+exactly the pushed weights; the client records what each server holds, notices a restarted
+server and keeps it out of rotation until it holds the current version."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from areal_jax.models import iter_hf_tensors, load_pretrained
+from areal_jax.models.hf_io import assign_hf_tensors
+from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from rollout_bridge.streamer import DiskSink, HttpBucketSink
+from tests.inference.reference import reference_logprobs
+from tests.ports import free_port
+from tests.rollout_bridge.bridge_helpers import running_server
+
+SP = {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True}
+
+
+def _trained(tiny_dir: Path, scale: float) -> object:
+    model = load_pretrained(tiny_dir)
+    nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
+    return model
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_dtype_through_both_sinks(tiny_dir: Path, tmp_path: Path, dtype: str) -> None:
+    new = _trained(tiny_dir, 1.3)
+    tensors = list(iter_hf_tensors(new, dtype))
+    assert {a.dtype.name for _, a in tensors} == {dtype}
+    pushed = load_pretrained(tiny_dir)  # the served model's dtype (float32) holding the pushed values
+    assign_hf_tensors(pushed, dict(tensors))
+    prompt = [5, 17, 3, 42]
+
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
+                HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=30)) as client:
+            url = f"http://{addr}"
+            sinks = [HttpBucketSink(client, bucket_bytes=16 * 1024),
+                     DiskSink(tmp_path / "w", new.config.to_hf_dict(dtype), client=client, tokenizer_dir=tiny_dir)]
+            for version, sink in enumerate(sinks, start=1):
+                metrics = await sink.push(version, iter(tensors))
+                assert metrics.servers == 1 and client.server_versions() == {url: version}
+                r = await client.generate(prompt, SP)
+                assert r.output_versions == [version] * 8
+                np.testing.assert_allclose(r.output_logprobs, reference_logprobs(pushed, prompt, r.output_ids, 0.8),
+                                           atol=1e-4)
+            assert (await client.reported_versions()) == {url: "2"}
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_restarted_server_is_out_of_rotation_until_it_holds_the_current_version(tiny_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    new = _trained(tiny_dir, 1.2)
+    port_b = free_port()
+    cfg = ClientConfig(control_timeout_s=30, health_interval_s=0.1, all_down_wait_s=10)
+
+    async def wait_for(cond) -> None:  # noqa: ANN001
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError("condition not reached")
+
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (a, _), contextlib.AsyncExitStack() as stack:
+            url_a, url_b = f"http://{a}", f"http://127.0.0.1:{port_b}"
+
+            async def start_b() -> tuple[contextlib.AsyncExitStack, object]:
+                b_stack = contextlib.AsyncExitStack()
+                _, engine_b = await b_stack.enter_async_context(running_server(tiny_dir, max_seq_len=64, port=port_b))
+                return b_stack, engine_b
+
+            b_stack, _ = await start_b()
+            client = await stack.enter_async_context(HttpRolloutClient([a, f"127.0.0.1:{port_b}"], config=cfg))
+            await HttpBucketSink(client).push(1, iter_hf_tensors(new))
+            assert client.server_versions() == {url_a: 1, url_b: 1} and client.in_rotation() == [url_a, url_b]
+
+            await b_stack.aclose()  # B restarts, back at its initial weights ("default")
+            b_stack, engine_b = await start_b()
+            await wait_for(lambda: client.server_versions()[url_b] == 0)
+            assert client.in_rotation() == [url_a]
+            results = await asyncio.gather(*(client.generate([3, i], SP) for i in range(4)))
+            assert all(r.output_versions == [1] * 8 for r in results)
+            assert engine_b.stats["generated_tokens"] == 0
+
+            await HttpBucketSink(client).push(2, iter_hf_tensors(new))  # the next push brings it back
+            assert client.server_versions() == {url_a: 2, url_b: 2} and client.in_rotation() == [url_a, url_b]
+            sink = DiskSink(tmp_path / "w", new.config.to_hf_dict("float32"), client=client, tokenizer_dir=tiny_dir)
+            await sink.push(3, iter_hf_tensors(new))
+
+            await b_stack.aclose()  # after a disk push, a restarted server is reloaded at once
+            b_stack, engine_b = await start_b()
+            stack.push_async_callback(b_stack.aclose)
+            await wait_for(lambda: client.server_versions()[url_b] == 3 and engine_b.version == 1)
+            assert client.in_rotation() == [url_a, url_b]
+            r = await client.generate([3, 4], SP)
+            assert r.output_versions == [3] * 8
+
+    asyncio.run(main())
