@@ -7,6 +7,7 @@ to a mesh axis, a tuple of mesh axes, or None (replicated).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ DEFAULT_RULES: Rules = (
     ("cache_batch", ("data", "fsdp")),
     ("cache_length", None),
     ("cache_kv_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("layers", None),
 )
 
 
@@ -70,6 +73,20 @@ def activate(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
         return
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         yield
+
+
+def logical_axis_size(name: str) -> int:
+    """How many ways the current mesh splits logical axis ``name`` under the active rules; 1
+    outside ``activate``. Lets a model shape itself to the mesh (e.g. replicate KV heads when
+    the tensor axis is wider than their number)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = flax_spmd.get_logical_axis_rules()
+    if mesh.empty or not rules:
+        return 1
+    axes = logical_to_spec((name,), rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    sizes = dict(mesh.shape)
+    return math.prod(sizes[a] for a in axes)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:

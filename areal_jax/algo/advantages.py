@@ -1,9 +1,10 @@
 """Advantage estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++, GAE) and reward shaping.
 
-Sequence-level estimators take rewards as ``[num_groups, group_size]`` (the answers sampled for
-one prompt form a group), or flat ``[num_groups * group_size]`` with ``group_size`` given, and
-return advantages of the same shape; ``broadcast_to_tokens`` spreads them over answer tokens.
-GAE works on per-token rewards and values for PPO with a critic.
+The group baselines take rewards as ``[num_groups, group_size]`` (the answers sampled for one
+prompt form a group), or flat ``[num_groups * group_size]`` with ``group_size`` given, and return
+normalised scores of the same shape. As in AReaL, a score then becomes a per-token reward on the
+answer's last token, a per-token KL penalty may join it, and GAE over the loss mask (with zero
+values when there is no critic: the reward-to-go) turns token rewards into advantages.
 """
 
 from __future__ import annotations
@@ -47,16 +48,13 @@ def rloo_advantages(rewards: jax.Array, group_size: int | None = None) -> jax.Ar
 
 
 def reinforce_pp_advantages(
-    rewards: jax.Array, group_size: int | None = None, eps: float = 1e-6
+    token_rewards: jax.Array, loss_mask: jax.Array, *, gamma: float = 1.0, eps: float = 1e-6
 ) -> jax.Array:
-    """REINFORCE++: subtract the batch mean, then divide by the batch std (ddof 0) + eps.
-
-    The baseline and scale come from the whole batch, not the group, which is what separates it
-    from GRPO; ``group_size`` is accepted only so every estimator shares one call shape.
-    """
-    del group_size
-    r = jnp.asarray(rewards)
-    return (r - r.mean()) / (r.std() + eps)
+    """REINFORCE++: the (discounted) reward-to-go of each token, whitened over the batch's masked
+    tokens, ``(A - mean) / (std + eps)``, not over sequences: a long answer weighs by its tokens.
+    No group baseline: the batch statistics are the baseline."""
+    to_go, _ = gae_advantages(token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=gamma, gae_lambda=1.0)
+    return normalize_advantages(to_go, loss_mask, eps)
 
 
 def gae_advantages(
@@ -67,33 +65,35 @@ def gae_advantages(
     gamma: float,
     gae_lambda: float,
 ) -> tuple[jax.Array, jax.Array]:
-    """Generalised advantage estimation over right-padded ``[batch, tokens]`` (or ``[tokens]``).
+    """Generalised advantage estimation over ``[batch, tokens]`` (or ``[tokens]``) under a loss mask.
 
-    ``values[t]`` is the critic's value before token ``t``. Past the last masked token the value
-    is taken as 0 (the episode ended), so right padding never bootstraps::
+    ``values[t]`` is the critic's value before token ``t``. Tokens off the mask (prompt, padding,
+    and in a multi-turn answer the environment's tokens between turns) are skipped, as AReaL
+    does: the recursion runs over the masked tokens only, each one's successor being the next
+    masked token, so a later turn's reward and values carry back across the gap. After the last
+    masked token the value is 0 (the episode ended), so padding never bootstraps::
 
-        delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t
-        A_t     = delta_t + gamma * lambda * m_{t+1} * A_{t+1}
+        delta_t = r_t + gamma * V_next(t) - V_t
+        A_t     = delta_t + gamma * lambda * A_next(t)
 
+    where ``next(t)`` is the next masked token after ``t``. Rewards off the mask are ignored.
     Returns ``(advantages, returns)`` with ``returns = advantages + values``, both 0 off the mask.
     """
     squeeze = jnp.ndim(token_rewards) == 1
     rewards, values, mask = (jnp.atleast_2d(jnp.asarray(x)) for x in (token_rewards, values, loss_mask))
     mask = mask.astype(rewards.dtype)
     values = values.astype(rewards.dtype) * mask
-    next_values = jnp.pad(values[:, 1:], ((0, 0), (0, 1)))
-    next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
-    deltas = rewards + gamma * next_values * next_mask - values
 
     def step(carry, xs):
-        delta, m_next = xs
-        adv = delta + gamma * gae_lambda * m_next * carry
-        return adv, adv
+        next_value, next_adv = carry
+        r, v, m = xs
+        adv = r + gamma * next_value - v + gamma * gae_lambda * next_adv
+        live = m > 0
+        return (jnp.where(live, v, next_value), jnp.where(live, adv, next_adv)), adv
 
     # Scan over time (leading axis) from the end of the sequence towards its start.
-    _, adv = jax.lax.scan(
-        step, jnp.zeros(rewards.shape[0], rewards.dtype), (deltas.T, next_mask.T), reverse=True
-    )
+    zeros = jnp.zeros(rewards.shape[0], rewards.dtype)
+    _, adv = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
     adv = adv.T * mask
     returns = (adv + values) * mask
     if squeeze:
@@ -150,9 +150,19 @@ def terminal_token_rewards(seq_rewards: jax.Array, loss_mask: jax.Array) -> jax.
     return onehot * jnp.reshape(seq_rewards, (-1, 1))
 
 
+def raw_scores(rewards: jax.Array, group_size: int | None = None) -> jax.Array:
+    """No group baseline (REINFORCE++, whose baseline is the token whitening afterwards)."""
+    del group_size
+    return jnp.asarray(rewards)
+
+
 GROUP_ESTIMATORS = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
-    "reinforce_pp": reinforce_pp_advantages,
+    "reinforce_pp": raw_scores,
 }
+"""How each critic-free estimator scores a group's sequence rewards before they become token
+rewards (AReaL's reward normalisation)."""
+TOKEN_WHITENED = ("reinforce_pp",)
+"""Estimators whose advantages are whitened over the batch's tokens whatever ``adv_norm`` says."""

@@ -59,7 +59,9 @@ class AlgoConfig:
     constant_normalizer: float | None = None
     """Divisor of the summed token losses when ``loss_aggregation == 'constant'`` (Dr.GRPO)."""
     kl_coef: float = 0.0
-    """Weight of the KL-to-reference reward penalty. 0 means no reference model is built at all."""
+    """Weight of the KL-to-reference penalty, a per-token reward ``-kl_coef * kl`` added after the
+    group normalisation of the task reward (AReaL's ``kl_ctl``). 0 means no reference model is
+    built at all."""
     kl_estimator: str = "k1"
     """Per-token KL estimator for the penalty: ``k1``, ``k2`` or ``k3``."""
     reward_scale: float = 1.0
@@ -71,9 +73,10 @@ class AlgoConfig:
     adv_norm: bool = False
     """Normalise advantages over the batch's masked tokens after the estimator."""
     gamma: float = 1.0
-    """Discount for GAE."""
+    """Discount of GAE; without a critic, of the reward-to-go (GAE with zero values, as AReaL)."""
     gae_lambda: float = 1.0
-    """GAE's lambda; 1 gives Monte Carlo returns minus the value baseline."""
+    """GAE's lambda; 1 gives Monte Carlo returns minus the value baseline. Without a critic the
+    reward-to-go is discounted by ``gamma * gae_lambda`` per masked token."""
     proximal_logprobs: str = "recompute"
     """``recompute`` (a forward pass of the proximal policy) or ``loglinear`` (approximate it)."""
     overlong_penalty: OverlongPenalty | None = None
@@ -127,13 +130,26 @@ def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
     }
 
 
+def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, token_kl: jax.Array | None) -> jax.Array:
+    """The score on each answer's last masked token, plus ``-kl_coef * kl`` on every masked token."""
+    token_rewards = adv_lib.terminal_token_rewards(scores.reshape(-1), loss_mask)
+    if token_kl is not None:
+        token_rewards = token_rewards - cfg.kl_coef * token_kl * loss_mask
+    return token_rewards
+
+
 def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
     def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl):
-        if token_kl is not None:
-            # Without a critic the penalty is charged to the whole answer it was incurred on.
-            seq_rewards = seq_rewards - cfg.kl_coef * jnp.sum(token_kl * loss_mask, axis=-1)
-        seq_adv = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size)
-        return adv_lib.broadcast_to_tokens(seq_adv.reshape(-1), loss_mask), None
+        # AReaL: normalise the task reward in its group, then add the per-token KL reward, then
+        # take GAE with zero values (the reward-to-go); the KL is never divided by a group's std.
+        scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size)
+        token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl)
+        advantages, _ = adv_lib.gae_advantages(
+            token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
+        )
+        if name in adv_lib.TOKEN_WHITENED:
+            advantages = adv_lib.normalize_advantages(advantages, loss_mask)
+        return advantages, None
 
     return estimate
 
@@ -141,9 +157,7 @@ def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | No
 def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl):
     if values is None:
         raise ValueError("adv_estimator='gae' needs values from the critic")
-    token_rewards = adv_lib.terminal_token_rewards(seq_rewards, loss_mask)
-    if token_kl is not None:
-        token_rewards = token_rewards - cfg.kl_coef * token_kl * loss_mask
+    token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl)
     return adv_lib.gae_advantages(
         token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
     )
@@ -167,9 +181,12 @@ def compute_advantages(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
 
-    In order: DAPO overlong penalty (lengths default to the mask's row sums), reward bias, scale
-    and clip, the KL penalty when ``token_kl`` is given (``-kl_coef * kl``), the estimator from
-    ``ESTIMATORS``, then masked batch normalisation if ``adv_norm``. Returns
+    In order, AReaL's: DAPO overlong penalty (lengths default to the mask's row sums), reward bias,
+    scale and clip; the estimator's group normalisation of the sequence rewards (none for GAE and
+    REINFORCE++); the score on the answer's last masked token plus, when ``token_kl`` is given, a
+    reward ``-kl_coef * kl`` on every masked token; GAE over the loss mask (zero values without a
+    critic: the reward-to-go; masked gaps in multi-turn answers are carried across); token
+    whitening for REINFORCE++; then masked batch normalisation if ``adv_norm``. Returns
     ``(advantages, returns)``; ``returns`` is None for the critic-free estimators.
     """
     rewards = jnp.reshape(rewards, -1).astype(jnp.float32)

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
+from flax.core import FrozenDict
 
 
 @dataclass(frozen=True)
@@ -26,15 +29,50 @@ class Family:
     """q/k/v projections carry a bias (Qwen2); otherwise read from config's ``attention_bias``."""
     qk_norm: bool
     """RMSNorm over head_dim on queries and keys before RoPE (Qwen3)."""
+    attention_bias_on_o_proj: bool
+    """HF's ``attention_bias`` also puts a bias on o_proj (Llama, Qwen3), which we do not implement."""
 
 
 FAMILIES: dict[str, Family] = {
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
-    "llama": Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, attention_bias_on_o_proj=False),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, attention_bias_on_o_proj=True),
+    "llama": Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, attention_bias_on_o_proj=True),
 }
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots")
+"""Names of the rematerialisation policies (the policies themselves live with the decoder)."""
+ROPE_TYPES = ("default", "linear", "llama3")
+"""RoPE scalings the decoder implements (``decoder.ROPE_SCALINGS``)."""
+_SILU = ("silu", "swish")  # transformers' ACT2FN maps both names to SiLU
+
+
+def dtype_name(value: Any, field_name: str = "dtype") -> str:
+    """The canonical name (``float32``, ``bfloat16``, ``float16``) of a dtype given as a name, a
+    JAX/NumPy dtype or a scalar type such as ``jnp.bfloat16``; anything else is a ``ValueError``
+    naming ``field_name``. Configs store the name, so they stay hashable and serialisable."""
+    try:
+        name = value if isinstance(value, str) else np.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in _DTYPES:
+        raise ValueError(f"{field_name}={value!r} is not a supported dtype; give one of {sorted(_DTYPES)} "
+                         f"(a name, or the JAX/NumPy dtype)")
+    return name
+
+
+def remat_policy(value: bool | str, field_name: str = "remat") -> str:
+    """A remat policy name from a name or a bool (True: ``full``, False: ``none``)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in REMAT_POLICIES:
+        raise ValueError(f"{field_name}={value!r}; choose one of {list(REMAT_POLICIES)} (or true / false)")
+    return value
+
+
+def jnp_dtype(value: Any, field_name: str = "dtype") -> Any:
+    """The JAX dtype for a name or dtype (see ``dtype_name``)."""
+    return _DTYPES[dtype_name(value, field_name)]
 
 
 @dataclass(frozen=True)
@@ -52,8 +90,9 @@ class ModelConfig:
     head_dim: int = 16
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    """HF rope parameters beyond theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...}."""
+    rope_scaling: Mapping[str, Any] | None = None
+    """HF rope parameters beyond theta, e.g. {"rope_type": "llama3", "factor": 8.0, ...}. Stored
+    frozen, so the config (and a GraphDef holding it) stays hashable."""
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -62,11 +101,17 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     param_dtype: str = "float32"
-    """Storage dtype of parameters: float32 or bfloat16."""
+    """Storage dtype of parameters: float32, bfloat16 or float16 (a name or a JAX/NumPy dtype;
+    stored as its name)."""
     dtype: str = "float32"
-    """Compute dtype of activations and matmuls: float32 or bfloat16. Logits are always float32."""
-    remat: bool = False
-    """Rematerialise each decoder layer in the backward pass (trades compute for memory)."""
+    """Compute dtype of activations and matmuls, given like ``param_dtype``. Logits are float32
+    either way: the LM head accumulates and returns float32."""
+    remat: str = "none"
+    """What the backward pass keeps of each decoder layer (a key of ``REMAT_POLICIES``): ``none``
+    keeps every activation; ``full`` only the layer's input, recomputing the rest (least
+    memory, about 1/3 more compute); ``dots`` also keeps the outputs of the weight matmuls and
+    recomputes attention and elementwise work (MaxText's "minimal"). True / False mean
+    ``full`` / ``none``."""
     extra_hf: dict[str, Any] = field(default_factory=dict, compare=False)
     """Keys of the source config.json we do not interpret, written back unchanged on save."""
 
@@ -81,8 +126,18 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {sorted(_DTYPES)}")
+            object.__setattr__(self, name, dtype_name(getattr(self, name), name))
+        object.__setattr__(self, "remat", remat_policy(self.remat))
+        if self.rope_scaling is not None:
+            object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
+            kind = self.rope_scaling.get("rope_type", "default")
+            if kind not in ROPE_TYPES:
+                raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: {list(ROPE_TYPES)}")
+        if self.attention_bias and self.family.attention_bias_on_o_proj:
+            raise ValueError(
+                f"attention_bias=True: a {self.model_type} model then also has an o_proj bias, which this "
+                f"decoder does not implement; only attention_bias=False is supported for {self.model_type}"
+            )
 
     @property
     def family(self) -> Family:
@@ -137,12 +192,17 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
         heads = hf["num_attention_heads"]
+        _check_supported(hf)
         known = {f.name for f in dataclasses.fields(cls)}
         extra = {
             k: v
             for k, v in hf.items()
-            if k not in known and k not in ("rope_parameters", "rope_scaling", "head_dim", "torch_dtype")
+            if k not in known and k not in ("rope_parameters", "rope_scaling", "head_dim", "torch_dtype", "dtype")
         }
+        # A checkpoint runs in the dtype it was saved in unless told otherwise (a bfloat16 model is
+        # served in bfloat16); the trainer keeps its own float32 master copy whatever this says.
+        saved = hf.get("torch_dtype") or hf.get("dtype")
+        saved = saved if saved in _DTYPES else "float32"
         kw: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -161,6 +221,8 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            param_dtype=saved,
+            dtype=saved,
             extra_hf=extra,
         )
         kw.update(overrides)
@@ -181,7 +243,10 @@ class ModelConfig:
             raise ValueError(f"{path}: missing required keys {missing}")
         return cls.from_hf_dict(hf, **overrides)
 
-    def to_hf_dict(self, serving_dtype: str | None = None) -> dict[str, Any]:
+    def to_hf_dict(self, serving_dtype: Any = None) -> dict[str, Any]:
+        """config.json content; ``serving_dtype`` (a name or dtype) is the dtype the tensors are
+        written in, default ``param_dtype``."""
+        serving_dtype = dtype_name(serving_dtype, "serving_dtype") if serving_dtype is not None else None
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling:
             rope.update(self.rope_scaling)
@@ -204,7 +269,7 @@ class ModelConfig:
             rope_theta=self.rope_theta,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
-            attention_bias=self.use_qkv_bias if self.model_type != "qwen2" else self.attention_bias,
+            attention_bias=self.attention_bias,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
@@ -213,3 +278,18 @@ class ModelConfig:
         if self.rope_scaling:
             hf["rope_scaling"] = dict(self.rope_scaling)
         return hf
+
+
+def _check_supported(hf: dict[str, Any]) -> None:
+    """Refuse a config.json that asks for something this decoder does not compute: loading it
+    anyway would give wrong logits without any error."""
+    problems = []
+    act = hf.get("hidden_act", "silu")
+    if act not in _SILU:
+        problems.append(f"hidden_act={act!r} (only silu is implemented)")
+    if hf.get("mlp_bias"):
+        problems.append("mlp_bias=true (MLP projections without bias only)")
+    if hf.get("use_sliding_window"):
+        problems.append("use_sliding_window=true (full attention only)")
+    if problems:
+        raise ValueError(f"config.json asks for {'; '.join(problems)}: this model cannot be loaded faithfully")

@@ -6,6 +6,8 @@ One definition runs two ways:
 - batched decoding with a KV cache: ``model.decode(input_ids, positions, cache, kv_len=...)``
   writes the new keys/values at ``positions`` and attends only to the first ``kv_len`` cache slots.
 
+The decoder layers are one module with stacked parameters (a leading ``layers`` axis) run under
+a scan, so compile time does not grow with depth; each layer can be rematerialised by a policy.
 Parameters and main activations carry logical axis names; mesh axes live in ``sharding/``.
 """
 
@@ -20,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models.config import ModelConfig
-from sharding import constrain
+from areal_jax.models.config import ModelConfig, jnp_dtype
+from sharding import constrain, logical_axis_size
 
 _MASKED = -1e30  # finite, so a row with no visible key (padding) gives no NaN
 
@@ -115,6 +117,12 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
+def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
+    """HIGHEST in float32 mode, so float32 means float32 on TPU too (whose default multiplies
+    float32 in one bfloat16 pass); the backend default in bfloat16 mode."""
+    return jax.lax.Precision.HIGHEST if cfg.dtype == "float32" else None
+
+
 def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool,
            rngs: nnx.Rngs) -> nnx.Linear:
     init = nnx.initializers.normal(0.02)
@@ -122,12 +130,13 @@ def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bi
         d_in, d_out, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
         kernel_init=nnx.with_partitioning(init, axes),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)),
-        precision=jax.lax.Precision.HIGHEST if cfg.dtype == "float32" else None,
+        precision=matmul_precision(cfg),
         rngs=rngs,
     )
 
 
-def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                  precision: jax.lax.Precision | None = None) -> jax.Array:
     """Grouped-query attention against a head-major cache: ``q [b, t, nh, d]``,
     ``k [b, kvh, d, s]`` (transposed), ``v [b, kvh, s, d]``, ``mask [b, t, s]``. The queries sharing
     a kv head become the rows of one ``[g * t, d] x [d, s]`` matmul, the shape XLA runs fastest."""
@@ -135,27 +144,29 @@ def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     kvh, s = k.shape[1], k.shape[3]
     g = nh // kvh
     rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-    scores = jnp.einsum("bkrd,bkds->bkrs", rows, k, preferred_element_type=jnp.float32).reshape(b, kvh, g, t, s)
+    scores = jnp.einsum("bkrd,bkds->bkrs", rows, k, preferred_element_type=jnp.float32,
+                        precision=precision).reshape(b, kvh, g, t, s)
     scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kvh, g * t, s)
-    out = jnp.einsum("bkrs,bksd->bkrd", probs, v)
+    out = jnp.einsum("bkrs,bksd->bkrd", probs, v, precision=precision)
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           precision: jax.lax.Precision | None = None) -> jax.Array:
     """Grouped-query attention. ``q [b, t, nh, d]``, ``k/v [b, s, kvh, d]``, ``mask [b, t, s]``."""
     b, t, nh, d = q.shape
     kvh = k.shape[2]
     q = q.reshape(b, t, kvh, nh // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32, precision=precision)
     scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision)
     return out.reshape(b, t, nh, d)
 
 
 def attend_packed_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int,
-                        block: int = 128) -> jax.Array:
+                        block: int = 128, precision: jax.lax.Precision | None = None) -> jax.Array:
     """Causal segment-masked attention that looks back at most ``window`` positions.
 
     For packed rows whose segments are all at most ``window`` long this equals full attention,
@@ -171,7 +182,7 @@ def attend_packed_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     nb = (t + pad) // bs
     back = -(-(max(window, 1) - 1) // bs)  # key blocks behind the query's own block
     if back + 1 >= nb:
-        return attend_packed(q, k, v, segment_ids)[:, :t]
+        return attend_packed(q, k, v, segment_ids, precision)[:, :t]
 
     def blocks(x: jax.Array) -> jax.Array:
         return x.reshape(b, nb, bs, *x.shape[2:])
@@ -187,16 +198,34 @@ def attend_packed_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     mask = (slabs(index)[..., None, :] <= blocks(index)[..., :, None]) & (seg_q == seg_k) & (seg_k != 0)
     s = (back + 1) * bs
     out = attend(blocks(q).reshape(b * nb, bs, nh, d), slabs(k).reshape(b * nb, s, *k.shape[2:]),
-                 slabs(v).reshape(b * nb, s, *v.shape[2:]), mask.reshape(b * nb, bs, s))
+                 slabs(v).reshape(b * nb, s, *v.shape[2:]), mask.reshape(b * nb, bs, s), precision)
     return out.reshape(b, nb * bs, nh, d)[:, :t]
 
 
-def attend_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def attend_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                  precision: jax.lax.Precision | None = None) -> jax.Array:
     """Full causal attention within segments; segment 0 is padding."""
     t = q.shape[1]
     causal = jnp.tril(jnp.ones((t, t), bool))
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return attend(q, k, v, causal[None] & same & (segment_ids[:, None, :] != 0))
+    return attend(q, k, v, causal[None] & same & (segment_ids[:, None, :] != 0), precision)
+
+
+def kv_head_replicas(num_kv_heads: int, logical_axis: str = "cache_kv_heads") -> int:
+    """Copies of each KV head the current mesh needs: when the tensor axis is wider than the
+    number of KV heads (Qwen2.5-0.5B and 1.5B have 2), each head is replicated over
+    ``shards / num_kv_heads`` tensor shards, as SGLang and MaxText do, so every shard holds
+    whole heads; otherwise 1 (no mesh, or heads split evenly)."""
+    shards = logical_axis_size(logical_axis)
+    if shards <= num_kv_heads:
+        return 1
+    if shards % num_kv_heads:
+        raise ValueError(
+            f"the mesh splits {logical_axis!r} {shards} ways, more than num_key_value_heads={num_kv_heads} and "
+            f"not a multiple of it: KV heads can only be replicated a whole number of times; use a tensor "
+            f"axis that divides or is a multiple of {num_kv_heads}"
+        )
+    return shards // num_kv_heads
 
 
 class Attention(nnx.Module):
@@ -204,9 +233,13 @@ class Attention(nnx.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         bias = cfg.use_qkv_bias
+        # With more tensor shards than KV heads the k/v projections are replicated over the
+        # tensor axis (each shard computes all KV heads and keeps its own copy), never split
+        # inside a head.
+        kv_axis = "kv_heads" if kv_head_replicas(self.num_kv_heads, "kv_heads") == 1 else None
         self.q_proj = _dense(cfg, h, self.num_heads * d, ("embed", "heads"), bias=bias, rngs=rngs)
-        self.k_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", "kv_heads"), bias=bias, rngs=rngs)
-        self.v_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", "kv_heads"), bias=bias, rngs=rngs)
+        self.k_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", kv_axis), bias=bias, rngs=rngs)
+        self.v_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", kv_axis), bias=bias, rngs=rngs)
         self.o_proj = _dense(cfg, self.num_heads * d, h, ("heads", "embed"), bias=False, rngs=rngs)
         if cfg.family.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype, axis="head_dim")
@@ -214,6 +247,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rope_cfg = cfg
+        self.precision = matmul_precision(cfg)
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
@@ -227,18 +261,33 @@ class Attention(nnx.Module):
         k = apply_rope(k, positions, inv_freq)
         return q, k, v
 
+    def _replicate_kv(self, k: jax.Array, v: jax.Array, replicas: int) -> tuple[jax.Array, jax.Array]:
+        """``[b, t, kvh, d]`` -> ``[b, t, kvh * replicas, d]``, each head repeated in place, so
+        query head ``j`` still meets KV head ``j // (num_heads / num_kv_heads)``."""
+        if replicas == 1:
+            return k, v
+        if self.num_heads % (self.num_kv_heads * replicas):
+            raise ValueError(f"num_attention_heads={self.num_heads} must be a multiple of the tensor "
+                             f"shards ({self.num_kv_heads * replicas}) to replicate KV heads over them")
+        k, v = jnp.repeat(k, replicas, axis=2), jnp.repeat(v, replicas, axis=2)
+        names = ("batch", "length", "act_kv_heads", None)
+        return constrain(k, names), constrain(v, names)
+
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  window: int | None = None) -> jax.Array:
         q, k, v = self._qkv(x, positions)
+        k, v = self._replicate_kv(k, v, kv_head_replicas(self.num_kv_heads, "act_kv_heads"))
         if window is None:
-            out = attend_packed(q, k, v, segment_ids)
+            out = attend_packed(q, k, v, segment_ids, self.precision)
         else:
-            out = attend_packed_local(q, k, v, segment_ids, window)
+            out = attend_packed_local(q, k, v, segment_ids, window, precision=self.precision)
         return self.o_proj(out.reshape(*x.shape[:2], -1))
 
     def decode(self, x: jax.Array, positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                slots: jax.Array | None, kv_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = self._qkv(x, positions)
+        # The cache holds the replicated heads when the mesh asked for them (see init_cache).
+        k, v = self._replicate_kv(k, v, k_cache.shape[1] // self.num_kv_heads)
         rows = jnp.arange(x.shape[0]) if slots is None else slots
         # Positions past the cache are dropped: they belong to bucket padding, never read back.
         # Advanced indices apart (slot, position) put the indexed dims first: the target is
@@ -251,7 +300,7 @@ class Attention(nnx.Module):
             keys, values = k_cache[slots, ..., :kv_len], v_cache[slots, :, :kv_len]
         # A slot holds one sequence, so a key is visible iff its index is at most the query's.
         mask = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]
-        out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask)
+        out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self.precision)
         return self.o_proj(out.reshape(*x.shape[:2], -1)), k_cache, v_cache
 
 
@@ -289,9 +338,24 @@ class DecoderLayer(nnx.Module):
         return x, k_cache, v_cache
 
 
-def _layer_forward(layer: DecoderLayer, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                   window: int | None) -> jax.Array:
-    return layer(x, positions, segment_ids, window)
+REMAT_POLICIES: dict[str, Any] = {
+    "full": None,  # jax.checkpoint's default: keep nothing but the layer's input
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""``ModelConfig.remat`` -> the ``jax.checkpoint`` policy of a layer (``none`` is no remat)."""
+_LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}  # the stacked axis' logical name, for sharding rules
+
+
+def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """``num_hidden_layers`` decoder layers as one module whose parameters have a leading
+    ``layers`` axis, each layer initialised from its own split of ``rngs``."""
+
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYERS_AXIS)
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, rngs)
+
+    return make(rngs)
 
 
 class Decoder(nnx.Module):
@@ -310,7 +374,7 @@ class Decoder(nnx.Module):
             embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = stacked_layers(cfg, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _dense(
             cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False, rngs=rngs)
@@ -331,16 +395,28 @@ class Decoder(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones_like(input_ids)
         x = constrain(self.embed_tokens(input_ids), ("batch", "length", "act_embed"))
-        layer_fn = nnx.remat(_layer_forward, static_argnums=4) if self.config.remat else _layer_forward
-        for layer in self.layers:
-            x = layer_fn(layer, x, positions, segment_ids, attention_window)
-        return self.norm(x)
+
+        def layer_fn(x: jax.Array, layer: DecoderLayer) -> jax.Array:
+            return layer(x, positions, segment_ids, attention_window)
+
+        if self.config.remat != "none":
+            layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
+        run = nnx.scan(layer_fn, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
+        return self.norm(run(x, self.layers))
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            logits = self.embed_tokens.attend(hidden)
+        """Float32 logits ``[..., vocab]``. In bfloat16 mode the head multiplies bfloat16 operands
+        (exact products) with float32 accumulation and output, so the logits, and every PPO ratio
+        built on them, carry no bfloat16 rounding; in float32 mode it is a HIGHEST-precision matmul."""
+        cfg = self.config
+        compute = cfg.jnp_dtype
+        hidden = hidden.astype(compute)
+        if self.lm_head is None:  # tied: the embedding table [vocab, hidden] is the head
+            logits = jnp.einsum("...h,vh->...v", hidden, self.embed_tokens.embedding[...].astype(compute),
+                                precision=matmul_precision(cfg), preferred_element_type=jnp.float32)
         else:
-            logits = self.lm_head(hidden)
+            logits = jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...].astype(compute),
+                                precision=matmul_precision(cfg), preferred_element_type=jnp.float32)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
@@ -352,10 +428,16 @@ class Decoder(nnx.Module):
     # -- generation path --
 
     def init_cache(self, num_slots: int, max_len: int, dtype: Any = None) -> KVCache:
+        """A zero cache; ``dtype`` (a name or JAX/NumPy dtype) defaults to the compute dtype.
+
+        Called under a mesh whose tensor axis is wider than the KV heads, it holds each head once
+        per tensor shard that needs it (``kv_head_replicas``), so it shards without remainder and
+        every device keeps only its own heads."""
         cfg = self.config
-        shape = (num_slots, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        k_shape = (num_slots, cfg.num_key_value_heads, cfg.head_dim, max_len)
-        dtype = dtype or cfg.jnp_dtype
+        heads = cfg.num_key_value_heads * kv_head_replicas(cfg.num_key_value_heads)
+        shape = (num_slots, heads, max_len, cfg.head_dim)
+        k_shape = (num_slots, heads, cfg.head_dim, max_len)
+        dtype = cfg.jnp_dtype if dtype is None else jnp_dtype(dtype, "cache dtype")
         layers = range(cfg.num_hidden_layers)
         return KVCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in layers),
                        v=tuple(jnp.zeros(shape, dtype) for _ in layers))
@@ -369,10 +451,21 @@ class Decoder(nnx.Module):
         which keeps attention cost proportional to the live length, not the cache size.
         Returns float32 logits ``[b, t, vocab]`` and the updated cache.
         """
-        x = self.embed_tokens(input_ids)
+        x, cache = self.decode_layers(self.embed_tokens(input_ids), positions, cache, kv_len=kv_len, slots=slots)
+        return self.logits_from_hidden(self.norm(x)), cache
+
+    def decode_layers(self, x: jax.Array, positions: jax.Array, cache: KVCache, *, kv_len: int,
+                      slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """The decoder layers of ``decode`` on embeddings ``x [b, t, hidden]``: the last layer's
+        output (before the final norm) and the updated cache, constrained to its logical axes.
+
+        Unrolled over layers, one slice of the stacked parameters each: the cache is one array
+        per layer, and carrying it through a scan would rewrite all of it every step."""
+        graphdef, params = nnx.split(self.layers)
         ks, vs = [], []
-        for layer, k_cache, v_cache in zip(self.layers, cache.k, cache.v, strict=True):
+        for i, (k_cache, v_cache) in enumerate(zip(cache.k, cache.v, strict=True)):
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], params))
             x, k_cache, v_cache = layer.decode(x, positions, k_cache, v_cache, slots, kv_len)
-            ks.append(k_cache)
-            vs.append(v_cache)
-        return self.logits_from_hidden(self.norm(x)), KVCache(tuple(ks), tuple(vs))
+            ks.append(constrain(k_cache, K_CACHE_AXES))
+            vs.append(constrain(v_cache, V_CACHE_AXES))
+        return x, KVCache(tuple(ks), tuple(vs))

@@ -2,6 +2,8 @@
 
 The correspondence between our parameter paths and HF tensor names is a table per family
 (``NAME_TABLES``): a regex over our dotted path, the HF name template, and a layout transform.
+Decoder layers are stacked (a leading ``layers`` axis): one of our parameters is the HF tensors
+of every layer, ``{layer}`` in the template, stacked on read and sliced on write.
 Loading reads each tensor straight onto its devices, one tensor at a time, and each device reads
 only its own slice from the memory-mapped safetensors file. Saving writes unfused names, exact
 HF shapes, no ``lm_head`` when embeddings are tied, in size-bounded shards with an index.
@@ -10,13 +12,13 @@ HF shapes, no ``lm_head`` when embeddings are tied, in size-bounded shards with 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +31,20 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from areal_jax.models.config import ModelConfig
+from areal_jax.models.config import ModelConfig, dtype_name
 from areal_jax.models.decoder import Decoder
 from sharding import DEFAULT_RULES, activate
 from sharding.rules import Rules
 
-log = logging.getLogger(__name__)
-
 # (our path regex, HF name template, transpose?) — our kernels are [in, out], HF weights [out, in].
+# A template with {layer} names one tensor per layer of a stacked parameter.
 _DECODER_TABLE: tuple[tuple[str, str, bool], ...] = (
     (r"embed_tokens\.embedding", "model.embed_tokens.weight", False),
-    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.kernel", r"model.layers.\1.self_attn.\2_proj.weight", True),
-    (r"layers\.(\d+)\.self_attn\.([qkv])_proj\.bias", r"model.layers.\1.self_attn.\2_proj.bias", False),
-    (r"layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"model.layers.\1.self_attn.\2_norm.weight", False),
-    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.kernel", r"model.layers.\1.mlp.\2_proj.weight", True),
-    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"model.layers.\1.\2.weight", False),
+    (r"layers\.self_attn\.([qkvo])_proj\.kernel", r"model.layers.{layer}.self_attn.\1_proj.weight", True),
+    (r"layers\.self_attn\.([qkv])_proj\.bias", r"model.layers.{layer}.self_attn.\1_proj.bias", False),
+    (r"layers\.self_attn\.([qk])_norm\.weight", r"model.layers.{layer}.self_attn.\1_norm.weight", False),
+    (r"layers\.mlp\.(gate|up|down)_proj\.kernel", r"model.layers.{layer}.mlp.\1_proj.weight", True),
+    (r"layers\.(input_layernorm|post_attention_layernorm)\.weight", r"model.layers.{layer}.\1.weight", False),
     (r"norm\.weight", "model.norm.weight", False),
     (r"lm_head\.kernel", "lm_head.weight", True),
 )
@@ -70,21 +71,28 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class HFParam:
+    """One HF tensor: all of one of our parameters, or one layer's slice of a stacked one."""
+
     path: tuple[Any, ...]
-    """Our NNX state path, e.g. ('layers', 0, 'self_attn', 'q_proj', 'kernel')."""
+    """Our NNX state path, e.g. ('layers', 'self_attn', 'q_proj', 'kernel')."""
     hf_name: str
     transpose: bool
+    layer: int | None = None
+    """Index into the parameter's leading ``layers`` axis; None for an unstacked parameter."""
 
     def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(reversed(shape)) if self.transpose else tuple(shape)
+        """The HF tensor's shape, from our whole parameter's shape."""
+        shape = tuple(shape[1:]) if self.layer is not None else tuple(shape)
+        return tuple(reversed(shape)) if self.transpose else shape
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
-def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]]) -> list[HFParam]:
-    """Map each of our parameter paths to its HF tensor name through the family's table."""
+def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]]) -> list[list[HFParam]]:
+    """For each of our parameter paths, its HF tensors (one per layer for a stacked parameter)
+    through the family's table."""
     table = NAME_TABLES[cfg.model_type]
     out = []
     for path in paths:
@@ -92,7 +100,12 @@ def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]]) -> list[HFParam]
         for pattern, template, transpose in table:
             m = re.fullmatch(pattern, dotted)
             if m:
-                out.append(HFParam(path, m.expand(template), transpose))
+                name = m.expand(template)
+                if "{layer}" in name:
+                    out.append([HFParam(path, name.replace("{layer}", str(i)), transpose, i)
+                                for i in range(cfg.num_hidden_layers)])
+                else:
+                    out.append([HFParam(path, name, transpose)])
                 break
         else:
             raise KeyError(f"parameter {dotted!r} has no entry in the {cfg.model_type} name table")
@@ -146,69 +159,99 @@ def load_pretrained(
     model_dir: str | os.PathLike,
     *,
     mesh: Mesh | None = None,
-    dtype: str | None = None,
+    dtype: Any = None,
     rules: Rules = DEFAULT_RULES,
     **config_overrides: Any,
 ) -> Decoder:
     """Load a HF model directory (config.json + safetensors) as a ``Decoder``.
 
     With a ``mesh``, every parameter is created directly with its sharding: each device reads
-    only its slice of the tensor from disk. ``dtype`` ("float32" / "bfloat16") sets both the
-    parameter and compute dtype; finer control goes through ``config_overrides`` (``param_dtype``,
-    ``dtype``, ``remat``).
+    only its slice of the tensor from disk. ``dtype`` (a name such as "bfloat16" or a JAX/NumPy
+    dtype) sets both the parameter and compute dtype; None keeps the checkpoint's own
+    (config.json's ``torch_dtype``). Finer control goes through ``config_overrides``
+    (``param_dtype``, ``dtype``, ``remat``). A config or a tensor the decoder does not implement
+    is an error, never a warning: it would give wrong logits.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory; load_pretrained needs a HF model directory")
     if dtype is not None:
+        dtype = dtype_name(dtype)
         config_overrides = {"param_dtype": dtype, "dtype": dtype, **config_overrides}
-    cfg = ModelConfig.from_json_file(model_dir / "config.json", **config_overrides)
+    try:
+        cfg = ModelConfig.from_json_file(model_dir / "config.json", **config_overrides)
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
     files = _weight_files(model_dir)
 
     with activate(mesh, rules):
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abs_state)
-    params = hf_name_map(cfg, [tuple(p) for p, _ in flat])
-    reader = _Reader()
-    values = []
-    for param, (_, var) in zip(params, flat, strict=True):
-        spec = var.get_value()
-        if param.hf_name not in files:
-            raise CheckpointError(
-                f"{model_dir}: tensor {param.hf_name!r} is missing; expected shape "
-                f"{list(param.hf_shape(spec.shape))} for a {cfg.model_type} model"
-            )
-        file = files[param.hf_name]
-        sl = reader.slice(file, param.hf_name)
-        got = tuple(sl.get_shape())
-        want = param.hf_shape(spec.shape)
-        if got != want:
-            raise CheckpointError(
-                f"{file}: tensor {param.hf_name!r} has shape {list(got)}, expected {list(want)} "
-                f"(from config.json)"
-            )
-        np_dtype = np.dtype(spec.dtype)
-
-        def read(index: tuple[slice, ...], sl: Any = sl, param: HFParam = param, np_dtype: Any = np_dtype,
-                 ) -> np.ndarray:
-            part = sl[tuple(reversed(index))] if param.transpose else sl[index]
-            part = part.T if param.transpose else part
-            return np.ascontiguousarray(part.astype(np_dtype, copy=False))
-
-        if mesh is not None:
-            sharding = NamedSharding(mesh, spec.sharding.spec)
-            values.append(jax.make_array_from_callback(spec.shape, sharding, read))
-        else:
-            values.append(jnp.asarray(read(tuple(slice(None) for _ in spec.shape))))
-    expected = {p.hf_name for p in params}
+    groups = hf_name_map(cfg, [tuple(p) for p, _ in flat])
+    expected = {p.hf_name for group in groups for p in group}
     extra = sorted(n for n in files if n not in expected and not _IGNORED_HF.fullmatch(n))
     if extra:
-        log.warning("%s: %d tensors not used by the model, e.g. %s", model_dir, len(extra), extra[:3])
-    state = nnx.from_flat_state([(p.path, v) for p, v in zip(params, values, strict=True)])
+        raise CheckpointError(
+            f"{model_dir}: {len(extra)} tensors are not parameters of a {cfg.model_type} model as its "
+            f"config.json describes it, e.g. {extra[:3]}: the checkpoint holds weights this decoder "
+            f"would ignore, so its logits would be wrong"
+        )
+    reader = _Reader()
+    values = []
+    for group, (_, var) in zip(groups, flat, strict=True):
+        spec = var.get_value()
+        slices = [_checked_slice(reader, files, model_dir, cfg, p, spec.shape) for p in group]
+        read = partial(_read_block, slices, group[0].transpose, group[0].layer is not None, np.dtype(spec.dtype))
+        if mesh is not None:
+            values.append(jax.make_array_from_callback(spec.shape, NamedSharding(mesh, spec.sharding.spec), read))
+        else:
+            values.append(jnp.asarray(read(tuple(slice(None) for _ in spec.shape))))
+    state = nnx.from_flat_state([(tuple(path), v) for (path, _), v in zip(flat, values, strict=True)])
     model = nnx.merge(graphdef, state)
     model.source_dir = str(model_dir)
     return model
+
+
+def _checked_slice(reader: _Reader, files: dict[str, Path], model_dir: Path, cfg: ModelConfig, param: HFParam,
+                   shape: tuple[int, ...]) -> Any:
+    """The memory-mapped slice of ``param``'s tensor, after checking it exists with the right shape."""
+    want = param.hf_shape(shape)
+    if param.hf_name not in files:
+        raise CheckpointError(
+            f"{model_dir}: tensor {param.hf_name!r} is missing; expected shape {list(want)} for a "
+            f"{cfg.model_type} model"
+        )
+    file = files[param.hf_name]
+    sl = reader.slice(file, param.hf_name)
+    got = tuple(sl.get_shape())
+    if got != want:
+        raise CheckpointError(
+            f"{file}: tensor {param.hf_name!r} has shape {list(got)}, expected {list(want)} (from config.json)"
+        )
+    return sl
+
+
+def _read_block(slices: list[Any], transpose: bool, stacked: bool, np_dtype: Any,
+                index: tuple[slice, ...]) -> np.ndarray:
+    """Our parameter's block at ``index`` from its HF tensors: for a stacked parameter the first
+    index picks layers (one tensor each), the rest index inside each (transposed if need be)."""
+
+    def one(sl: Any, inner: tuple[slice, ...]) -> np.ndarray:
+        part = sl[tuple(reversed(inner))].T if transpose else sl[inner]
+        return part.astype(np_dtype, copy=False)
+
+    if not stacked:
+        return np.ascontiguousarray(one(slices[0], index))
+    layers = range(len(slices))[index[0]]
+    return np.ascontiguousarray(np.stack([one(slices[i], index[1:]) for i in layers]))
+
+
+def _hf_params(model: Decoder) -> list[tuple[list[HFParam], nnx.Variable]]:
+    """Each of the model's parameters with its HF tensors."""
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    groups = hf_name_map(model.config, [tuple(p) for p, _ in flat])
+    return [(group, var) for group, (_, var) in zip(groups, flat, strict=True)]
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -222,26 +265,27 @@ def _gather(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
-def iter_hf_tensors(model: Decoder, dtype: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype``.
+def iter_hf_tensors(model: Decoder, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
+    """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype`` (a name or
+    a JAX/NumPy dtype; default the parameters' own).
 
     Only one full tensor is held on the host at a time; this is what the weight streamer and
     ``save_pretrained`` build on.
     """
     cfg: ModelConfig = model.config
-    np_dtype = _NP_DTYPES[dtype or cfg.param_dtype]
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    for param, (_, var) in zip(hf_name_map(cfg, [tuple(p) for p, _ in flat]), flat, strict=True):
-        arr = _gather(var.get_value())
-        arr = arr.T if param.transpose else arr
-        yield param.hf_name, np.ascontiguousarray(arr.astype(np_dtype, copy=False))
+    np_dtype = _NP_DTYPES[dtype_name(dtype if dtype is not None else cfg.param_dtype)]
+    for group, var in _hf_params(model):
+        value = var.get_value()
+        for param in group:
+            # A stacked parameter is sliced on device first, so the host holds one layer's tensor.
+            arr = _gather(value if param.layer is None else value[param.layer])
+            arr = arr.T if param.transpose else arr
+            yield param.hf_name, np.ascontiguousarray(arr.astype(np_dtype, copy=False))
 
 
 def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
     """HF name -> HF shape for every tensor the model writes (no data moved)."""
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    names = hf_name_map(model.config, [tuple(p) for p, _ in flat])
-    return {p.hf_name: p.hf_shape(v.get_value().shape) for p, (_, v) in zip(names, flat, strict=True)}
+    return {p.hf_name: p.hf_shape(var.get_value().shape) for group, var in _hf_params(model) for p in group}
 
 
 def write_safetensors_shards(
@@ -308,13 +352,14 @@ def save_pretrained(
     model: Decoder,
     out_dir: str | os.PathLike,
     *,
-    dtype: str | None = None,
+    dtype: Any = None,
     max_shard_bytes: int = 2 * 1024**3,
     tokenizer_dir: str | os.PathLike | None = None,
 ) -> Path:
     """Write ``model`` as a HF model directory loadable by ``transformers`` and SGLang.
 
-    Tokenizer files are copied from ``tokenizer_dir`` (default: the directory the model was
+    ``dtype`` (a name or JAX/NumPy dtype; default the parameters' own) is the tensors' dtype on
+    disk. Tokenizer files are copied from ``tokenizer_dir`` (default: the directory the model was
     loaded from). In a multi-process run every process must call this (the gather is
     collective); only process 0 writes.
     """
@@ -335,24 +380,30 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[st
     shape that differs from the model's, raises ``CheckpointError`` before anything is changed,
     so a bad update never leaves a half-written model. Returns the names assigned.
     """
-    state = nnx.state(model, nnx.Param)
-    flat = nnx.to_flat_state(state)
-    by_name = {p.hf_name: (p, var) for p, (_, var) in
-               zip(hf_name_map(model.config, [tuple(q) for q, _ in flat]), flat, strict=True)}
+    by_name = {p.hf_name: (p, var) for group, var in _hf_params(model) for p in group}
     unknown = sorted(set(tensors) - set(by_name))
     if unknown:
         raise CheckpointError(f"tensors {unknown[:5]} are not parameters of this {model.config.model_type} model")
-    updates = []
+    per_param: dict[tuple[Any, ...], tuple[nnx.Variable, list[tuple[HFParam, np.ndarray]]]] = {}
     for name, arr in tensors.items():
         param, var = by_name[name]
-        old = var.get_value()
-        want = param.hf_shape(old.shape)
+        want = param.hf_shape(var.get_value().shape)
         if tuple(arr.shape) != want:
             raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
-        updates.append((param, old, arr))
+        per_param.setdefault(param.path, (var, []))[1].append((param, np.asarray(arr)))
     new_flat = []
-    for param, old, arr in updates:
-        host = np.asarray(arr).T if param.transpose else np.asarray(arr)
-        new_flat.append((param.path, jax.device_put(host.astype(np.dtype(old.dtype)), old.sharding)))
+    for path, (var, items) in per_param.items():
+        old = var.get_value()
+        if items[0][0].layer is None or len(items) < old.shape[0]:
+            host = np.array(_gather(old))  # unstacked, or only some layers of a stacked one
+        else:
+            host = np.empty(old.shape, old.dtype)
+        for param, arr in items:
+            block = arr.T if param.transpose else arr
+            if param.layer is None:
+                host = block
+            else:
+                host[param.layer] = block
+        new_flat.append((path, jax.device_put(np.asarray(host).astype(np.dtype(old.dtype)), old.sharding)))
     nnx.update(model, nnx.from_flat_state(new_flat))
-    return [p.hf_name for p, _, _ in updates]
+    return list(tensors)

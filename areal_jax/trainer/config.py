@@ -7,10 +7,13 @@ of optimizer steps per training batch); this dataclass only says how the step is
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import jax
 import optax
 
 from areal_jax.data.packing import DEFAULT_BUCKETS
+from areal_jax.models.config import dtype_name, remat_policy
 
 SCHEDULES = ("constant", "warmup_cosine")
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -47,8 +50,10 @@ class TrainConfig:
     """Each data-parallel group runs at least this many micro-batches per minibatch (memory cap)."""
     length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     """Row lengths a micro-batch is padded to; each is one compiled shape, so keep the set small."""
-    compute_dtype: str = "float32"
-    """Activation and matmul dtype; parameters and optimizer state stay float32 either way."""
+    compute_dtype: Any = None
+    """Activation and matmul dtype (``float32`` or ``bfloat16``, a name or the JAX/NumPy dtype);
+    parameters and optimizer state stay float32 either way (master weights), and logits are
+    float32. None: bfloat16 on GPU and TPU, float32 on CPU (where bfloat16 matmuls are slower)."""
     temperature: float = 1.0
     """Logprobs are ``log_softmax(logits / temperature)``; must equal the rollout's sampling temperature."""
     logprob_chunk_size: int = 1024
@@ -57,16 +62,21 @@ class TrainConfig:
     """Longest trajectory (prompt + answer) the run produces. Packed attention then looks back at
     most this far, so a packed row of ``T`` tokens costs about ``T * max_seq_len`` instead of
     ``T ** 2``; a longer trajectory is an error. None: full attention over each row."""
-    remat: bool = False
-    """Rematerialise decoder layers in the backward pass: less activation memory, about 1/3 more compute."""
+    remat: bool | str = False
+    """What the backward pass keeps of each decoder layer: ``none`` (all activations), ``full``
+    (only the layer input: least memory, about 1/3 more compute) or ``dots`` (also the weight
+    matmuls' outputs); True / False mean ``full`` / ``none``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
+        object.__setattr__(self, "remat", remat_policy(self.remat, "remat"))
         object.__setattr__(self, "length_buckets", tuple(sorted(int(b) for b in self.length_buckets)))
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
-        if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
+        if self.compute_dtype is not None:
+            object.__setattr__(self, "compute_dtype", dtype_name(self.compute_dtype, "compute_dtype"))
+            if self.compute_dtype not in COMPUTE_DTYPES:
+                raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.lr_schedule == "warmup_cosine" and self.total_steps <= self.warmup_steps:
             raise ValueError(
                 f"lr_schedule='warmup_cosine' needs total_steps > warmup_steps, got {self.total_steps} "
@@ -84,6 +94,12 @@ class TrainConfig:
                              f"got {self.max_seq_len}")
         if self.min_micro_batches < 1 or self.micro_batch_tokens < 1 or self.logprob_chunk_size < 1:
             raise ValueError("min_micro_batches, micro_batch_tokens and logprob_chunk_size must be >= 1")
+
+    def resolved_compute_dtype(self, backend: str | None = None) -> str:
+        """``compute_dtype``, or the default for ``backend`` (default: JAX's) when it is None."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return "float32" if (backend or jax.default_backend()) == "cpu" else "bfloat16"
 
     def schedule(self) -> optax.Schedule:
         if self.lr_schedule == "warmup_cosine":

@@ -73,6 +73,20 @@ class PreparedBatch:
     """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
 
 
+_DECAYED = ("kernel", "embedding")
+
+
+def _decayed(params: Any) -> Any:
+    """Weight decay applies to matrices (kernels, embeddings), never to norms or biases. Decided by
+    name, not rank: stacked layers give a norm scale a leading ``layers`` axis."""
+    def leaf_name(path: tuple[Any, ...]) -> str:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        keys = [k for k in keys if k not in ("value", "raw_value")]  # a Variable's own leaf
+        return keys[-1] if keys else ""
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: leaf_name(path) in _DECAYED, params)
+
+
 class Trainer:
     """Holds the policy's float32 master params, the AdamW state, if ``kl_coef > 0`` a frozen
     reference, and if ``adv_estimator == 'gae'`` a critic with its own AdamW state; runs
@@ -157,7 +171,7 @@ class Trainer:
     def _compute_graphdef(self, cls: type[nnx.Module], config: Any) -> nnx.GraphDef:
         """The graph the jitted code merges params into. It differs from the source model's only
         in numerics: float32 storage (the master copy), the configured compute dtype and remat."""
-        cfg = config.replace(param_dtype="float32", dtype=self.train.compute_dtype, remat=self.train.remat)
+        cfg = config.replace(param_dtype="float32", dtype=self.train.resolved_compute_dtype(), remat=self.train.remat)
         with activate(self.mesh, self.rules):
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
         return graphdef
@@ -175,7 +189,7 @@ class Trainer:
         return optax.chain(
             optax.clip_by_global_norm(t.grad_clip) if t.grad_clip else optax.identity(),
             optax.adamw(schedule, b1=t.betas[0], b2=t.betas[1], eps=t.eps, weight_decay=t.weight_decay,
-                        mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+                        mask=_decayed),
         )
 
     def _opt_state_shardings(self, tx: optax.GradientTransformation, params: nnx.State, shardings: Any) -> Any:

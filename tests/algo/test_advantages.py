@@ -10,7 +10,6 @@ from areal_jax.algo import (
     grpo_advantages,
     normalize_advantages,
     overlong_penalty,
-    reinforce_pp_advantages,
     rloo_advantages,
     shape_rewards,
     terminal_token_rewards,
@@ -42,7 +41,6 @@ def _np_rloo(r):
         (grpo_advantages, _np_grpo),
         (dr_grpo_advantages, lambda r: r - r.mean(axis=1, keepdims=True)),
         (rloo_advantages, _np_rloo),
-        (reinforce_pp_advantages, lambda r: (r - r.mean()) / (r.std() + 1e-6)),
     ],
 )
 def test_group_estimators_vs_reference(fn, ref):

@@ -72,7 +72,7 @@ def test_multi_file_checkpoint_with_index(tmp_path: Path) -> None:
 def test_bfloat16_policy(tmp_path: Path) -> None:
     f32 = load_pretrained(FIXTURES / "hf_qwen2")
     bf16 = load_pretrained(FIXTURES / "hf_qwen2", dtype="bfloat16")
-    assert bf16.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert bf16.layers.mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     ids = np.arange(16)[None] % 96
     out = bf16(jnp.asarray(ids))
     assert out.dtype == jnp.float32  # logits always float32

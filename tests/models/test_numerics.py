@@ -53,9 +53,10 @@ def test_chunked_logprobs_equal_full_and_grad() -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-def test_remat_gives_same_gradients() -> None:
+@pytest.mark.parametrize("policy", [True, "full", "dots"])
+def test_remat_gives_same_gradients(policy) -> None:
     plain = load_pretrained(FIXTURES / "hf_llama")
-    remat = load_pretrained(FIXTURES / "hf_llama", remat=True)
+    remat = load_pretrained(FIXTURES / "hf_llama", remat=policy)
     ids = jnp.asarray(np.arange(10)[None] % 96)
 
     def loss(m):

@@ -54,6 +54,8 @@ def test_sharded_critic_step_equals_single_device() -> None:
     assert ref["value_clip_fraction"] > 0  # the second minibatch's critic has moved off the old values
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm", "loss"):
         np.testing.assert_allclose(stats[key], ref[key], rtol=2e-4, atol=1e-6, err_msg=key)
+    # As above, Adam turns reduction-order noise in near-zero gradients into up to ~1% of one
+    # step (lr 1e-2); the gradients themselves agree to 2e-6 (tests/sharding/test_sharded_model.py).
     for p, q in zip(jax.tree.leaves(jax.device_get(trainer.critic_params)),
                     jax.tree.leaves(jax.device_get(single.critic_params)), strict=True):
-        np.testing.assert_allclose(p, q, rtol=1e-4, atol=5e-5)
+        np.testing.assert_allclose(p, q, rtol=1e-4, atol=1e-4)

@@ -170,3 +170,15 @@ def test_bfloat16_compute_keeps_float32_master_params() -> None:
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
     np.testing.assert_allclose(bf16["entropy"], f32["entropy"], rtol=2e-2)
     np.testing.assert_allclose(bf16["grad_norm"], f32["grad_norm"], rtol=0.1)
+
+
+def test_weight_decay_reaches_matrices_only() -> None:
+    """Stacked layers give norm scales a leading axis; decay is still for kernels and embeddings."""
+    from flax import nnx
+
+    from areal_jax.trainer.train_step import _decayed
+
+    flags = {jax.tree_util.keystr(p): v for p, v in
+             jax.tree_util.tree_flatten_with_path(_decayed(nnx.state(tiny_model(), nnx.Param)))[0]}
+    assert all(v == ("kernel" in k or "embedding" in k) for k, v in flags.items()), flags
+    assert any("layernorm" in k for k in flags) and any("q_proj']['kernel" in k for k in flags)
