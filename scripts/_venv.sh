@@ -3,9 +3,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
-if [[ ! -x .venv/bin/python ]]; then
+if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  # (a .venv left half-made by an interrupted first run has no pip: made again)
   echo "[setup] creating .venv with $("$PYTHON" --version 2>&1)"
-  "$PYTHON" -m venv .venv
+  "$PYTHON" -m venv --clear .venv
 fi
 VPY=.venv/bin/python
 echo "[setup] upgrading pip"
