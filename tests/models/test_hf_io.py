@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from areal_jax.models import CheckpointError, assign_hf_tensors, hf_tensor_specs, load_pretrained, save_pretrained
 from areal_jax.models.tiny import make_tiny_checkpoint
+from tests.models.parity import PARITY_TOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -31,7 +32,7 @@ def test_round_trip_through_transformers(family: str, tmp_path: Path) -> None:
     ids = np.random.default_rng(0).integers(0, 96, (2, 9))
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
-    assert np.abs(_logits(model, ids) - ref).max() < 1e-4
+    assert np.abs(_logits(model, ids) - ref).max() < PARITY_TOL
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
     original = load_file(str(FIXTURES / f"hf_{family}" / "model.safetensors"))
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in original.items()}
