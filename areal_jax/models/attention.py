@@ -139,7 +139,9 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arr
     return out[:, :, :t]
 
 
-_warned_interpret = False
+@cache
+def _warn_interpret(backend: str) -> None:
+    log.warning("splash attention on %s runs in Pallas interpret mode (slow; meant for tests)", backend)
 
 
 def splash_attention_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
@@ -150,13 +152,10 @@ def splash_attention_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_id
     and heads split as the logical rules split ``batch``, ``act_heads`` and ``act_kv_heads``.
     ``interpret`` (default: off TPU) runs the kernel in Pallas interpret mode.
     """
-    global _warned_interpret
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
-        if interpret and not _warned_interpret:
-            log.warning("splash attention on %s runs in Pallas interpret mode (slow; meant for tests)",
-                        jax.default_backend())
-            _warned_interpret = True
+        if interpret:
+            _warn_interpret(jax.default_backend())
     d = q.shape[-1]
     # The kernel does not scale the logits: fold 1/sqrt(d) into the queries.
     q = (q / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 1, 3)
