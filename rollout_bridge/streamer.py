@@ -7,6 +7,8 @@ one version and reports a ``TransferMetrics``. Sinks:
 * ``DiskSink``: a versioned HF checkpoint (safetensors + config.json + tokenizer files), written
   to a temp dir and renamed into place, then ``/update_weights_from_disk`` on every server. Works
   with real SGLang servers and with ours over a shared filesystem; keeps the last K versions.
+  The root may also be a URL (``gs://bucket/run/weights``, any fsspec scheme), for servers that
+  read that store or mount it.
 * ``HttpBucketSink``: each bucket POSTed as safetensors bytes to our embedded servers'
   ``/update_weights_from_tensor``; the servers apply the whole version atomically at the end.
 
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from areal_jax.models.hf_io import write_hf_dir
+from areal_jax.models.hf_io import is_url, write_hf_dir
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -80,20 +82,24 @@ class DiskSink(WeightSink):
     def __init__(self, root: str | os.PathLike, hf_config: dict[str, Any], *, client: Any = None,
                  tokenizer_dir: str | os.PathLike | None = None, keep_last: int = 2,
                  max_shard_bytes: int = 2 * 1024**3, abort_all_requests: bool = False):
-        """``hf_config`` is the config.json content (``ModelConfig.to_hf_dict(dtype)``); ``client`` a
+        """``root`` is a local directory or a URL (``gs://...``; see ``hf_io.is_url``).
+        ``hf_config`` is the config.json content (``ModelConfig.to_hf_dict(dtype)``); ``client`` a
         ``RolloutClient`` (None: only write). ``keep_last`` versions stay on disk, older ones go."""
-        self.root = Path(root)
+        self.root: Path | str = os.fspath(root).rstrip("/") if is_url(root) else Path(root)
         self.hf_config = hf_config
         self.client = client
-        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else None
+        self.tokenizer_dir: Path | str | None = None
+        if tokenizer_dir:
+            self.tokenizer_dir = os.fspath(tokenizer_dir) if is_url(tokenizer_dir) else Path(tokenizer_dir)
         self.keep_last = keep_last
         self.max_shard_bytes = max_shard_bytes
         self.abort_all_requests = abort_all_requests
 
-    def version_dir(self, version: int) -> Path:
-        return self.root / f"v{version:08d}"
+    def version_dir(self, version: int) -> Path | str:
+        name = f"v{version:08d}"
+        return f"{self.root}/{name}" if isinstance(self.root, str) else self.root / name
 
-    def write(self, version: int, tensors: Tensors) -> tuple[Path, int, int]:
+    def write(self, version: int, tensors: Tensors) -> tuple[Path | str, int, int]:
         """Write the checkpoint atomically; returns (dir, bytes, tensors). Blocking."""
         count = {"bytes": 0, "n": 0}
 
@@ -109,6 +115,15 @@ class DiskSink(WeightSink):
 
     def prune(self) -> None:
         """Delete all but the newest ``keep_last`` version directories."""
+        if isinstance(self.root, str):
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(self.root)
+            names = sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(root, detail=False))
+            versions = [n for n in names if n.startswith("v") and n[1:].isdigit()]
+            for name in versions[: max(0, len(versions) - self.keep_last)]:
+                fs.rm(f"{root.rstrip('/')}/{name}", recursive=True)
+            return
         versions = sorted(p for p in self.root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
         for p in versions[: max(0, len(versions) - self.keep_last)]:
             shutil.rmtree(p, ignore_errors=True)

@@ -24,10 +24,28 @@ def _grouped(rewards: jax.Array, group_size: int | None) -> jax.Array:
     return rewards.reshape(-1, group_size)
 
 
-def grpo_advantages(rewards: jax.Array, group_size: int | None = None, eps: float = 1e-6) -> jax.Array:
-    """``(r - group mean) / (group std + eps)``, population std (ddof 0), so a group of one is 0."""
+def group_std(g: jax.Array, *, unbiased: bool = True) -> jax.Array:
+    """Each group's (row's) standard deviation, ``[groups, 1]``. ``unbiased`` divides by ``n - 1``
+    (ddof 1), AReaL's default; a group of one then has no spread to estimate and gets std 1,
+    as in AReaL, so its advantage is 0 rather than NaN."""
+    n = g.shape[1]
+    centred = g - g.mean(axis=1, keepdims=True)
+    sq = jnp.sum(jnp.square(centred), axis=1, keepdims=True)
+    if not unbiased:
+        return jnp.sqrt(sq / n)
+    if n < 2:
+        return jnp.ones_like(sq)
+    return jnp.sqrt(sq / (n - 1))
+
+
+def grpo_advantages(
+    rewards: jax.Array, group_size: int | None = None, eps: float = 1e-5, *, unbiased: bool = True
+) -> jax.Array:
+    """``(r - group mean) / (group std + eps)``. The defaults are AReaL's: the unbiased std
+    (ddof 1; a group of one gets std 1) and ``eps = 1e-5``; ``unbiased=False`` is the population
+    std (ddof 0). A group whose rewards are all equal gets zeros either way."""
     g = _grouped(rewards, group_size)
-    adv = (g - g.mean(axis=1, keepdims=True)) / (g.std(axis=1, keepdims=True) + eps)
+    adv = (g - g.mean(axis=1, keepdims=True)) / (group_std(g, unbiased=unbiased) + eps)
     return adv.reshape(jnp.shape(rewards))
 
 
@@ -48,13 +66,14 @@ def rloo_advantages(rewards: jax.Array, group_size: int | None = None) -> jax.Ar
 
 
 def reinforce_pp_advantages(
-    token_rewards: jax.Array, loss_mask: jax.Array, *, gamma: float = 1.0, eps: float = 1e-6
+    token_rewards: jax.Array, loss_mask: jax.Array, *, gamma: float = 1.0, eps: float = 1e-5,
+    unbiased: bool = True,
 ) -> jax.Array:
     """REINFORCE++: the (discounted) reward-to-go of each token, whitened over the batch's masked
     tokens, ``(A - mean) / (std + eps)``, not over sequences: a long answer weighs by its tokens.
     No group baseline: the batch statistics are the baseline."""
     to_go, _ = gae_advantages(token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=gamma, gae_lambda=1.0)
-    return normalize_advantages(to_go, loss_mask, eps)
+    return normalize_advantages(to_go, loss_mask, eps, unbiased=unbiased)
 
 
 def gae_advantages(
@@ -64,19 +83,23 @@ def gae_advantages(
     *,
     gamma: float,
     gae_lambda: float,
+    bootstrap_values: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over ``[batch, tokens]`` (or ``[tokens]``) under a loss mask.
 
     ``values[t]`` is the critic's value before token ``t``. Tokens off the mask (prompt, padding,
     and in a multi-turn answer the environment's tokens between turns) are skipped, as AReaL
     does: the recursion runs over the masked tokens only, each one's successor being the next
-    masked token, so a later turn's reward and values carry back across the gap. After the last
-    masked token the value is 0 (the episode ended), so padding never bootstraps::
+    masked token, so a later turn's reward and values carry back across the gap::
 
         delta_t = r_t + gamma * V_next(t) - V_t
         A_t     = delta_t + gamma * lambda * A_next(t)
 
-    where ``next(t)`` is the next masked token after ``t``. Rewards off the mask are ignored.
+    where ``next(t)`` is the next masked token after ``t``. After a row's last masked token the
+    value is ``bootstrap_values[row]`` (``[batch]``, or a scalar for 1-D input): 0 for an answer
+    that ended (EOS), the critic's value of the state after the last token for one cut off at
+    the length limit (AReaL bootstraps a truncated answer from its last value). None means 0 for
+    every row. Padding values never bootstrap. Rewards off the mask are ignored.
     Returns ``(advantages, returns)`` with ``returns = advantages + values``, both 0 off the mask.
     """
     squeeze = jnp.ndim(token_rewards) == 1
@@ -91,9 +114,12 @@ def gae_advantages(
         live = m > 0
         return (jnp.where(live, v, next_value), jnp.where(live, adv, next_adv)), adv
 
-    # Scan over time (leading axis) from the end of the sequence towards its start.
+    # Scan over time (leading axis) from the end of the sequence towards its start; the carried
+    # "next value" starts as the bootstrap and is replaced at each masked token.
     zeros = jnp.zeros(rewards.shape[0], rewards.dtype)
-    _, adv = jax.lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+    last = zeros if bootstrap_values is None else jnp.broadcast_to(
+        jnp.reshape(jnp.asarray(bootstrap_values, rewards.dtype), (-1,)), zeros.shape)
+    _, adv = jax.lax.scan(step, (last, zeros), (rewards.T, values.T, mask.T), reverse=True)
     adv = adv.T * mask
     returns = (adv + values) * mask
     if squeeze:
@@ -126,12 +152,16 @@ def overlong_penalty(
     return jnp.where(lengths <= soft_start, 0.0, jnp.maximum(ramp, -penalty_factor))
 
 
-def normalize_advantages(advantages: jax.Array, loss_mask: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """Batch normalisation over masked tokens: ``(A - mean) / (std + eps)``, 0 off the mask."""
+def normalize_advantages(
+    advantages: jax.Array, loss_mask: jax.Array, eps: float = 1e-5, *, unbiased: bool = True
+) -> jax.Array:
+    """Batch normalisation over masked tokens: ``(A - mean) / (std + eps)``, 0 off the mask. The
+    std is unbiased (``count - 1``) by default with ``eps = 1e-5``, AReaL's defaults."""
     mask = jnp.asarray(loss_mask).astype(advantages.dtype)
     count = jnp.maximum(mask.sum(), 1.0)
     mean = (advantages * mask).sum() / count
-    var = (jnp.square(advantages - mean) * mask).sum() / count
+    sq = (jnp.square(advantages - mean) * mask).sum()
+    var = sq / jnp.maximum(count - 1.0, 1.0) if unbiased else sq / count
     return (advantages - mean) / (jnp.sqrt(var) + eps) * mask
 
 
@@ -164,5 +194,7 @@ GROUP_ESTIMATORS = {
 }
 """How each critic-free estimator scores a group's sequence rewards before they become token
 rewards (AReaL's reward normalisation)."""
+STD_NORMALISED = ("grpo",)
+"""Group estimators that divide by the group's std (they take ``eps`` and ``unbiased``)."""
 TOKEN_WHITENED = ("reinforce_pp",)
 """Estimators whose advantages are whitened over the batch's tokens whatever ``adv_norm`` says."""

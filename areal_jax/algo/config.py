@@ -72,6 +72,12 @@ class AlgoConfig:
     """Shaped rewards are clipped to ``[-reward_clip, reward_clip]``; None disables clipping."""
     adv_norm: bool = False
     """Normalise advantages over the batch's masked tokens after the estimator."""
+    std_unbiased: bool = True
+    """Standard deviations of GRPO's group normalisation and of the token whitening (``adv_norm``,
+    REINFORCE++) divide by ``n - 1`` (AReaL's default); False divides by ``n``. A GRPO group of
+    one then gets std 1 (advantage 0), as in AReaL."""
+    norm_eps: float = 1e-5
+    """Added to those standard deviations before dividing (AReaL's default)."""
     gamma: float = 1.0
     """Discount of GAE; without a critic, of the reward-to-go (GAE with zero values, as AReaL)."""
     gae_lambda: float = 1.0
@@ -104,8 +110,15 @@ class AlgoConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.loss_aggregation == "constant" and not self.constant_normalizer:
+        if self.constant_normalizer is not None and not self.constant_normalizer > 0:
+            raise ValueError(
+                f"constant_normalizer must be positive, got {self.constant_normalizer}: it divides the summed "
+                f"token losses, so 0 is undefined and a negative value would flip the gradient into ascent"
+            )
+        if self.loss_aggregation == "constant" and self.constant_normalizer is None:
             raise ValueError("loss_aggregation='constant' needs a positive constant_normalizer")
+        if not self.norm_eps >= 0:
+            raise ValueError(f"norm_eps must be >= 0, got {self.norm_eps}")
         if self.c_clip is not None and self.c_clip <= 1.0:
             raise ValueError(f"c_clip must be > 1, got {self.c_clip}")
         if self.proximal_logprobs == "loglinear" and not self.use_decoupled_loss:
@@ -139,27 +152,29 @@ def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, tok
 
 
 def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
-    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl):
+    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap):
         # AReaL: normalise the task reward in its group, then add the per-token KL reward, then
         # take GAE with zero values (the reward-to-go); the KL is never divided by a group's std.
-        scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size)
+        # Without a critic every value is 0, a truncated answer's bootstrap included.
+        norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
+        scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
         token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl)
         advantages, _ = adv_lib.gae_advantages(
             token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
         )
         if name in adv_lib.TOKEN_WHITENED:
-            advantages = adv_lib.normalize_advantages(advantages, loss_mask)
+            advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
         return advantages, None
 
     return estimate
 
 
-def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl):
+def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap):
     if values is None:
         raise ValueError("adv_estimator='gae' needs values from the critic")
     token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl)
     return adv_lib.gae_advantages(
-        token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
+        token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, bootstrap_values=bootstrap
     )
 
 
@@ -178,6 +193,8 @@ def compute_advantages(
     values: jax.Array | None = None,
     token_kl: jax.Array | None = None,
     response_lengths: jax.Array | None = None,
+    truncated: jax.Array | None = None,
+    last_values: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
 
@@ -188,6 +205,11 @@ def compute_advantages(
     critic: the reward-to-go; masked gaps in multi-turn answers are carried across); token
     whitening for REINFORCE++; then masked batch normalisation if ``adv_norm``. Returns
     ``(advantages, returns)``; ``returns`` is None for the critic-free estimators.
+
+    ``truncated [batch]`` marks answers cut off at the length limit without EOS; with a critic,
+    GAE bootstraps each of them from ``last_values [batch]``, the critic's value of the state
+    after the answer's last token (AReaL's ``values[:, -1] * no_eos``), while a finished answer's
+    value after its last token is 0. None: every answer finished.
     """
     rewards = jnp.reshape(rewards, -1).astype(jnp.float32)
     loss_mask = jnp.asarray(loss_mask).astype(jnp.float32)
@@ -203,7 +225,15 @@ def compute_advantages(
     )
     if cfg.kl_coef == 0.0:
         token_kl = None
-    advantages, returns = ESTIMATORS[cfg.adv_estimator](cfg, rewards, loss_mask, group_size, values, token_kl)
+    bootstrap = None
+    if truncated is not None and cfg.adv_estimator == "gae":
+        if last_values is None:
+            raise ValueError("truncated answers need last_values (the critic's value after each answer's last "
+                             "token) for GAE to bootstrap from")
+        truncated = jnp.reshape(jnp.asarray(truncated), -1).astype(bool)
+        bootstrap = jnp.where(truncated, jnp.reshape(jnp.asarray(last_values, jnp.float32), -1), 0.0)
+    advantages, returns = ESTIMATORS[cfg.adv_estimator](
+        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap)
     if cfg.adv_norm:
-        advantages = adv_lib.normalize_advantages(advantages, loss_mask)
+        advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
     return advantages, returns

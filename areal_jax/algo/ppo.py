@@ -89,6 +89,9 @@ def decoupled_ppo_loss(
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     if aggregation == "constant" and constant_normalizer is None:
         raise ValueError("aggregation='constant' needs constant_normalizer")
+    if isinstance(constant_normalizer, int | float) and not constant_normalizer > 0:
+        raise ValueError(f"constant_normalizer must be positive, got {constant_normalizer}: a negative one "
+                         f"would turn the loss's descent into ascent")
     if eps_clip_higher is None:
         eps_clip_higher = eps_clip
 

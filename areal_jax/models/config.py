@@ -42,6 +42,8 @@ FAMILIES: dict[str, Family] = {
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots")
 """Names of the rematerialisation policies (the policies themselves live with the decoder)."""
+ATTENTION_IMPLS = ("dense", "dot_product", "splash", "auto")
+"""Attention implementations of packed training input (``models.attention``)."""
 ROPE_TYPES = ("default", "linear", "llama3")
 """RoPE scalings the decoder implements (``decoder.ROPE_SCALINGS``)."""
 _SILU = ("silu", "swish")  # transformers' ACT2FN maps both names to SiLU
@@ -112,6 +114,13 @@ class ModelConfig:
     memory, about 1/3 more compute); ``dots`` also keeps the outputs of the weight matmuls and
     recomputes attention and elementwise work (MaxText's "minimal"). True / False mean
     ``full`` / ``none``."""
+    attention_impl: str = "dense"
+    """Attention over packed training input (a key of ``ATTENTION_IMPLS``): ``dense``, the model's
+    own einsum attention (the reference, and the CPU path); ``dot_product``,
+    ``jax.nn.dot_product_attention`` (cuDNN flash attention on GPU, bfloat16/float16 only;
+    XLA elsewhere); ``splash``, the Pallas splash kernel (TPU); ``auto``, dense on CPU and in
+    float32, cuDNN on GPU and splash on TPU in bfloat16/float16. KV-cache decoding always uses
+    the dense path. Not a HF config key: set it as a ``load_pretrained`` override."""
     extra_hf: dict[str, Any] = field(default_factory=dict, compare=False)
     """Keys of the source config.json we do not interpret, written back unchanged on save."""
 
@@ -128,6 +137,8 @@ class ModelConfig:
         for name in ("param_dtype", "dtype"):
             object.__setattr__(self, name, dtype_name(getattr(self, name), name))
         object.__setattr__(self, "remat", remat_policy(self.remat))
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r}; choose one of {list(ATTENTION_IMPLS)}")
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
             kind = self.rope_scaling.get("rope_type", "default")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.models.attention import dot_product_attention_packed, resolve_attention_impl, splash_attention_packed
 from areal_jax.models.config import ModelConfig, jnp_dtype
 from sharding import constrain, logical_axis_size
 
@@ -248,6 +249,8 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.rope_cfg = cfg
         self.precision = matmul_precision(cfg)
+        self.attention_impl = cfg.attention_impl
+        self.compute_dtype = cfg.dtype
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
@@ -277,7 +280,12 @@ class Attention(nnx.Module):
                  window: int | None = None) -> jax.Array:
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate_kv(k, v, kv_head_replicas(self.num_kv_heads, "act_kv_heads"))
-        if window is None:
+        impl = resolve_attention_impl(self.attention_impl, self.compute_dtype)
+        if impl == "dot_product":
+            out = dot_product_attention_packed(q, k, v, segment_ids, window=window, precision=self.precision)
+        elif impl == "splash":
+            out = splash_attention_packed(q, k, v, segment_ids, window=window)
+        elif window is None:
             out = attend_packed(q, k, v, segment_ids, self.precision)
         else:
             out = attend_packed_local(q, k, v, segment_ids, window, precision=self.precision)

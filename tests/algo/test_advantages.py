@@ -20,10 +20,11 @@ REWARDS = RNG.normal(size=(5, 4)).astype(np.float32)
 REWARDS[2] = 1.0  # an all-correct group: GRPO must give zeros, not NaN
 
 
-def _np_grpo(r, eps=1e-6):
+def _np_grpo(r, eps=1e-5, ddof=1):
+    """AReaL's defaults: unbiased (ddof 1) group std, eps 1e-5."""
     out = np.empty_like(r)
     for i, g in enumerate(r):
-        out[i] = (g - g.mean()) / (np.sqrt(np.mean((g - g.mean()) ** 2)) + eps)
+        out[i] = (g - g.mean()) / (np.sqrt(np.sum((g - g.mean()) ** 2) / (len(g) - ddof)) + eps)
     return out
 
 
@@ -49,6 +50,19 @@ def test_group_estimators_vs_reference(fn, ref):
     flat = fn(REWARDS.reshape(-1), group_size=4)
     np.testing.assert_allclose(flat, expected.reshape(-1), rtol=1e-5, atol=1e-5)
     assert np.all(np.isfinite(np.asarray(fn(REWARDS))))
+
+
+def test_grpo_std_is_unbiased_by_default_and_population_on_request():
+    np.testing.assert_allclose(grpo_advantages(REWARDS), _np_grpo(REWARDS.astype(np.float64)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grpo_advantages(REWARDS, unbiased=False, eps=1e-6),
+                               _np_grpo(REWARDS.astype(np.float64), eps=1e-6, ddof=0), rtol=1e-5, atol=1e-6)
+    # The two differ by sqrt(n / (n - 1)) on a group of 4: the choice is visible.
+    ratio = np.asarray(grpo_advantages(REWARDS[:1], unbiased=False, eps=0.0)) / np.asarray(
+        grpo_advantages(REWARDS[:1], eps=0.0))
+    np.testing.assert_allclose(ratio, np.sqrt(4 / 3), rtol=1e-5)
+    # A group of one has no spread: advantage 0, not NaN (AReaL takes its std as 1).
+    single = np.asarray(grpo_advantages(np.array([[3.0], [-1.0]], np.float32)))
+    np.testing.assert_array_equal(single, [[0.0], [0.0]])
 
 
 def test_grouping_errors_are_clear():
@@ -111,9 +125,11 @@ def test_normalize_advantages_uses_masked_tokens_only():
     out = np.asarray(normalize_advantages(adv_padded, mask))
     live = adv[mask > 0]
     np.testing.assert_allclose(
-        out[mask > 0], (live - live.mean()) / (live.std() + 1e-6), rtol=1e-4, atol=1e-5
+        out[mask > 0], (live - live.mean()) / (live.std(ddof=1) + 1e-5), rtol=1e-4, atol=1e-5
     )
     assert np.all(out[mask == 0] == 0.0)
+    biased = np.asarray(normalize_advantages(adv_padded, mask, 1e-6, unbiased=False))
+    np.testing.assert_allclose(biased[mask > 0], (live - live.mean()) / (live.std() + 1e-6), rtol=1e-4, atol=1e-5)
 
 
 def test_terminal_token_rewards_puts_reward_on_last_real_token():

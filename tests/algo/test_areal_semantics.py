@@ -14,12 +14,13 @@ from areal_jax.algo import AlgoConfig, compute_advantages, gae_advantages, reinf
 RNG = np.random.default_rng(0)
 
 
-def np_areal_gae(rewards, values, mask, gamma, lam):
+def np_areal_gae(rewards, values, mask, gamma, lam, bootstrap=None):
     """AReaL's backward loop: a masked-off token leaves the running value and advantage as they
-    were, so the recursion jumps the gap; the value after the last token is 0."""
+    were, so the recursion jumps the gap; the value after the last token is 0, or for an answer
+    cut off without EOS its bootstrap value (AReaL's ``nextvalues = values[:, -1] * no_eos``)."""
     adv = np.zeros_like(rewards, dtype=np.float64)
     for b in range(rewards.shape[0]):
-        next_value, last = 0.0, 0.0
+        next_value, last = (0.0 if bootstrap is None else float(bootstrap[b])), 0.0
         for t in reversed(range(rewards.shape[1])):
             delta = rewards[b, t] + gamma * next_value - values[b, t]
             new = delta + gamma * lam * last
@@ -36,11 +37,11 @@ def np_token_rewards(scores, kl, mask, kl_coef):
     return r
 
 
-def np_group_norm(r, group_size, kind, eps=1e-6):
+def np_group_norm(r, group_size, kind, eps=1e-5):
     g = r.reshape(-1, group_size).astype(np.float64)
     mean = g.mean(1, keepdims=True)
-    if kind == "grpo":
-        out = (g - mean) / (g.std(1, keepdims=True) + eps)
+    if kind == "grpo":  # AReaL's NormConfig defaults: std_unbiased=True, eps=1e-5
+        out = (g - mean) / (g.std(1, ddof=1, keepdims=True) + eps)
     elif kind == "dr_grpo":
         out = g - mean
     else:  # rloo
@@ -48,9 +49,9 @@ def np_group_norm(r, group_size, kind, eps=1e-6):
     return out.reshape(-1)
 
 
-def np_whiten(x, mask, eps=1e-6):
+def np_whiten(x, mask, eps=1e-5):
     live = x[mask > 0]
-    return (x - live.mean()) / (live.std() + eps) * mask
+    return (x - live.mean()) / (live.std(ddof=1) + eps) * mask
 
 
 def random_multi_turn_masks(batch, width, rng):
@@ -126,7 +127,7 @@ def test_reinforce_pp_whitens_over_tokens():
         np.testing.assert_allclose(adv, ref, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(reinforce_pp_advantages(token_r, mask), ref, rtol=1e-5, atol=1e-5)
     live = np.asarray(adv)[mask > 0]
-    assert abs(live.mean()) < 1e-5 and abs(live.std() - 1) < 1e-3
+    assert abs(live.mean()) < 1e-5 and abs(live.std(ddof=1) - 1) < 1e-3
 
 
 def test_gae_estimator_with_kl_across_turns_vs_reference():
@@ -139,3 +140,42 @@ def test_gae_estimator_with_kl_across_turns_vs_reference():
     ref = np_areal_gae(np_token_rewards(rewards, kl, mask, 0.1), values * mask, mask, 0.99, 0.95)
     np.testing.assert_allclose(adv, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(returns, (ref + values) * mask, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
+def test_gae_bootstraps_truncated_answers_from_their_last_value(gamma, lam):
+    """An answer cut off at the length limit (no EOS) is not an ended episode: the value after
+    its last token is the critic's, as in AReaL; a finished answer's is 0."""
+    mask = random_multi_turn_masks(6, 16, RNG)
+    rewards = RNG.normal(size=6).astype(np.float32)
+    values = RNG.normal(size=mask.shape).astype(np.float32)
+    truncated = np.array([True, False, True, False, True, True])
+    last_values = RNG.normal(size=6).astype(np.float32) * 3
+    cfg = AlgoConfig(adv_estimator="gae", gamma=gamma, gae_lambda=lam)
+    adv, returns = compute_advantages(cfg, rewards, mask, values=values, truncated=truncated, last_values=last_values)
+    token_r = np_token_rewards(rewards, np.zeros_like(mask), mask, 0.0)
+    ref = np_areal_gae(token_r, values * mask, mask, gamma, lam, bootstrap=np.where(truncated, last_values, 0.0))
+    np.testing.assert_allclose(adv, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(returns, (ref + values) * mask, rtol=1e-5, atol=1e-5)
+    # The bootstrap moves the truncated rows and only them.
+    plain, _ = compute_advantages(cfg, rewards, mask, values=values)
+    moved = np.abs(np.asarray(adv) - np.asarray(plain)).max(axis=1) > 1e-3
+    np.testing.assert_array_equal(moved, truncated)
+    with pytest.raises(ValueError, match="last_values"):
+        compute_advantages(cfg, rewards, mask, values=values, truncated=truncated)
+    # Critic-free estimators have zero values everywhere, the bootstrap included.
+    grpo = AlgoConfig(adv_estimator="grpo")
+    a1, _ = compute_advantages(grpo, rewards, mask, group_size=3, truncated=truncated, last_values=last_values)
+    a2, _ = compute_advantages(grpo, rewards, mask, group_size=3)
+    np.testing.assert_array_equal(a1, a2)
+
+
+def test_gae_bootstrap_argument_vs_reference():
+    mask = random_multi_turn_masks(5, 12, RNG)
+    rewards = (RNG.normal(size=mask.shape) * mask).astype(np.float32)
+    values = np.where(mask > 0, RNG.normal(size=mask.shape), 50.0).astype(np.float32)
+    boot = RNG.normal(size=5).astype(np.float32)
+    fn = jax.jit(lambda r, v, m, b: gae_advantages(r, v, m, gamma=0.9, gae_lambda=0.7, bootstrap_values=b))
+    adv, _ = fn(rewards, values, mask, boot)
+    np.testing.assert_allclose(adv, np_areal_gae(rewards, values * mask, mask, 0.9, 0.7, bootstrap=boot),
+                               rtol=1e-5, atol=1e-5)

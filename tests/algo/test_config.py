@@ -66,6 +66,8 @@ def test_unknown_keys_fail():
         {"c_clip": 0.9},
         {"proximal_logprobs": "loglinear", "use_decoupled_loss": False},
         {"kl_estimator": "k4"},
+        {"loss_aggregation": "constant", "constant_normalizer": 0.0},
+        {"norm_eps": -1e-5},
     ],
 )
 def test_invalid_values_fail(bad):
@@ -101,7 +103,7 @@ def test_compute_advantages_grpo_with_overlong_and_shaping():
     penalty = np.where(lengths <= 2, 0.0, np.maximum((2 - lengths) / 2, -1.0))
     r = ((SEQ_REWARDS + penalty) + 1.0) * 2.0
     g = r.reshape(2, 2)
-    seq_adv = ((g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-6)).reshape(-1)
+    seq_adv = ((g - g.mean(1, keepdims=True)) / (g.std(1, ddof=1, keepdims=True) + 1e-5)).reshape(-1)
     np.testing.assert_allclose(adv, seq_adv[:, None] * MASK, rtol=1e-5, atol=1e-5)
     assert returns is None
 
@@ -122,7 +124,7 @@ def test_compute_advantages_gae_with_kl_and_norm():
         dataclasses.replace(cfg, adv_norm=True), SEQ_REWARDS, MASK, values=values, token_kl=kl
     )
     live = np.asarray(normed)[MASK > 0]
-    assert abs(live.mean()) < 1e-5 and abs(live.std() - 1) < 1e-3
+    assert abs(live.mean()) < 1e-5 and abs(live.std(ddof=1) - 1) < 1e-3
 
 
 def test_compute_advantages_zero_kl_coef_ignores_kl():
@@ -135,3 +137,19 @@ def test_compute_advantages_zero_kl_coef_ignores_kl():
     )
     # Answers in a group differ in length, so charging KL per answer changes the advantages.
     assert not np.allclose(charged, without)
+
+
+def test_negative_constant_normalizer_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="constant_normalizer must be positive, got -64.0"):
+        AlgoConfig(loss_aggregation="constant", constant_normalizer=-64.0)
+    with pytest.raises(ValueError, match="constant_normalizer must be positive"):
+        AlgoConfig(constant_normalizer=-1.0)  # refused even while another aggregation is picked
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="constant_normalizer must be positive"):
+        decoupled_ppo_loss(x, x, x, x, np.ones_like(x), eps_clip=0.2, aggregation="constant",
+                           constant_normalizer=-2.0)
+
+
+def test_norm_defaults_are_areals():
+    cfg = AlgoConfig()
+    assert cfg.std_unbiased is True and cfg.norm_eps == 1e-5

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from areal_jax.models import load_pretrained
+from tests.models.parity import PARITY_TOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FAMILIES = ["qwen2", "qwen3", "llama"]
-TOL = 1e-4
+TOL = PARITY_TOL
 
 
 def _split(tokens: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
@@ -60,6 +61,34 @@ def test_logits_vs_reference_fixture(family: str) -> None:
     model = load_pretrained(FIXTURES / f"hf_{family}")
     assert check_padded(model, seqs, ref["padded"]) < TOL
     assert check_packed(model, seqs, ref["packed"]) < TOL
+
+
+def _mistake_skip_qk_norm(model):
+    model.layers.self_attn.q_norm = model.layers.self_attn.k_norm = None  # attention as if Qwen2
+    return model
+
+
+MISTAKES = {
+    # (family, how the load goes wrong): config overrides, then a change to the loaded model.
+    "llama-rope_theta-1e4": ("llama", {"rope_theta": 10000.0}, None),
+    "llama-no-llama3-rope-scaling": ("llama", {"rope_scaling": None}, None),
+    "qwen3-qk-norm-skipped": ("qwen3", {}, _mistake_skip_qk_norm),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_tolerance_catches_named_mistakes(name: str) -> None:
+    """Each mistake that loads without error but computes a different model fails the parity
+    tolerance, while the correct load of the same checkpoint passes it."""
+    family, overrides, surgery = MISTAKES[name]
+    ref = np.load(FIXTURES / f"hf_{family}" / "reference.npz")
+    seqs = _split(ref["tokens"], ref["lengths"])
+    assert check_padded(load_pretrained(FIXTURES / f"hf_{family}"), seqs, ref["padded"]) < TOL
+    wrong = load_pretrained(FIXTURES / f"hf_{family}", **overrides)
+    if surgery is not None:
+        wrong = surgery(wrong)
+    assert check_padded(wrong, seqs, ref["padded"]) > TOL
+    assert check_packed(wrong, seqs, ref["packed"]) > TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)

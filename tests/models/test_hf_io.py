@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from areal_jax.models import CheckpointError, assign_hf_tensors, hf_tensor_specs, load_pretrained, save_pretrained
 from areal_jax.models.tiny import make_tiny_checkpoint
+from tests.models.parity import PARITY_TOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -31,7 +32,7 @@ def test_round_trip_through_transformers(family: str, tmp_path: Path) -> None:
     ids = np.random.default_rng(0).integers(0, 96, (2, 9))
     with torch.no_grad():
         ref = hf(torch.tensor(ids)).logits.numpy()
-    assert np.abs(_logits(model, ids) - ref).max() < 1e-4
+    assert np.abs(_logits(model, ids) - ref).max() < PARITY_TOL
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
     original = load_file(str(FIXTURES / f"hf_{family}" / "model.safetensors"))
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in original.items()}
@@ -151,3 +152,59 @@ def test_assign_rejects_bad_update_and_changes_nothing() -> None:
     np.testing.assert_array_equal(_logits(model, ids), before)
     assign_hf_tensors(model, {"model.norm.weight": good * 2})
     assert np.abs(_logits(model, ids) - before).max() > 1e-3
+
+
+def _memory_url(name: str) -> str:
+    """A fresh directory on fsspec's in-memory filesystem, a stand-in for gs:// or s3://."""
+    import uuid
+
+    return f"memory://bucket-{uuid.uuid4().hex[:8]}/{name}"
+
+
+def _tree(fs, root: str) -> dict[str, bytes]:
+    return {p[len(root.rstrip("/")) + 1:]: fs.cat_file(p) for p in fs.find(root)}
+
+
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_save_pretrained_to_url_matches_local_save(tmp_path: Path, scheme: str) -> None:
+    """A URL gets byte for byte the files a local save writes (several shards, index, config,
+    tokenizer files), and the copy loads back to the same logits."""
+    import fsspec
+
+    src = make_tiny_checkpoint(tmp_path / "src", model_type="qwen3", size="tiny")
+    model = load_pretrained(src)
+    local = save_pretrained(model, tmp_path / "local", max_shard_bytes=64 * 1024)
+    url = _memory_url("final") if scheme == "memory" else f"file://{tmp_path}/remote/final"
+    assert save_pretrained(model, url + "/", max_shard_bytes=64 * 1024) == url
+    fs, root = fsspec.core.url_to_fs(url)
+    written = _tree(fs, root)
+    expected = {p.name: p.read_bytes() for p in Path(local).iterdir()}
+    assert len([n for n in written if n.endswith(".safetensors")]) > 1 and "tokenizer.json" in written
+    assert written == expected
+    fs.get(root, str(tmp_path / "back"), recursive=True)
+    ids = np.arange(12)[None] % 96
+    np.testing.assert_array_equal(_logits(load_pretrained(tmp_path / "back"), ids), _logits(model, ids))
+
+
+def test_save_to_url_replaces_old_files_and_leaves_nothing_on_error(tmp_path: Path) -> None:
+    import fsspec
+
+    from areal_jax.models.hf_io import iter_hf_tensors, write_hf_dir
+
+    model = load_pretrained(FIXTURES / "hf_qwen2")
+    url = _memory_url("v1")
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/stale.safetensors", b"old")
+    save_pretrained(model, url)
+    assert "stale.safetensors" not in _tree(fs, root) and "config.json" in _tree(fs, root)
+
+    def failing():
+        for i, item in enumerate(iter_hf_tensors(model)):
+            if i == 3:
+                raise RuntimeError("gather failed")
+            yield item
+
+    bad = _memory_url("v2")
+    with pytest.raises(RuntimeError, match="gather failed"):
+        write_hf_dir(failing(), bad, model.config.to_hf_dict(), max_shard_bytes=1024)
+    assert not fs.exists(fsspec.core.url_to_fs(bad)[1])

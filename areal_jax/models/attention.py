@@ -1,0 +1,174 @@
+"""Fused attention kernels for packed training input, and the choice between them.
+
+The decoder's own dense attention (``decoder.attend_packed``, ``attend_packed_local``) is the CPU
+path and the reference. Where the backend has a fused kernel, ``ModelConfig.attention_impl``
+selects it:
+
+- ``dot_product``: ``jax.nn.dot_product_attention``, cuDNN flash attention on GPU (bfloat16 or
+  float16 only), JAX's XLA implementation elsewhere. Packed segments go in as a boolean mask
+  (cuDNN adds it as a bias), the causal part and a local window as the kernel's own arguments.
+- ``splash``: the Pallas splash-attention kernel for TPU, with segment ids and a causal or
+  local mask; block-sparse, so masked-out blocks cost nothing. Off TPU it runs in Pallas
+  interpret mode (correct, slow: for tests).
+- ``auto``: dense on CPU and whenever compute is float32 (the reference numerics); cuDNN on GPU
+  and splash on TPU for bfloat16 / float16.
+
+All take ``q [b, t, heads, d]``, ``k/v [b, t, kv_heads, d]``, ``segment_ids [b, t]`` (0 is
+padding) and return ``[b, t, heads, d]``; real tokens never see another segment or padding.
+Padding queries attend to padding (never to nothing), so no path produces NaN there.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import cache
+from typing import Any
+
+import flax.core.spmd as flax_spmd
+import jax
+import jax.numpy as jnp
+
+from areal_jax.models.config import ATTENTION_IMPLS
+from sharding import logical_to_spec
+
+log = logging.getLogger(__name__)
+
+_FUSED_DTYPES = ("bfloat16", "float16")
+
+
+@cache
+def _splash_modules() -> tuple[Any, Any]:
+    """The splash kernel and mask modules, or an ImportError that says what to do."""
+    try:
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask
+    except ImportError as e:
+        raise ImportError(
+            f"attention_impl='splash' needs jax.experimental.pallas.ops.tpu.splash_attention, which does not "
+            f"import here ({e}); install a jax with Pallas TPU support or use attention_impl='dense' or 'auto'"
+        ) from e
+    return kernel, mask
+
+
+def splash_available() -> bool:
+    try:
+        _splash_modules()
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention_impl(impl: str, dtype: str, backend: str | None = None) -> str:
+    """The implementation ``impl`` runs as on ``backend`` (default: JAX's) with compute
+    ``dtype`` (a name): ``auto`` becomes a concrete choice; an explicit fused choice the backend
+    cannot run is an error naming the alternative, never a silent fallback."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r}; choose one of {list(ATTENTION_IMPLS)}")
+    backend = backend or jax.default_backend()
+    if impl == "auto":
+        if dtype not in _FUSED_DTYPES:
+            return "dense"
+        if backend == "gpu":
+            return "dot_product"
+        if backend == "tpu" and splash_available():
+            return "splash"
+        return "dense"
+    if impl == "dot_product" and backend == "gpu" and dtype not in _FUSED_DTYPES:
+        raise ValueError(f"attention_impl='dot_product' runs cuDNN flash attention on GPU, which needs bfloat16 or "
+                         f"float16 compute, not dtype={dtype!r}; use attention_impl='dense' (or 'auto') in {dtype}")
+    if impl == "splash":
+        _splash_modules()
+    return impl
+
+
+def _segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """``[b, 1, t, t]``: query and key in the same segment (padding, 0, with padding)."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def dot_product_attention_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                                 window: int | None = None, precision: jax.lax.Precision | None = None,
+                                 implementation: str | None = None) -> jax.Array:
+    """Causal attention within segments through ``jax.nn.dot_product_attention``.
+
+    ``window``: each query sees itself and at most ``window - 1`` keys before it (the dense
+    path's contract: equal to full attention when no segment is longer than ``window``).
+    ``implementation``: ``cudnn`` or ``xla``; None picks cuDNN on GPU, XLA elsewhere.
+    ``precision`` HIGHEST (float32 mode) makes the XLA implementation's matmuls float32 on TPU.
+    """
+    if implementation is None:
+        implementation = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    kwargs: dict[str, Any] = dict(mask=_segment_mask(segment_ids), is_causal=True, implementation=implementation)
+    if window is not None:
+        kwargs["local_window_size"] = (max(window, 1) - 1, 0)
+    if precision == jax.lax.Precision.HIGHEST:
+        with jax.default_matmul_precision("highest"):
+            return jax.nn.dot_product_attention(q, k, v, **kwargs)
+    return jax.nn.dot_product_attention(q, k, v, **kwargs)
+
+
+def _splash_block(t: int) -> int:
+    """Block size for a row of ``t`` tokens: 512 for long rows, else ``t`` rounded up to 128
+    (the kernel's lane width)."""
+    return 512 if t >= 512 else max(128, -(-t // 128) * 128)
+
+
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int | None,
+                  interpret: bool) -> jax.Array:
+    """Splash on one device's shard: ``q [b, heads, t, d]`` (already scaled), ``k/v [b, kv_heads, t, d]``."""
+    kernel_lib, mask_lib = _splash_modules()
+    b, heads, t, _ = q.shape
+    block = _splash_block(t)
+    pad = (-t) % block
+    if pad:  # padded tokens join the padding segment (0): they attend to each other only
+        q, k, v = (jnp.pad(x, ((0, 0), (0, 0), (0, pad), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    n = t + pad
+    if window is None:
+        one = mask_lib.CausalMask(shape=(n, n))
+    else:
+        one = mask_lib.LocalMask(shape=(n, n), window_size=(max(window, 1) - 1, 0), offset=0)
+    sizes = kernel_lib.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                                  block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
+                                  block_kv_dq=block)
+    kernel = kernel_lib.make_splash_mha(mask=mask_lib.MultiHeadMask([one] * heads), block_sizes=sizes,
+                                        head_shards=1, q_seq_shards=1, interpret=interpret)
+    seg = segment_ids.astype(jnp.int32)
+    out = jax.vmap(kernel)(q, k, v, segment_ids=kernel_lib.SegmentIds(q=seg, kv=seg))
+    return out[:, :, :t]
+
+
+@cache
+def _warn_interpret(backend: str) -> None:
+    log.warning("splash attention on %s runs in Pallas interpret mode (slow; meant for tests)", backend)
+
+
+def splash_attention_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                            window: int | None = None, interpret: bool | None = None) -> jax.Array:
+    """Causal attention within segments through the Pallas splash kernel (TPU).
+
+    Under a mesh (``sharding.activate``) the kernel runs per device inside ``shard_map``, batch
+    and heads split as the logical rules split ``batch``, ``act_heads`` and ``act_kv_heads``.
+    ``interpret`` (default: off TPU) runs the kernel in Pallas interpret mode.
+    """
+    if interpret is None:
+        interpret = jax.default_backend() != "tpu"
+        if interpret:
+            _warn_interpret(jax.default_backend())
+    d = q.shape[-1]
+    # The kernel does not scale the logits: fold 1/sqrt(d) into the queries.
+    q = (q / math.sqrt(d)).astype(q.dtype).transpose(0, 2, 1, 3)
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, seg: jax.Array) -> jax.Array:
+        return _splash_local(q, k, v, seg, window, interpret)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    rules = flax_spmd.get_logical_axis_rules()
+    if not mesh.empty and rules:
+        q_spec = logical_to_spec(("batch", "act_heads", None, None), rules)
+        kv_spec = logical_to_spec(("batch", "act_kv_heads", None, None), rules)
+        seg_spec = logical_to_spec(("batch", None), rules)
+        run = jax.shard_map(run, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False)
+    return run(q, k, v, segment_ids).transpose(0, 2, 1, 3)
