@@ -47,7 +47,8 @@ def test_full_queue_refuses_and_duplicate_rid_is_refused(engine: Engine, monkeyp
             outs = await asyncio.gather(*tasks)
             assert [len(o.output_ids) for o in outs] == [40] * 3
             # a finished rid may be used again
-            out = await engine.generate(GenerateRequest([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True), rid="q1"))
+            again = GenerateRequest([1, 2], SamplingParams(max_new_tokens=2, ignore_eos=True), rid="q1")
+            out = await engine.generate(again)
             assert len(out.output_ids) == 2
         finally:
             await engine.stop()
