@@ -70,7 +70,12 @@ class EpisodeClient:
         """A one-turn trajectory from a ``GenerateResult``."""
         return Trajectory.from_prompt_and_answer(
             np.asarray(prompt_ids), np.asarray(result.output_ids), np.asarray(result.output_logprobs),
-            np.asarray(result.output_versions), reward=reward, group_id=0)
+            np.asarray(result.output_versions), reward=reward, group_id=0, truncated=truncated(result))
+
+
+def truncated(result: Any) -> bool:
+    """Whether a ``GenerateResult`` stopped at its token budget rather than at a stop token."""
+    return (result.finish_reason or {}).get("type") == "length"
 
 
 async def single_turn(client: EpisodeClient, row: Any) -> list[Trajectory]:
@@ -129,7 +134,7 @@ async def multi_turn(client: EpisodeClient, row: Any) -> list[Trajectory]:
             return None
         return Trajectory(input_ids=np.asarray(ids), loss_mask=np.asarray(mask),
                           behavior_logprobs=np.asarray(logprobs), versions=np.asarray(versions),
-                          reward=reward, group_id=0, prompt_len=len(row.prompt_ids))
+                          reward=reward, group_id=0, prompt_len=len(row.prompt_ids), truncated=truncated(result))
 
     done = await asyncio.gather(*(one() for _ in range(client.group_size)))
     return [t for t in done if t is not None]

@@ -39,6 +39,10 @@ class Trajectory:
     """Answers to the same prompt share a group id; group-relative advantages use it."""
     prompt_len: int
     """Number of prompt tokens at the front of ``input_ids``."""
+    truncated: bool = False
+    """The answer was cut off at its length limit without an end-of-sequence token. With a critic,
+    GAE then bootstraps from the value of the state after the last token instead of taking it as
+    terminal (AReaL's ``no_eos`` mask)."""
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, np.int32)
@@ -48,6 +52,7 @@ class Trajectory:
         self.reward = float(self.reward)
         self.group_id = int(self.group_id)
         self.prompt_len = int(self.prompt_len)
+        self.truncated = bool(self.truncated)
         self.validate()
 
     @classmethod
@@ -60,6 +65,7 @@ class Trajectory:
         *,
         reward: float,
         group_id: int,
+        truncated: bool = False,
     ) -> Trajectory:
         """Build from the pieces a ``/generate`` reply gives: the answer's tokens, logprobs and
         versions (one int when a single policy produced the whole answer)."""
@@ -73,6 +79,7 @@ class Trajectory:
             reward=reward,
             group_id=group_id,
             prompt_len=p,
+            truncated=truncated,
         )
 
     def validate(self) -> None:

@@ -320,9 +320,13 @@ class Trainer:
                     m.arrays["old_values"] = self._value_fn(self.critic_params, self._forward_inputs(m))
             # Position j's output is the value before token j + 1; unshifting puts it at index
             # j + 1, so values[i] is token i's value: the GAE convention (and 0 on the prompt).
-            values = [v * t.loss_mask for v, t in
-                      zip(self._unpack_device(micro, "old_values", lengths), trajectories, strict=True)]
-        advantages, returns, adv_stats = self._advantages(trajectories, token_kl, values)
+            # The last position's output, the value after the whole answer, is what a truncated
+            # answer bootstraps from.
+            raw = self._unpack_device(micro, "old_values", lengths, unshift=False)
+            values = [batching.unshift(v) * t.loss_mask for v, t in zip(raw, trajectories, strict=True)]
+            last_values = [float(v[len(t) - 1]) for v, t in zip(raw, trajectories, strict=True)]
+        advantages, returns, adv_stats = self._advantages(trajectories, token_kl, values,
+                                                          last_values if values is not None else None)
         stats.update(adv_stats)
         per_token = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
         seqs = [{"input_ids": t.input_ids, **{k: batching.shift_token_values(v[i]) for k, v in per_token.items()}}
@@ -436,22 +440,25 @@ class Trainer:
             outs = [self._logprob_fn(params, self._inputs(m)) for m in micro]
         return self._unpack(micro, jax.device_get(outs), lengths)
 
-    def _unpack_device(self, micro: list[MicroBatch], key: str, lengths: Sequence[int]) -> list[np.ndarray]:
-        return self._unpack(micro, jax.device_get([m.arrays[key] for m in micro]), lengths)
+    def _unpack_device(self, micro: list[MicroBatch], key: str, lengths: Sequence[int],
+                       unshift: bool = True) -> list[np.ndarray]:
+        return self._unpack(micro, jax.device_get([m.arrays[key] for m in micro]), lengths, unshift)
 
     @staticmethod
-    def _unpack(micro: list[MicroBatch], values: list[np.ndarray], lengths: Sequence[int]) -> list[np.ndarray]:
+    def _unpack(micro: list[MicroBatch], values: list[np.ndarray], lengths: Sequence[int],
+                unshift: bool = True) -> list[np.ndarray]:
         per: dict[int, np.ndarray] = {}
         for m, v in zip(micro, values, strict=True):
             per.update(batching.unpack_rows(v, m.plan, lengths))
-        return [batching.unshift(per[i]) for i in range(len(lengths))]
+        return [batching.unshift(per[i]) if unshift else per[i] for i in range(len(lengths))]
 
     def _advantages(
         self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None,
-        values: list[np.ndarray] | None = None,
+        values: list[np.ndarray] | None = None, last_values: list[float] | None = None,
     ) -> tuple[list[np.ndarray], list[np.ndarray] | None, dict[str, float]]:
         """Advantages, returns (None without a critic) and their stats, index-``i`` convention.
-        Groups are gathered by ``group_id``; ``values`` are the critic's, GAE's input."""
+        Groups are gathered by ``group_id``; ``values`` are the critic's, GAE's input, and
+        ``last_values`` its value after each whole answer, which truncated answers bootstrap from."""
         order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, i))
         sizes: dict[int, int] = {}
         for t in trajectories:
@@ -467,8 +474,12 @@ class Trainer:
         kl = None if token_kl is None else np.stack([pad(token_kl[i]) for i in order])
         lengths = np.array([trajectories[i].answer_len for i in order], np.float32)
         vals = None if values is None else np.stack([pad(values[i]) for i in order])
+        boot = {}
+        if last_values is not None:
+            boot = {"truncated": np.array([trajectories[i].truncated for i in order]),
+                    "last_values": np.array([last_values[i] for i in order], np.float32)}
         adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
-                                response_lengths=lengths, values=vals)
+                                response_lengths=lengths, values=vals, **boot)
         stats: dict[str, float] = {}
         if ret is not None:
             count = max(float(mask.sum()), 1.0)

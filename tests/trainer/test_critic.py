@@ -53,6 +53,23 @@ def test_old_values_are_the_outputs_at_the_preceding_position() -> None:
     assert abs(float(critic(last.input_ids[None])[0, -1]) - direct[0][-1]) > 1e-4  # the check has teeth
 
 
+def test_truncated_answers_bootstrap_from_the_value_after_their_last_token() -> None:
+    """An answer cut off at the length limit is not terminal: its returns take the critic's value
+    of the state after its last token (the output at its last position), as AReaL bootstraps; a
+    finished answer's returns are its reward alone. NumPy reference with gamma = lambda = 1."""
+    critic = Critic(tiny_model().config, rngs=nnx.Rngs(7))
+    trajs = random_trajectories(np.random.default_rng(1), 2, 3)
+    trajs = [dataclasses.replace(t, truncated=(i % 2 == 0)) for i, t in enumerate(trajs)]
+    direct = [np.asarray(critic(t.input_ids[None])[0]) for t in trajs]
+    algo = AlgoConfig(adv_estimator="gae", gamma=1.0, gae_lambda=1.0, adv_norm=False)
+    trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)), critic=critic)
+    prepared = trainer.prepare_batch(trajs, 0)
+    for t, d, r in zip(trajs, direct, prepared.returns, strict=True):
+        bootstrap = d[-1] if t.truncated else 0.0
+        np.testing.assert_allclose(r, (t.reward + bootstrap) * t.loss_mask, atol=1e-5)
+    assert min(abs(d[-1]) for d, t in zip(direct, trajs, strict=True) if t.truncated) > 1e-3  # the check has teeth
+
+
 def test_ppo_preset_trains_policy_and_critic_and_the_critic_learns_returns() -> None:
     """``configs/algo/ppo.yaml`` on fixed trajectories with fixed rewards: both models move, and
     the value loss (measured before each update) falls well below its start."""
