@@ -505,8 +505,10 @@ class Engine:
         live = lane.running
         kv_len = bucket(max(s.length - 1 for s in live) + n, self.cfg.kv_buckets)
         version = self._version
+        active = np.array([s is not None for s in lane.slots])
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
-            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, kv_len=kv_len, num_steps=n)
+            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active, kv_len=kv_len,
+            num_steps=n)
         self.stats["decode_calls"] += 1
         tokens, logprobs = out[0].astype(np.int64).tolist(), out[1].tolist()
         for seq in live:

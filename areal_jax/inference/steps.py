@@ -104,15 +104,21 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_stat
     return cache, _replicated(slot_state), jnp.stack([tokens.astype(jnp.float32), logprobs])
 
 
-def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, *,
-            kv_len: int, num_steps: int) -> tuple[KVCache, SlotState, jax.Array]:
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, active: jax.Array,
+            *, kv_len: int, num_steps: int) -> tuple[KVCache, SlotState, jax.Array]:
     """Advance every slot ``num_steps`` tokens, attending to the first ``kv_len`` cache positions.
 
-    Returns the cache, the slot state and ``[2, num_steps, num_slots]``: token ids (as float32,
-    exact below 2**24) and logprobs. Free slots compute garbage the host ignores; their writes
-    go to their own (free) slot or past the cache.
+    ``active [num_slots]`` marks the slots that hold a request. A free slot's sampling parameters
+    are reset to SGLang's defaults first: a finished top-p or top-k request must not keep every
+    later step on the sorting path. Returns the cache, the slot state and
+    ``[2, num_steps, num_slots]``: token ids (as float32, exact below 2**24) and logprobs. Free
+    slots compute garbage the host ignores; their writes go to their own (free) slot or past the
+    cache.
     """
     model = nnx.merge(graphdef, state)
+    slot_state = slot_state._replace(temperature=jnp.where(active, slot_state.temperature, 1.0),
+                                     top_p=jnp.where(active, slot_state.top_p, 1.0),
+                                     top_k=jnp.where(active, slot_state.top_k, -1))
 
     def one(carry: tuple[KVCache, SlotState], _: None) -> tuple[tuple[KVCache, SlotState], jax.Array]:
         cache, s = carry

@@ -215,3 +215,16 @@ def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Deco
     waited, ids = run(go())
     assert waited < 0.9, waited
     assert ids == reference_greedy(model, prompt, 3)
+
+
+def test_finished_slot_sampling_params_are_reset(model: Decoder) -> None:
+    """A finished top-p/top-k request leaves defaults in its slot: later decode steps of other
+    requests must not stay on the vocabulary-sorting path."""
+    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=4, lanes=1, seed=0))
+    short = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2, top_p=0.5, top_k=3, ignore_eos=True))
+    long = GenerateRequest([6, 7, 8], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    outs = generate_all(engine, [short, long])
+    assert [len(o.output_ids) for o in outs] == [2, 20]
+    state = engine._lanes[0].slot_state  # noqa: SLF001 - the device-side slot parameters are the point
+    np.testing.assert_array_equal(np.asarray(state.top_p), [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(state.top_k), [-1, -1])
