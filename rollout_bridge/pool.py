@@ -56,6 +56,11 @@ class ClientConfig:
     """How long a request waits for some server to come back before ``AllServersDownError``."""
     max_resends: int = 1000
     """Bound on re-sends of one request (aborts, failovers and refusals by a full server)."""
+    max_error_resends: int = 3
+    """Re-sends of one request after server errors (a 5xx, or an abort with a 5xx status); one
+    more error raises ``RolloutError`` with the server's message."""
+    error_backoff_s: float = 0.5
+    """Wait before re-sending after a server error; doubles with each further error (up to 30 s)."""
     max_connections_per_server: int = 512
     """Most concurrent /generate connections to one server; more requests wait for one. Control
     calls use their own connections, so a pause is never stuck behind generations."""

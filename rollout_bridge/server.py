@@ -3,8 +3,9 @@
 A rollout client cannot tell it from a real SGLang server for the endpoints in ``protocol`` and
 the OpenAI-compatible ones in ``openai_api``. Errors in a request are HTTP 400 with
 ``{"error": {"message", "code"}}`` naming the field (a duplicate ``rid`` too); a full waiting
-queue is a 503 with ``Retry-After``; a weight load that fails answers ``success: false`` (HTTP
-400, as SGLang does) and the old weights keep serving. A client that goes away aborts its
+queue is a 503 with ``Retry-After``; a request the engine fails (its step raised) is a 500 with
+the error; a weight load that fails answers ``success: false`` (HTTP 400, as SGLang does) and the
+old weights keep serving. A client that goes away aborts its
 request. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
 names one); the engine's integer version is internal bookkeeping. With an API key, every endpoint
 but ``/health`` and ``/health_generate`` wants ``Authorization: Bearer KEY``.
@@ -97,6 +98,8 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         return _error(400, f"rid: {e}")
     except QueueFullError as e:
         return _error(503, str(e), {"Retry-After": str(RETRY_AFTER_S)})
+    except EngineFailed as e:
+        return _error(e.status, str(e))
     except web.HTTPException:
         raise
     except ConnectionResetError:  # the client went away; its request was aborted
@@ -108,6 +111,22 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
 
 
 # --- /generate ---------------------------------------------------------------------------------
+
+class EngineFailed(RuntimeError):
+    """The engine failed a request (its step raised): HTTP ``status`` (5xx) with the message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def checked(out: GenerateOutput) -> GenerateOutput:
+    """``out``, unless the engine ended it with an error (an abort with a 5xx ``status_code``)."""
+    code = int((out.finish_reason or {}).get("status_code") or 0)
+    if code >= 500:
+        raise EngineFailed(code, str(out.finish_reason.get("message")))
+    return out
+
 
 def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
     engine = st.engine
@@ -160,7 +179,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     ereq = engine_request(st, req)
     if not req.stream:
         # A client that disconnects cancels this handler, and the cancel aborts the request.
-        out = await st.engine.generate(ereq)
+        out = checked(await st.engine.generate(ereq))
         return json_response(_reply(st, out, req, t0))
     return await stream_events(request, st.engine.stream(ereq), lambda part: _reply(st, part, req, t0))
 

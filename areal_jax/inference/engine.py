@@ -336,17 +336,21 @@ class Engine:
         if seq.updates is not None:
             seq.updates.put_nowait(out)
 
-    def _abort_seq(self, seq: _Seq, message: str) -> bool:
-        """End one request with an abort, wherever it is (O(1)); False if it had finished."""
+    def _abort_seq(self, seq: _Seq, message: str, status_code: int | None = None) -> bool:
+        """End one request with an abort, wherever it is (O(1)); False if it had finished. A
+        ``status_code`` (SGLang's field) marks an error rather than a pause or a cancel."""
         if seq.finish_reason is not None:
             return False
-        self._finish(seq, {"type": "abort", "message": message})
+        reason: dict[str, Any] = {"type": "abort", "message": message}
+        if status_code is not None:
+            reason["status_code"] = status_code
+        self._finish(seq, reason)
         return True
 
-    def _abort_where(self, pred: Any, message: str) -> int:
+    def _abort_where(self, pred: Any, message: str, status_code: int | None = None) -> int:
         hits = [s for s in self._live.values() if pred(s)]
         for seq in hits:
-            self._abort_seq(seq, message)
+            self._abort_seq(seq, message, status_code)
         return len(hits)
 
     def _append(self, seq: _Seq, token: int, logprob: float, version: int) -> bool:
@@ -410,7 +414,7 @@ class Engine:
                         await self._decode(lane)
                 except Exception as e:  # a failed step must not hang its requests
                     log.exception("engine step failed (lane %d)", lane.index)
-                    self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}")
+                    self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}", status_code=500)
                     lane.cache = lane.slot_state = None  # free the old cache before the new one
                     lane.cache, lane.slot_state = self._fresh_cache()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from rollout_bridge.client import ClientConfig, HttpRolloutClient, RolloutError
 from tests.rollout_bridge.bridge_helpers import running_server
 
 LONG = {"max_new_tokens": 24, "ignore_eos": True}
@@ -165,5 +165,38 @@ def test_client_caps_its_connections_per_server(tiny_dir: Path) -> None:
                 await client.continue_generation()  # control calls are not queued behind them
                 results = await asyncio.gather(*tasks)
             assert [len(r.output_ids) for r in results] == [3] * 5
+
+    asyncio.run(main())
+
+
+def test_engine_error_is_a_500_and_the_client_resends_a_few_times(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine):
+            real, faults = engine.decode_fn, {"left": 1}
+
+            def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a device fault, injected
+                if faults["left"]:
+                    faults["left"] -= 1
+                    raise RuntimeError("injected device fault")
+                return real(*args, **kwargs)
+
+            engine.decode_fn = flaky
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                body = {"input_ids": [3, 4, 5], "sampling_params": LONG}
+                async with s.post(f"http://{addr}/generate", json=body) as r:
+                    assert r.status == 500
+                    assert "injected device fault" in (await r.json())["error"]["message"]
+            cfg = ClientConfig(generate_timeout_s=60, error_backoff_s=0.01, max_error_resends=2)
+            async with HttpRolloutClient([addr], config=cfg) as client:
+                faults["left"] = 1
+                r = await client.generate([3, 4, 5], LONG)
+                assert len(r.output_ids) == LONG["max_new_tokens"] and r.resends == 1
+                faults["left"] = 100
+                with pytest.raises(RolloutError, match="injected device fault"):
+                    await client.generate([3, 4, 5], LONG)
+                assert faults["left"] == 100 - (cfg.max_error_resends + 1)  # bounded
+                assert client.in_rotation() == [f"http://{addr}"]  # and the server is not marked down
+                engine.decode_fn = real
+                assert len((await client.generate([3, 4, 5], LONG)).output_ids) == LONG["max_new_tokens"]
 
     asyncio.run(main())
