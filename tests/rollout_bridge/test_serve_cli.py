@@ -25,11 +25,28 @@ def test_serve_help_shows_defaults() -> None:
 
     text = parser().format_help().split("options:", 1)[1]
     for flag, default in (("--chunked-prefill-size", "1024"), ("--max-running-requests", "32"),
-                          ("--context-length", "1024"), ("--weight-version", "default"), ("--tp-size", "1"),
-                          ("--log-level", "info")):
+                          ("--context-length", "the model's max_position_embeddings"),
+                          ("--weight-version", "default"), ("--tp-size", "1"), ("--log-level", "info")):
         assert flag in text, flag
         block = text.split(flag, 1)[1].split("\n  --", 1)[0]
         assert f"(default: {default})" in " ".join(block.split()), (flag, block)
+
+
+def test_context_length_defaults_to_the_model_and_exceeds_it_only_when_allowed(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_bridge.serve import LONGER_CONTEXT_ENV, build, parser
+
+    monkeypatch.delenv(LONGER_CONTEXT_ENV, raising=False)
+    model_max = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    base = ["--model-path", str(tiny_dir), "--max-running-requests", "2", "--lanes", "1"]
+    served = lambda *extra: build(parser().parse_args([*base, *extra]))[1].max_seq_len  # noqa: E731
+    assert served() == model_max
+    assert served("--context-length", "64") == 64
+    with pytest.raises(SystemExit, match="--allow-overwrite-longer-context-len"):
+        served("--context-length", str(2 * model_max))
+    assert served("--context-length", str(2 * model_max), "--allow-overwrite-longer-context-len") == 2 * model_max
+    monkeypatch.setenv(LONGER_CONTEXT_ENV, "1")
+    assert served("--context-length", str(2 * model_max)) == 2 * model_max
 
 
 def _post(url: str, body: dict) -> dict:
