@@ -58,6 +58,8 @@ class GenerateResult:
     output_versions: list[int]
     finish_reason: dict[str, Any]
     text: str = ""
+    """The servers' text of every segment, joined (a character split across a re-send may show
+    as two replacement characters; ``output_ids`` are exact)."""
     resends: int = 0
     """How many times the request was re-sent (after an abort or a dead server)."""
 
@@ -160,7 +162,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                 out += ids
                 logprobs += lps
                 versions += vers
-                text = body.get("text", "")
+                text += body.get("text") or ""
                 if finish.get("type") == "abort":
                     code = finish.get("status_code")
                     if rid in self._cancelled:

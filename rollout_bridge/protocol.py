@@ -96,7 +96,8 @@ class MetaInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class GenerateReqOutput(msgspec.Struct, kw_only=True):
-    """Reply of /generate, and each ``data:`` event of a streamed one (cumulative)."""
+    """Reply of /generate, and each ``data:`` event of a streamed one (the answer so far, or with
+    ``incremental_streaming_output`` what is new since the previous event)."""
 
     text: str
     output_ids: list[int]

@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=None,
                    help="seed of requests without sampling_seed (default: drawn at random at start)")
     p.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION, help="label of the initial weights")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="a streamed /generate sends only what is new in each event (default: the answer so far, "
+                        "as SGLang does)")
     p.add_argument("--lanes", type=int, default=None,
                    help="slot groups decoded concurrently (not an SGLang flag; default: 2 on a multi-core CPU "
                         "without tp/dp, else 1)")
@@ -119,7 +122,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
-                    info={"tp_size": args.tp_size, "dp_size": args.dp_size})
+                    info={"tp_size": args.tp_size, "dp_size": args.dp_size},
+                    incremental_streaming_output=args.incremental_streaming_output)
     return app, engine
 
 

@@ -59,6 +59,10 @@ class ServerState:
     """Extra ``internal_states`` of /get_server_info (tp_size, dp_size, ...)."""
     metrics_mark: tuple[float, int] = (0.0, 0)
     """(time, generated tokens) at the last /metrics scrape, for its tokens/s."""
+    incremental_streaming_output: bool = False
+    """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
+    ``--incremental-streaming-output``); without it every event repeats the answer so far, as
+    stock SGLang does by default."""
 
     def label_of(self, version: int) -> str:
         return self.labels.get(version, self.weight_version)
@@ -181,7 +185,32 @@ async def generate(request: web.Request) -> web.StreamResponse:
         # A client that disconnects cancels this handler, and the cancel aborts the request.
         out = checked(await st.engine.generate(ereq))
         return json_response(_reply(st, out, req, t0))
-    return await stream_events(request, st.engine.stream(ereq), lambda part: _reply(st, part, req, t0))
+    render = (_Increments(st, req, t0) if st.incremental_streaming_output
+              else lambda part: _reply(st, part, req, t0))
+    return await stream_events(request, st.engine.stream(ereq), render)
+
+
+class _Increments:
+    """Renders cumulative engine outputs as the text, tokens and logprobs new since the previous
+    event (``weight_versions`` spans index this event's ``output_ids``)."""
+
+    def __init__(self, st: ServerState, req: P.GenerateReqInput, t0: float):
+        self.st, self.req, self.t0 = st, req, t0
+        self.text, self.n = "", 0
+
+    def __call__(self, part: GenerateOutput) -> list[P.GenerateReqOutput]:
+        full = _reply(self.st, part, self.req, self.t0)
+        text = full.text if part.finished else full.text.rstrip("\ufffd")  # half a character: later
+        start, self.n = self.n, len(full.output_ids)
+        delta, self.text = text[len(self.text):], text
+        if start == self.n and not delta and not part.finished:
+            return []
+        meta = full.meta_info
+        if meta.output_token_logprobs is not None:
+            meta.output_token_logprobs = meta.output_token_logprobs[start:]
+        versions = [self.st.label_of(v) for v in (part.output_versions or [])[start:]]
+        meta.weight_versions = P.version_spans(versions) if len(versions) == self.n - start else []
+        return [P.GenerateReqOutput(text=delta, output_ids=full.output_ids[start:], meta_info=meta)]
 
 
 async def stream_events(request: web.Request, parts: Any, render: Any) -> web.StreamResponse:
@@ -259,6 +288,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
+        incremental_streaming_output=st.incremental_streaming_output,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
                           "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
                           "lanes": e.num_lanes, "random_seed": e.seed,
@@ -330,14 +360,16 @@ async def continue_generation(request: web.Request) -> web.Response:
 def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *, model_path: str = "",
               tokenizer_path: str | None = None, served_model_name: str = "",
               weight_version: str = DEFAULT_WEIGHT_VERSION, info: dict[str, Any] | None = None,
-              max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True) -> web.Application:
-    """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine."""
+              max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True,
+              incremental_streaming_output: bool = False) -> web.Application:
+    """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine.
+    ``incremental_streaming_output``: see ``ServerState``."""
     from rollout_bridge import openai_api, weights_api
 
     app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes)
     st = ServerState(engine=engine, tokenizer=tokenizer, api_key=api_key, model_path=model_path,
                      tokenizer_path=tokenizer_path or model_path, served_model_name=served_model_name,
-                     info=dict(info or {}))
+                     info=dict(info or {}), incremental_streaming_output=incremental_streaming_output)
     st.relabel(weight_version)
     app[STATE] = st
     r = app.router

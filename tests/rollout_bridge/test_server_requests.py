@@ -5,12 +5,15 @@ random seeds, /get_weight_version and /metrics (real HTTP on 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 
+from areal_jax.models import load_tokenizer
 from rollout_bridge.client import ClientConfig, HttpRolloutClient, RolloutError
 from tests.rollout_bridge.bridge_helpers import running_server
 
@@ -198,5 +201,41 @@ def test_engine_error_is_a_500_and_the_client_resends_a_few_times(tiny_dir: Path
                 assert client.in_rotation() == [f"http://{addr}"]  # and the server is not marked down
                 engine.decode_fn = real
                 assert len((await client.generate([3, 4, 5], LONG)).output_ids) == LONG["max_new_tokens"]
+
+    asyncio.run(main())
+
+
+def test_resent_answer_keeps_all_text_and_streams_send_increments(tiny_dir: Path) -> None:
+    tok = load_tokenizer(tiny_dir)
+
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=128, app_kw={"incremental_streaming_output": True}) \
+                as (addr, engine), HttpRolloutClient([addr], config=ClientConfig(generate_timeout_s=60)) as client:
+            task = asyncio.create_task(client.generate([3, 4, 5], {"max_new_tokens": 60, "ignore_eos": True}))
+            await _until(lambda: engine.stats["decode_calls"] >= 2)
+            await client.pause("abort")
+            await client.continue_generation()
+            r = await task
+            assert r.resends >= 1 and len(r.output_ids) == 60
+            assert r.text == tok.decode(r.output_ids, skip_special_tokens=True)  # all segments, not the last
+
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                async with s.get(f"http://{addr}/get_server_info") as resp:
+                    assert (await resp.json())["incremental_streaming_output"] is True
+                body = {"input_ids": [3, 4, 5], "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}
+                async with s.post(f"http://{addr}/generate", json=body) as resp:
+                    whole = await resp.json()
+                async with s.post(f"http://{addr}/generate", json={**body, "stream": True}) as resp:
+                    events = [e for e in (await resp.read()).decode().split("\n\n") if e]
+            parts = [json.loads(e[6:]) for e in events[:-1]]
+            assert len(parts) > 2 and all(len(p["output_ids"]) < 20 for p in parts)  # no event repeats it all
+            assert sum((p["output_ids"] for p in parts), []) == whole["output_ids"]
+            assert "".join(p["text"] for p in parts) == whole["text"]
+            lps = [e for p in parts for e in p["meta_info"]["output_token_logprobs"]]
+            assert [e[1] for e in lps] == whole["output_ids"]
+            assert np.allclose([e[0] for e in lps], [e[0] for e in whole["meta_info"]["output_token_logprobs"]],
+                               atol=1e-5)
+            assert parts[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
 
     asyncio.run(main())
