@@ -91,8 +91,9 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     st = request.app[STATE]
     if st.api_key and request.path not in OPEN_PATHS:
-        got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {st.api_key}".encode()):
+        # aiohttp keeps bytes that are not UTF-8 as surrogates: compare them as sent, never fail
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(got, f"Bearer {st.api_key}".encode()):
             return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     try:
         return await handler(request)

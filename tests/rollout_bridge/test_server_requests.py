@@ -239,3 +239,19 @@ def test_resent_answer_keeps_all_text_and_streams_send_increments(tiny_dir: Path
             assert parts[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
 
     asyncio.run(main())
+
+
+def test_authorization_header_that_is_not_utf8_is_a_401(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, api_key="sekret", max_seq_len=64) as (addr, _):
+            host, port = addr.split(":")
+            for auth in (b"Bearer \xff\xfe", b"\xc3\x28", "Bearer sekrét".encode("latin-1")):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /get_model_info HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth
+                             + b"\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                status = (await asyncio.wait_for(reader.read(), 30)).split(b"\r\n", 1)[0]
+                writer.close()
+                assert status.split()[1] == b"401", (auth, status)
+
+    asyncio.run(main())
