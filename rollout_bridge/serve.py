@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +137,15 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)",
              args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
              cfg.max_seq_len, engine.seed)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):  # SIGTERM (a launcher stopping us) shuts down cleanly
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        log.info("SIGTERM: shutting down")
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # answers the requests in flight with their partial output first
 
 
 def run_server(argv: list[str] | argparse.Namespace | None = None) -> None:

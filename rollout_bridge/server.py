@@ -6,7 +6,8 @@ the OpenAI-compatible ones in ``openai_api``. Errors in a request are HTTP 400 w
 queue is a 503 with ``Retry-After``; a request the engine fails (its step raised) is a 500 with
 the error; a weight load that fails answers ``success: false`` (HTTP 400, as SGLang does) and the
 old weights keep serving. A client that goes away aborts its
-request. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
+request. On shutdown, requests in flight are answered with an abort and their tokens so far
+before the connections close. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
 names one); the engine's integer version is internal bookkeeping. With an API key, every endpoint
 but ``/health`` and ``/health_generate`` wants ``Authorization: Bearer KEY``.
 """
@@ -59,6 +60,7 @@ class ServerState:
     """Extra ``internal_states`` of /get_server_info (tp_size, dp_size, ...)."""
     metrics_mark: tuple[float, int] = (0.0, 0)
     """(time, generated tokens) at the last /metrics scrape, for its tokens/s."""
+    shutting_down: bool = False
     incremental_streaming_output: bool = False
     """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
     ``--incremental-streaming-output``); without it every event repeats the answer so far, as
@@ -180,6 +182,8 @@ def _reply(st: ServerState, out: GenerateOutput, req: P.GenerateReqInput, t0: fl
 async def generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     t0 = time.perf_counter()
+    if st.shutting_down:
+        return _error(503, SHUTDOWN_MESSAGE)
     req = P.decode(await request.read(), P.GenerateReqInput)
     ereq = engine_request(st, req)
     if not req.stream:
@@ -389,6 +393,7 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     r.add_post("/continue_generation", continue_generation)
     weights_api.add_routes(app)
     openai_api.add_routes(app)
+    app.on_shutdown.append(_answer_in_flight)
     if manage_engine:
         async def _start(app: web.Application) -> None:
             await engine.start()
@@ -399,6 +404,20 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
         app.on_startup.append(_start)
         app.on_cleanup.append(_stop)
     return app
+
+
+SHUTDOWN_MESSAGE = "server shutting down"
+
+
+async def _answer_in_flight(app: web.Application) -> None:
+    """On shutdown, before connections close: every request still waiting or running is aborted,
+    so its handler answers with the tokens so far and a client can resume it elsewhere; requests
+    that arrive on open connections from now on get a 503."""
+    st = app[STATE]
+    st.shutting_down = True
+    if st.engine.num_running or st.engine.num_waiting:
+        n = await st.engine.abort(abort_all=True, message=SHUTDOWN_MESSAGE)
+        log.info("shutting down: %d request(s) answered with their partial output", n)
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,

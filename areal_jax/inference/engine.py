@@ -232,14 +232,14 @@ class Engine:
         finally:
             self._abort_seq(seq, "client cancelled")
 
-    async def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+    async def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
         """Abort one request (by rid, O(1), no lock) or all (between steps); they return their
-        partial output. Returns how many."""
+        partial output, finished as ``{"type": "abort", "message": message}``. Returns how many."""
         if abort_all:
             async with self._all_lanes():
-                return self._abort_where(lambda s: True, "aborted")
+                return self._abort_where(lambda s: True, message)
         seq = self._live.get(rid) if rid is not None else None
-        return int(seq is not None and self._abort_seq(seq, "aborted"))
+        return int(seq is not None and self._abort_seq(seq, message))
 
     async def pause(self, mode: str = "abort") -> None:
         """Stop stepping after the steps in flight. ``abort``: every request returns now (partial

@@ -255,3 +255,40 @@ def test_authorization_header_that_is_not_utf8_is_a_401(tiny_dir: Path) -> None:
                 assert status.split()[1] == b"401", (auth, status)
 
     asyncio.run(main())
+
+
+def test_shutdown_answers_requests_in_flight_with_their_tokens(tiny_dir: Path) -> None:
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import load_pretrained
+    from rollout_bridge.server import build_app, start_server
+
+    async def main() -> None:
+        model = load_pretrained(tiny_dir)
+        engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=512, seed=0))
+        runner, port = await start_server(build_app(engine, load_tokenizer(tiny_dir)), "127.0.0.1", 0,
+                                          shutdown_timeout=30)
+        url = f"http://127.0.0.1:{port}/generate"
+        body = {"input_ids": [3, 4, 5], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async def plain() -> dict:
+                async with s.post(url, json=body) as r:
+                    assert r.status == 200
+                    return await r.json()
+
+            async def streamed() -> dict:
+                async with s.post(url, json={**body, "stream": True}) as r:
+                    events = [e for e in (await r.read()).decode().split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                return json.loads(events[-2][6:])
+
+            tasks = [asyncio.create_task(plain()), asyncio.create_task(streamed())]
+            await _until(lambda: engine.stats["decode_calls"] >= 4, timeout=120)
+            await runner.cleanup()
+            for reply in await asyncio.gather(*tasks):
+                meta = reply["meta_info"]
+                assert meta["finish_reason"] == {"type": "abort", "message": "server shutting down"}
+                assert 0 < len(reply["output_ids"]) < 400  # partial, to resume elsewhere
+                assert len(meta["output_token_logprobs"]) == len(reply["output_ids"])
+
+    asyncio.run(main())
