@@ -55,6 +55,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--random-seed", type=int, default=None,
                    help="seed of requests without sampling_seed (default: drawn at random at start)")
     p.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION, help="label of the initial weights")
+    p.add_argument("--skip-server-warmup", action="store_true",
+                   help="start answering at once and compile each step shape when first needed (default: compile "
+                        "every prefill and decode shape at start-up; /health answers 200 after)")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="a streamed /generate sends only what is new in each event (default: the answer so far, "
                         "as SGLang does)")
@@ -125,7 +128,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
                     info={"tp_size": args.tp_size, "dp_size": args.dp_size},
-                    incremental_streaming_output=args.incremental_streaming_output)
+                    incremental_streaming_output=args.incremental_streaming_output,
+                    warmup=not args.skip_server_warmup)
     return app, engine
 
 
@@ -134,9 +138,10 @@ async def serve(args: argparse.Namespace) -> None:
     app, engine = build(args)
     cfg = engine.cfg
     runner, bound = await start_server(app, args.host, args.port)
-    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)",
+    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)%s",
              args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
-             cfg.max_seq_len, engine.seed)
+             cfg.max_seq_len, engine.seed,
+             "" if args.skip_server_warmup else f"; compiling {len(engine.step_shapes())} step shapes first")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     with contextlib.suppress(NotImplementedError):  # SIGTERM (a launcher stopping us) shuts down cleanly

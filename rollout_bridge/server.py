@@ -31,6 +31,9 @@ from rollout_bridge import protocol as P
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
+WARMUP_PATHS = OPEN_PATHS | {"/get_model_info", "/model_info", "/get_server_info", "/server_info",
+                             "/get_weight_version", "/weight_version", "/metrics"}
+"""What answers while the engine compiles at start-up; everything else is a 503 until it is ready."""
 SERVER_VERSION = "areal-jax-0.1"
 DEFAULT_WEIGHT_VERSION = "default"
 """SGLang's label for the weights a server started with (its ``--weight-version`` default)."""
@@ -61,6 +64,10 @@ class ServerState:
     metrics_mark: tuple[float, int] = (0.0, 0)
     """(time, generated tokens) at the last /metrics scrape, for its tokens/s."""
     shutting_down: bool = False
+    ready: bool = True
+    """False while the engine compiles its steps at start-up: /health answers 503 until then."""
+    warmup: dict[str, Any] = field(default_factory=dict)
+    """How the start-up compilation went (``shapes``, ``seconds``, or ``error``)."""
     incremental_streaming_output: bool = False
     """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
     ``--incremental-streaming-output``); without it every event repeats the answer so far, as
@@ -92,6 +99,8 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 @web.middleware
 async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     st = request.app[STATE]
+    if not st.ready and request.path not in WARMUP_PATHS:
+        return _error(503, _not_ready(st), {"Retry-After": str(RETRY_AFTER_S)})
     if st.api_key and request.path not in OPEN_PATHS:
         # aiohttp keeps bytes that are not UTF-8 as surrogates: compare them as sent, never fail
         got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
@@ -257,13 +266,24 @@ def _as_list(x: Any) -> list[Any]:
 
 # --- health and info ---------------------------------------------------------------------------
 
+def _not_ready(st: ServerState) -> str:
+    if "error" in st.warmup:
+        return f"the start-up compilation failed: {st.warmup['error']}"
+    return "warming up: compiling the engine's steps"
+
+
 async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if not st.ready:
+        return _error(503, _not_ready(st))
     return web.Response(text="")
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Healthy when the engine produces one token within the timeout (or is paused on purpose)."""
     st = request.app[STATE]
+    if not st.ready:
+        return _error(503, _not_ready(st))
     if st.paused:
         return web.Response(text="")
     probe = GenerateRequest(input_ids=[0], sampling=EngineSamplingParams(max_new_tokens=1, temperature=0.0),
@@ -296,6 +316,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         incremental_streaming_output=st.incremental_streaming_output,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
                           "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
+                          "ready": st.ready, "warmup": st.warmup,
                           "lanes": e.num_lanes, "random_seed": e.seed,
                           "max_queued_requests": e.cfg.max_queued_requests,
                           "chunked_prefill_size": e.cfg.chunked_prefill_size, **st.info}]))
@@ -366,9 +387,13 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
               tokenizer_path: str | None = None, served_model_name: str = "",
               weight_version: str = DEFAULT_WEIGHT_VERSION, info: dict[str, Any] | None = None,
               max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True,
-              incremental_streaming_output: bool = False) -> web.Application:
+              incremental_streaming_output: bool = False, warmup: bool = False) -> web.Application:
     """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine.
-    ``incremental_streaming_output``: see ``ServerState``."""
+    ``incremental_streaming_output``: see ``ServerState``. With ``warmup``, the engine compiles
+    every step shape (``Engine.warmup``) after the server starts listening and before it starts
+    the engine; until then /health is a 503 and requests get a 503."""
+    if warmup and not manage_engine:
+        raise ValueError("warmup needs manage_engine: the engine compiles before it starts")
     from rollout_bridge import openai_api, weights_api
 
     app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes)
@@ -395,15 +420,38 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     openai_api.add_routes(app)
     app.on_shutdown.append(_answer_in_flight)
     if manage_engine:
+        tasks: list[asyncio.Task] = []
+
         async def _start(app: web.Application) -> None:
-            await engine.start()
+            if warmup:
+                st.ready = False
+                tasks.append(asyncio.create_task(_warm_then_start(st), name="engine-warmup"))
+            else:
+                await engine.start()
 
         async def _stop(app: web.Application) -> None:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await engine.stop()
 
         app.on_startup.append(_start)
         app.on_cleanup.append(_stop)
     return app
+
+
+async def _warm_then_start(st: ServerState) -> None:
+    t0 = time.perf_counter()
+    try:
+        shapes = await asyncio.to_thread(st.engine.warmup)
+    except Exception as e:
+        log.exception("start-up compilation failed")
+        st.warmup = {"error": f"{type(e).__name__}: {e}"}
+        return
+    st.warmup = {"shapes": shapes, "seconds": round(time.perf_counter() - t0, 2)}
+    await st.engine.start()
+    st.ready = True
+    log.info("compiled %d step shapes in %.1f s: ready", shapes, st.warmup["seconds"])
 
 
 SHUTDOWN_MESSAGE = "server shutting down"

@@ -312,6 +312,54 @@ class Engine:
         # jit outputs are uncommitted; the steps are compiled for committed inputs (no copy here)
         return jax.tree.map(jax.device_put, zeroed, shardings)
 
+    # -- compile ahead --
+
+    def step_shapes(self) -> list[tuple[str, int, int, int]]:
+        """Every compiled-step shape the scheduler can ask for, as ``(step, rows, length, kv_len)``:
+        ``prefill`` (rows padded, a length bucket, or the chunk size for a long prompt's last
+        chunk), ``prefill_chunk`` (one row, the chunk, the cache so far) and ``decode`` (rows and
+        length unused: every slot steps)."""
+        cfg, chunk = self.cfg, self.cfg.prefill_chunk
+        most = min(self.lane_slots, cfg.max_prefill_batch)
+        shapes = []
+        top = cfg.max_seq_len if chunk is None else bucket(chunk, cfg.prefill_buckets)
+        for length in (b for b in cfg.prefill_buckets if b <= top):
+            fewest = 1  # the fewest prompts that pad to each row count
+            for rows in cfg.prefill_rows:
+                if fewest <= most and (fewest == 1 or fewest * length <= cfg.max_prefill_tokens):
+                    shapes.append(("prefill", rows, length, length))
+                fewest = rows + 1
+        if chunk is not None:
+            longest = cfg.max_seq_len - 1  # a prompt leaves room for one token
+            shapes += [("prefill", 1, chunk, kv) for kv in cfg.kv_buckets if kv > chunk]
+            shapes += sorted({("prefill_chunk", 1, chunk, bucket(offset + chunk, cfg.kv_buckets))
+                              for offset in range(0, longest - chunk, chunk)})
+        shapes += [("decode", 0, 0, kv) for kv in cfg.kv_buckets]
+        return shapes
+
+    def warmup(self) -> int:
+        """Compile every step shape before serving, by running each once on padding (rows that
+        write nowhere, or free slots); returns how many. Call before ``start()``: it uses the
+        first lane's cache, and the lanes share the compiled steps."""
+        if self._running:
+            raise RuntimeError("warmup() runs before start(): it steps the first lane's cache")
+        lane = self._lanes[0]
+        for step, rows, length, kv_len in self.step_shapes():
+            ids, zeros = np.zeros((rows, length), np.int32), np.zeros((rows,), np.int32)
+            slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows: every write drops
+            if step == "decode":
+                lane.cache, lane.slot_state, _ = self._run_step(
+                    self.decode_fn, self._state, lane.cache, lane.slot_state, np.zeros((self.lane_slots,), bool),
+                    kv_len=kv_len, num_steps=self.cfg.decode_steps)
+            elif step == "prefill_chunk":
+                lane.cache = self._run_chunk(lane.cache, ids, np.int32(0), zeros, slots, kv_len)
+            else:
+                ones, u32 = np.ones((rows,), np.float32), np.zeros((rows,), np.uint32)
+                lane.cache, lane.slot_state, _ = self._run_step(
+                    self.prefill_fn, self._state, lane.cache, lane.slot_state, ids, np.int32(0), zeros, slots, zeros,
+                    ones, ones, np.full((rows,), -1, np.int32), u32, u32, kv_len=kv_len)
+        return len(self.step_shapes())
+
     # -- bookkeeping --
 
     def _snapshot(self, seq: _Seq) -> GenerateOutput:

@@ -67,7 +67,7 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
              "--tp-size", "2", "--dp-size", "2", "--max-running-requests", "4", "--context-length", "64",
-             "--log-level", "info"], env=env, stdout=f, stderr=subprocess.STDOUT)
+             "--log-level", "info", "--skip-server-warmup"], env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -99,7 +99,8 @@ def test_sigterm_answers_requests_in_flight_before_exiting(tiny_dir: Path, tmp_p
     with log.open("w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
-             "--max-running-requests", "2", "--context-length", "1024", "--log-level", "info"],
+             "--max-running-requests", "2", "--context-length", "1024", "--log-level", "info",
+             "--skip-server-warmup"],
             env=env, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

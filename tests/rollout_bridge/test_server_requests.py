@@ -292,3 +292,48 @@ def test_shutdown_answers_requests_in_flight_with_their_tokens(tiny_dir: Path) -
                 assert len(meta["output_token_logprobs"]) == len(reply["output_ids"])
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_warmup_compiles_every_step_shape_before_health_says_ready(tiny_dir: Path) -> None:
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import load_pretrained
+    from rollout_bridge.server import build_app, start_server
+
+    async def main() -> None:
+        cfg = EngineConfig(num_slots=2, max_seq_len=64, chunked_prefill_size=16, max_prefill_batch=2, lanes=1, seed=0)
+        engine = Engine(load_pretrained(tiny_dir), cfg)
+        runner, port = await start_server(build_app(engine, warmup=True), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                async with s.get(url + "/health") as r:
+                    assert r.status == 503 and "warming up" in (await r.json())["error"]["message"]
+                async with s.post(url + "/generate", json={"input_ids": [3]}) as r:
+                    assert r.status == 503
+                while True:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                    await asyncio.sleep(0.1)
+                async with s.get(url + "/get_server_info") as r:
+                    state = (await r.json())["internal_states"][0]
+                assert state["ready"] and state["warmup"]["shapes"] == len(engine.step_shapes())
+                compiled = [f._cache_size() for f in (engine.prefill_fn, engine.prefill_chunk_fn, engine.decode_fn)]
+                assert sum(compiled) == len(engine.step_shapes())
+                # prompts of every kind (short, batched, chunked, near the context) compile nothing new
+                lengths = [1, 3, 16, 17, 30, 33, 47, 49, 62, 63]
+                bodies = [{"input_ids": [5] * n, "sampling_params": {"max_new_tokens": 64 - n, "ignore_eos": True}}
+                          for n in lengths]
+
+                async def one(body: dict) -> int:
+                    async with s.post(url + "/generate", json=body) as r:
+                        return len((await r.json())["output_ids"])
+
+                assert await asyncio.gather(*map(one, bodies)) == [64 - n for n in lengths]
+                assert [f._cache_size() for f in (engine.prefill_fn, engine.prefill_chunk_fn,
+                                                  engine.decode_fn)] == compiled
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
