@@ -50,7 +50,7 @@ def planned_mib(ckpt: Path, tokens: int, chunk: int) -> float:
     f32, u32 = np.ones(1, np.float32), np.zeros(1, np.uint32)
     compiled = engine.prefill_fn.lower(engine._state, cache, engine._lanes[0].slot_state, ids,  # noqa: SLF001
                                        np.int32(tokens - t), rows, zero, zero, f32, f32, np.full(1, -1, np.int32),
-                                       u32, u32, kv_len=engine.max_seq_len).compile()
+                                       u32, u32, zero, kv_len=engine.max_seq_len).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 

@@ -78,6 +78,9 @@ class EngineConfig:
     memory instead of ``context ** 2``. -1 disables chunking."""
     cache_dtype: str | None = None
     """KV cache dtype; None uses the model's compute dtype."""
+    max_top_logprobs: int = 20
+    """Most ``top_logprobs_num`` a request may ask for: every step computes this many top
+    logprobs when some running request wants any."""
 
     def __post_init__(self) -> None:
         self.prefill_buckets = tuple(sorted(self.prefill_buckets or default_prefill_buckets(self.max_seq_len)))

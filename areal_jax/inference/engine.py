@@ -53,6 +53,8 @@ class _Seq:
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tops: list[list[tuple[float, int]]] = field(default_factory=list)
+    """The ``top_logprobs_num`` likeliest (logprob, token id) at each output token, if asked for."""
     finish_reason: dict | None = None
     lane: _Lane | None = None
     slot: int | None = None
@@ -96,8 +98,10 @@ class Engine:
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._graphdef, state = nnx.split(model)
         self._state = self._committed(state)
-        steps = compile_steps(self._graphdef)
+        self.max_top = max(1, min(cfg.max_top_logprobs, model.config.vocab_size))
+        steps = compile_steps(self._graphdef, self.max_top)
         self.prefill_fn, self.prefill_chunk_fn, self.decode_fn = steps.prefill, steps.prefill_chunk, steps.decode
+        self.prompt_logprobs_fn = steps.prompt_logprobs
         # at[].set writes into the donated input buffer (zeros_like would not use it, so XLA would not
         # reuse it): a flush never holds two caches.
         self._zero_fn = jax.jit(lambda cache: jax.tree.map(lambda x: x.at[:].set(0), cache), donate_argnums=0)
@@ -192,6 +196,9 @@ class Engine:
         if cap is not None and len(self._waiting) >= cap and req.sampling.max_new_tokens:
             raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
         req.sampling.validate(self.vocab_size)
+        if req.sampling.top_logprobs_num > self.cfg.max_top_logprobs:
+            raise ValueError(f"top_logprobs_num must be at most {self.cfg.max_top_logprobs} "
+                             f"(EngineConfig.max_top_logprobs), got {req.sampling.top_logprobs_num}")
         n = len(req.input_ids)
         if n == 0:
             raise ValueError("input_ids is empty")
@@ -357,14 +364,15 @@ class Engine:
                 ones, u32 = np.ones((rows,), np.float32), np.zeros((rows,), np.uint32)
                 lane.cache, lane.slot_state, _ = self._run_step(
                     self.prefill_fn, self._state, lane.cache, lane.slot_state, ids, np.int32(0), zeros, slots, zeros,
-                    ones, ones, np.full((rows,), -1, np.int32), u32, u32, kv_len=kv_len)
+                    ones, ones, np.full((rows,), -1, np.int32), u32, u32, zeros, kv_len=kv_len)
         return len(self.step_shapes())
 
     # -- bookkeeping --
 
     def _snapshot(self, seq: _Seq) -> GenerateOutput:
         return GenerateOutput(seq.req.rid, len(seq.req.input_ids), list(seq.out_ids), list(seq.logprobs),
-                              list(seq.versions), seq.finish_reason, self._version)
+                              list(seq.versions), seq.finish_reason, self._version,
+                              list(seq.tops) if seq.req.sampling.top_logprobs_num else None)
 
     def _release(self, seq: _Seq) -> None:
         if seq.lane is not None:
@@ -401,11 +409,16 @@ class Engine:
             self._abort_seq(seq, message, status_code)
         return len(hits)
 
-    def _append(self, seq: _Seq, token: int, logprob: float, version: int) -> bool:
-        """Record one sampled token; finish the request if it stops here. True when finished."""
+    def _append(self, seq: _Seq, token: int, logprob: float, version: int, top_values: Any = None,
+                top_ids: Any = None) -> bool:
+        """Record one sampled token (and the likeliest ones beside it); finish the request if it
+        stops here. True when finished."""
         seq.out_ids.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        n = seq.req.sampling.top_logprobs_num
+        if n:
+            seq.tops.append([(float(v), int(t)) for v, t in zip(top_values[:n], top_ids[:n], strict=True)])
         self.stats["generated_tokens"] += 1
         sp = seq.req.sampling
         if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
@@ -497,7 +510,7 @@ class Engine:
         slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows write nowhere
         first_step = np.zeros((rows,), np.int32)
         temp, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
-        top_k = np.full((rows,), -1, np.int32)
+        top_k, top_n = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
         seed, stream = np.zeros((rows,), np.uint32), np.zeros((rows,), np.uint32)
         tokens = []
         for i, seq in enumerate(batch):
@@ -505,7 +518,7 @@ class Engine:
             tokens.append(toks)
             lengths[i], slots[i], first_step[i] = len(toks), free[i], len(seq.out_ids)
             sp = seq.req.sampling
-            temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+            temp[i], top_p[i], top_k[i], top_n[i] = sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs_num
             seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (self.seed, seq.stream_id)
             seq.lane, seq.slot = lane, free[i]
             lane.slots[free[i]] = seq
@@ -540,11 +553,12 @@ class Engine:
         version = self._version
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
-            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, kv_len=kv_len)
+            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, top_n, kv_len=kv_len)
         self.stats["prefill_calls"] += 1
+        main, top_values, top_ids = out
         for i, seq in enumerate(batch):
             if lane.slots[free[i]] is seq:  # not aborted or retracted meanwhile
-                self._append(seq, int(out[0, i]), float(out[1, i]), version)
+                self._append(seq, int(main[0, i]), float(main[1, i]), version, top_values[i], top_ids[i])
                 self._notify(seq)
 
     def _run_chunk(self, cache: Any, *args: Any) -> Any:
@@ -562,14 +576,16 @@ class Engine:
             self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active, kv_len=kv_len,
             num_steps=n)
         self.stats["decode_calls"] += 1
-        tokens, logprobs = out[0].astype(np.int64).tolist(), out[1].tolist()
+        main, top_values, top_ids = out
+        tokens, logprobs = main[0].astype(np.int64).tolist(), main[1].tolist()
         for seq in live:
             if seq.lane is not lane:  # aborted or retracted meanwhile
                 continue
             slot = seq.slot
             for i in range(n):
                 self.stats["decode_tokens"] += 1
-                if self._append(seq, tokens[i][slot], logprobs[i][slot], version):
+                if self._append(seq, tokens[i][slot], logprobs[i][slot], version, top_values[i, slot],
+                                top_ids[i, slot]):
                     break
             self._notify(seq)
 
@@ -577,7 +593,20 @@ class Engine:
         if seq.updates is not None and seq.finish_reason is None:
             seq.updates.put_nowait(self._snapshot(seq))
 
-    def _run_step(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SlotState, np.ndarray]:
+    def _run_step(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SlotState, tuple[np.ndarray, ...]]:
         with activate(self.mesh):
             cache, state, out = fn(*args, **kwargs)
-            return cache, state, np.asarray(jax.device_get(out))
+            return cache, state, tuple(np.asarray(x) for x in jax.device_get(out))
+
+    def prompt_logprobs(self, input_ids: list[int], temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For positions 1 .. n-1 of a prompt: the logprob of each token given the ones before it
+        and the ``max_top`` likeliest tokens there (values, ids), under ``log_softmax(logits / T)``
+        and the weights served now. One full forward, padded to a prefill bucket; blocking (run it
+        in a thread)."""
+        n = len(input_ids)
+        ids = np.zeros((1, bucket(n, self.cfg.prefill_buckets)), np.int32)
+        ids[0, :n] = input_ids
+        with activate(self.mesh):
+            out = self.prompt_logprobs_fn(self._state, ids, np.float32(temperature))
+            chosen, values, top = (np.asarray(x) for x in jax.device_get(out))
+        return chosen[:n - 1], values[:n - 1], top[:n - 1]
