@@ -212,7 +212,7 @@ def test_resent_answer_keeps_all_text_and_streams_send_increments(tiny_dir: Path
         async with running_server(tiny_dir, max_seq_len=128, app_kw={"incremental_streaming_output": True}) \
                 as (addr, engine), HttpRolloutClient([addr], config=ClientConfig(generate_timeout_s=60)) as client:
             task = asyncio.create_task(client.generate([3, 4, 5], {"max_new_tokens": 60, "ignore_eos": True}))
-            await _until(lambda: engine.stats["decode_calls"] >= 2)
+            await _until(lambda: engine.stats["decode_calls"] >= 2, timeout=120)
             await client.pause("abort")
             await client.continue_generation()
             r = await task
