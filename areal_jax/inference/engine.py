@@ -3,8 +3,9 @@
 Requests wait in a FIFO queue (bounded by ``max_queued_requests``) and enter as soon as a slot
 frees: waiting prompts are prefilled together (rows padded to a length bucket, each row written
 into its own slot; a prompt longer than ``chunked_prefill_size`` alone, in chunks), then one
-compiled call advances every slot of a lane by ``decode_steps`` tokens, attending only up to a
-bucketed live length. A lane is a group of slots with its own cache and its own asyncio task; lanes share the
+compiled call advances every slot of a lane by up to ``decode_steps`` tokens, attending only up
+to a bucketed live length (while requests wait, a chunk ends where a running request ends, so its
+slot is refilled at once). A lane is a group of slots with its own cache and its own asyncio task; lanes share the
 queue, the weights and the compiled steps, and their calls run concurrently in worker threads
 (``asyncio.to_thread``), so the event loop that owns the engine (an HTTP server, say) stays
 responsive. Scheduling state lives on the event loop; a lane changes its slots only under its own
@@ -33,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
-from areal_jax.inference.steps import SlotState, bucket, compile_steps
+from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import assign_hf_tensors, load_pretrained
@@ -118,8 +119,9 @@ class Engine:
         self._paused: str | None = None
         self._running = False
         self._update_lock: asyncio.Lock | None = None
-        self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_tokens": 0,
-                      "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0}
+        self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
+                      "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0, "finished_slot_steps": 0,
+                      "idle_slot_steps_while_waiting": 0}
 
     # -- properties --
 
@@ -357,14 +359,15 @@ class Engine:
             if step == "decode":
                 lane.cache, lane.slot_state, _ = self._run_step(
                     self.decode_fn, self._state, lane.cache, lane.slot_state, np.zeros((self.lane_slots,), bool),
-                    kv_len=kv_len, num_steps=self.cfg.decode_steps)
+                    np.bool_(False), kv_len=kv_len, num_steps=self.cfg.decode_steps)
             elif step == "prefill_chunk":
                 lane.cache = self._run_chunk(lane.cache, ids, np.int32(0), zeros, slots, kv_len)
             else:
                 ones, u32 = np.ones((rows,), np.float32), np.zeros((rows,), np.uint32)
                 lane.cache, lane.slot_state, _ = self._run_step(
                     self.prefill_fn, self._state, lane.cache, lane.slot_state, ids, np.int32(0), zeros, slots, zeros,
-                    ones, ones, np.full((rows,), -1, np.int32), u32, u32, zeros, kv_len=kv_len)
+                    ones, ones, np.full((rows,), -1, np.int32), u32, u32, zeros, zeros,
+                    np.full((rows, DEVICE_STOP_IDS), -1, np.int32), kv_len=kv_len)
         return len(self.step_shapes())
 
     # -- bookkeeping --
@@ -511,6 +514,7 @@ class Engine:
         first_step = np.zeros((rows,), np.int32)
         temp, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
         top_k, top_n = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
+        remaining, stop_ids = np.zeros((rows,), np.int32), np.full((rows, DEVICE_STOP_IDS), -1, np.int32)
         seed, stream = np.zeros((rows,), np.uint32), np.zeros((rows,), np.uint32)
         tokens = []
         for i, seq in enumerate(batch):
@@ -519,6 +523,10 @@ class Engine:
             lengths[i], slots[i], first_step[i] = len(toks), free[i], len(seq.out_ids)
             sp = seq.req.sampling
             temp[i], top_p[i], top_k[i], top_n[i] = sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs_num
+            # tokens it may sample after this one, and what stops it: a decode chunk sees it end
+            remaining[i] = min(sp.max_new_tokens - len(seq.out_ids), cfg.max_seq_len - len(toks)) - 1
+            stops = [*(sp.stop_token_ids or ()), *(() if sp.ignore_eos else sorted(self.eos_token_ids))]
+            stop_ids[i, :min(len(stops), DEVICE_STOP_IDS)] = stops[:DEVICE_STOP_IDS]
             seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (self.seed, seq.stream_id)
             seq.lane, seq.slot = lane, free[i]
             lane.slots[free[i]] = seq
@@ -553,7 +561,8 @@ class Engine:
         version = self._version
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
-            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, top_n, kv_len=kv_len)
+            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, top_n, remaining, stop_ids,
+            kv_len=kv_len)
         self.stats["prefill_calls"] += 1
         main, top_values, top_ids = out
         for i, seq in enumerate(batch):
@@ -572,20 +581,27 @@ class Engine:
         kv_len = bucket(max(s.length - 1 for s in live) + n, self.cfg.kv_buckets)
         version = self._version
         active = np.array([s is not None for s in lane.slots])
+        waiting = bool(self._waiting)  # someone wants a slot: end the chunk where a request ends
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
-            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active, kv_len=kv_len,
-            num_steps=n)
+            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active,
+            np.bool_(waiting and self.cfg.end_chunk_at_finish),
+            kv_len=kv_len, num_steps=n)
         self.stats["decode_calls"] += 1
-        main, top_values, top_ids = out
+        main, top_values, top_ids, steps = out
+        steps = int(steps)
+        self.stats["decode_steps"] += steps
         tokens, logprobs = main[0].astype(np.int64).tolist(), main[1].tolist()
         for seq in live:
             if seq.lane is not lane:  # aborted or retracted meanwhile
                 continue
             slot = seq.slot
-            for i in range(n):
+            for i in range(steps):
                 self.stats["decode_tokens"] += 1
                 if self._append(seq, tokens[i][slot], logprobs[i][slot], version, top_values[i, slot],
                                 top_ids[i, slot]):
+                    idle = steps - 1 - i  # steps this slot computed for a finished request
+                    self.stats["finished_slot_steps"] += idle
+                    self.stats["idle_slot_steps_while_waiting"] += idle if waiting else 0
                     break
             self._notify(seq)
 

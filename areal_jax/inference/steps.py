@@ -23,6 +23,9 @@ from areal_jax.inference.sampling import row_keys, sample
 from areal_jax.models.decoder import Decoder, KVCache
 from sharding import constrain
 
+DEVICE_STOP_IDS = 8
+"""Stop token ids per slot that a decode chunk checks on the device."""
+
 
 class SlotState(NamedTuple):
     """Device-resident state of every KV slot, ``[num_slots]`` each."""
@@ -40,13 +43,19 @@ class SlotState(NamedTuple):
     stream: jax.Array
     top_n: jax.Array
     """How many of the likeliest tokens to report at each step (``top_logprobs_num``; 0: none)."""
+    remaining: jax.Array
+    """Tokens the request may still sample (its length limit), so a decode chunk sees it end."""
+    stop_ids: jax.Array
+    """``[num_slots, DEVICE_STOP_IDS]`` token ids that end the request (eos unless ignored, then
+    its stop ids; -1 pads). A request with more keeps its extra ones on the host only."""
 
     @classmethod
     def empty(cls, num_slots: int) -> SlotState:
         zi = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: each is donated
         return cls(zi(), zi(), zi(), jnp.ones((num_slots,), jnp.float32), jnp.ones((num_slots,), jnp.float32),
                    jnp.full((num_slots,), -1, jnp.int32), jnp.zeros((num_slots,), jnp.uint32),
-                   jnp.zeros((num_slots,), jnp.uint32), zi())
+                   jnp.zeros((num_slots,), jnp.uint32), zi(), zi(),
+                   jnp.full((num_slots, DEVICE_STOP_IDS), -1, jnp.int32))
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -103,7 +112,7 @@ def _prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, ids
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState,
              ids: jax.Array, offset: jax.Array, lengths: jax.Array, slots: jax.Array, first_step: jax.Array,
              temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed: jax.Array,
-             stream: jax.Array, top_n: jax.Array, *, kv_len: int,
+             stream: jax.Array, top_n: jax.Array, remaining: jax.Array, stop_ids: jax.Array, *, kv_len: int,
              max_top: int) -> tuple[KVCache, SlotState, tuple[jax.Array, jax.Array, jax.Array]]:
     """Write ``ids [rows, T]`` (row i: tokens ``offset ..`` of ``lengths[i]``) into ``slots`` and
     sample each row's next token; every row's last token must lie in this call (an unchunked
@@ -120,21 +129,26 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_stat
     slot_state = SlotState(
         put(slot_state.tokens, tokens), put(slot_state.positions, lengths), put(slot_state.step, first_step + 1),
         put(slot_state.temperature, temperature), put(slot_state.top_p, top_p), put(slot_state.top_k, top_k),
-        put(slot_state.seed, seed), put(slot_state.stream, stream), put(slot_state.top_n, top_n))
+        put(slot_state.seed, seed), put(slot_state.stream, stream), put(slot_state.top_n, top_n),
+        put(slot_state.remaining, remaining), put(slot_state.stop_ids, stop_ids))
     return cache, _replicated(slot_state), (jnp.stack([tokens.astype(jnp.float32), logprobs]), *tops)
 
 
 def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, active: jax.Array,
-            *, kv_len: int, num_steps: int,
-            max_top: int) -> tuple[KVCache, SlotState, tuple[jax.Array, jax.Array, jax.Array]]:
-    """Advance every slot ``num_steps`` tokens, attending to the first ``kv_len`` cache positions.
+            early: jax.Array, *, kv_len: int, num_steps: int,
+            max_top: int) -> tuple[KVCache, SlotState, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
+    """Advance every slot up to ``num_steps`` tokens, attending to the first ``kv_len`` cache
+    positions. With ``early`` (requests are waiting for a slot), the chunk ends after the step at
+    which some active request samples a stop token or reaches its length, so its slot is free for
+    the next call instead of idling to the chunk's end.
 
     ``active [num_slots]`` marks the slots that hold a request. A free slot's sampling parameters
     are reset to SGLang's defaults first: a finished top-p or top-k request must not keep every
     later step on the sorting path. Returns the cache, the slot state and
     ``([2, num_steps, num_slots]`` token ids (as float32, exact below 2**24) and logprobs,
-    ``[num_steps, num_slots, max_top]`` top logprobs and their ids). Free slots compute garbage
-    the host ignores; their writes go to their own (free) slot or past the cache.
+    ``[num_steps, num_slots, max_top]`` top logprobs and their ids, the number of steps run);
+    rows past that number are zeros. Free slots compute garbage the host ignores; their writes go
+    to their own (free) slot or past the cache.
     """
     model = nnx.merge(graphdef, state)
     slot_state = slot_state._replace(temperature=jnp.where(active, slot_state.temperature, 1.0),
@@ -142,17 +156,28 @@ def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state
                                      top_k=jnp.where(active, slot_state.top_k, -1),
                                      top_n=jnp.where(active, slot_state.top_n, 0))
 
-    def one(carry: tuple[KVCache, SlotState], _: None) -> tuple[tuple[KVCache, SlotState], jax.Array]:
-        cache, s = carry
+    slots = active.shape[0]
+
+    def one(carry: tuple) -> tuple:
+        i, live, ended, cache, s, out, top_values, top_ids = carry
         hidden, cache = _forward(model, s.tokens[:, None], s.positions[:, None], cache, kv_len, None)
         logits = model.logits_from_hidden(hidden)[:, 0]
         tokens, logprobs = sample(logits, s.temperature, s.top_p, s.top_k, row_keys(s.seed, s.stream, s.step))
-        tops = top_logprobs(logits, s.temperature, s.top_n, max_top)
-        s = s._replace(tokens=tokens, positions=s.positions + 1, step=s.step + 1)
-        return (cache, s), (jnp.stack([tokens.astype(jnp.float32), logprobs]), *tops)
+        values, ids = top_logprobs(logits, s.temperature, s.top_n, max_top)
+        ends = live & (jnp.any(tokens[:, None] == s.stop_ids, axis=-1) | (s.remaining <= 1))
+        s = s._replace(tokens=tokens, positions=s.positions + 1, step=s.step + 1, remaining=s.remaining - 1)
+        out = out.at[:, i].set(jnp.stack([tokens.astype(jnp.float32), logprobs]))
+        return (i + 1, live & ~ends, ended | jnp.any(ends), cache, s, out, top_values.at[i].set(values),
+                top_ids.at[i].set(ids))
 
-    (cache, slot_state), (out, top_values, top_ids) = jax.lax.scan(one, (cache, slot_state), None, length=num_steps)
-    return cache, _replicated(slot_state), (jnp.moveaxis(out, 1, 0), top_values, top_ids)
+    def more(carry: tuple) -> jax.Array:
+        i, _, ended = carry[:3]
+        return (i < num_steps) & ~(early & ended)
+
+    start = (jnp.int32(0), active, jnp.bool_(False), cache, slot_state, jnp.zeros((2, num_steps, slots), jnp.float32),
+             jnp.zeros((num_steps, slots, max_top), jnp.float32), jnp.zeros((num_steps, slots, max_top), jnp.int32))
+    steps, _, _, cache, slot_state, out, top_values, top_ids = jax.lax.while_loop(more, one, start)
+    return cache, _replicated(slot_state), (out, top_values, top_ids, steps)
 
 
 def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, temperature: jax.Array, *,
