@@ -11,6 +11,13 @@ separately. The engine runs with its default lane count (see ``EngineConfig.lane
 ``--lanes`` says otherwise.
 
     python benchmarks/decode.py [--size tiny|small] [--out results.json]
+
+``--length-mix`` measures something else: more requests than slots, with answer lengths from a
+long-tailed distribution (most short, a few long), run with and without ending a decode chunk
+where a request ends (``EngineConfig.end_chunk_at_finish``). It reports the slot-steps spent on
+finished requests while others waited (the waste), decode calls and tokens/s.
+
+    python benchmarks/decode.py --length-mix [--out results.json]
 """
 
 from __future__ import annotations
@@ -78,6 +85,51 @@ def make_transformers_run(ckpt: Path, prompts: list[list[int]], new_tokens: int)
     return run
 
 
+def mix_round(engine: Engine, prompts: list[list[int]], lengths: list[int]) -> dict:
+    """One run of every request at once; the engine's counters over it."""
+    before = dict(engine.stats)
+
+    async def go() -> float:
+        await engine.start()
+        try:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(engine.generate(GenerateRequest(p, SamplingParams(
+                max_new_tokens=n, temperature=0.0, ignore_eos=True))) for p, n in zip(prompts, lengths, strict=True)))
+            return time.perf_counter() - t0
+        finally:
+            await engine.stop()
+
+    elapsed = asyncio.run(go())
+    diff = {k: engine.stats[k] - before[k] for k in engine.stats}
+    return {"seconds": elapsed, "tok_s": sum(lengths) / elapsed, "decode_calls": diff["decode_calls"],
+            "prefill_calls": diff["prefill_calls"],
+            "idle_slot_steps_while_waiting": diff["idle_slot_steps_while_waiting"],
+            "decode_slot_steps": diff["decode_steps"] * engine.lane_slots}
+
+
+def length_mix(ckpt: Path, requests: int, slots: int, decode_steps: int, rounds: int) -> list[dict]:
+    """The long-tailed mix with and without ending chunks at a finish; best round of each."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip((rng.pareto(1.2, requests) + 1) * 4, 1, 256).astype(int).tolist()
+    prompts = rng.integers(4, 128, (requests, 16)).tolist()
+    rows = []
+    for end_at_finish in (False, True):
+        cfg = EngineConfig(num_slots=slots, max_seq_len=16 + 256 + decode_steps, decode_steps=decode_steps,
+                           end_chunk_at_finish=end_at_finish, seed=0)
+        engine = Engine(load_pretrained(ckpt), cfg)
+
+        mix_round(engine, prompts, lengths)  # compiles
+        best = min((mix_round(engine, prompts, lengths) for _ in range(rounds)), key=lambda r: r["seconds"])
+        rows.append({"end_chunk_at_finish": end_at_finish, "lanes": engine.num_lanes, **best})
+        print(f"end_chunk_at_finish={end_at_finish!s:5}: {best['tok_s']:7.0f} tok/s, {best['decode_calls']} decode "
+              f"and {best['prefill_calls']} prefill calls, {best['idle_slot_steps_while_waiting']} idle slot-steps "
+              "while requests waited "
+              f"(of {best['decode_slot_steps']} slot-steps)", flush=True)
+    print(f"{requests} requests over {slots} slots, {sum(lengths)} tokens; lengths: median "
+          f"{int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, max {max(lengths)}")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -90,7 +142,19 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side (best is kept)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument("--length-mix", action="store_true",
+                    help="long-tailed answer lengths, more requests than slots: the waste of finished slots")
+    ap.add_argument("--requests", type=int, default=128, help="--length-mix: requests")
+    ap.add_argument("--slots", type=int, default=16, help="--length-mix: KV slots")
     args = ap.parse_args()
+    if args.length_mix:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = make_tiny_checkpoint(Path(tmp) / args.size, size=args.size)
+            rows = length_mix(ckpt, args.requests, args.slots, args.decode_steps, args.rounds)
+        if args.out:
+            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                           indent=2))
+        return
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,6 +42,8 @@ def _engine(ckpt: Path, tokens: int, chunk: int, **kw: object):  # noqa: ANN202
 
 def planned_mib(ckpt: Path, tokens: int, chunk: int) -> float:
     """XLA's planned temporary memory of the biggest prefill call (compile only)."""
+    from areal_jax.inference.steps import DEVICE_STOP_IDS
+
     engine = _engine(ckpt, tokens, chunk)
     cache = engine._lanes[0].cache  # noqa: SLF001
     t = chunk if chunk != -1 else tokens
@@ -50,7 +52,8 @@ def planned_mib(ckpt: Path, tokens: int, chunk: int) -> float:
     f32, u32 = np.ones(1, np.float32), np.zeros(1, np.uint32)
     compiled = engine.prefill_fn.lower(engine._state, cache, engine._lanes[0].slot_state, ids,  # noqa: SLF001
                                        np.int32(tokens - t), rows, zero, zero, f32, f32, np.full(1, -1, np.int32),
-                                       u32, u32, kv_len=engine.max_seq_len).compile()
+                                       u32, u32, zero, zero, np.full((1, DEVICE_STOP_IDS), -1, np.int32),
+                                       kv_len=engine.max_seq_len).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 

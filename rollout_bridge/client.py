@@ -6,7 +6,9 @@ or whose server died is re-sent, to the same server or another, as prompt + toke
 the remaining token budget, until it stops or reaches its length; every token keeps the version
 that produced it. Control calls (pause, weight updates, continue, flush) fan out to all servers
 concurrently. Every call has a timeout; a generation that times out is aborted on its server
-before it is re-sent elsewhere, and a full server (503) is backed off, not marked down.
+before it is re-sent elsewhere, and a full server (503) is backed off, not marked down. A server
+error (another 5xx, or an abort with a 5xx status) is re-sent at most ``max_error_resends`` times
+with a doubling wait, and leaves the server in rotation.
 
 Versions: the client keeps its own record of which policy version each server holds, because it
 pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``), and
@@ -56,6 +58,8 @@ class GenerateResult:
     output_versions: list[int]
     finish_reason: dict[str, Any]
     text: str = ""
+    """The servers' text of every segment, joined (a character split across a re-send may show
+    as two replacement characters; ``output_ids`` are exact)."""
     resends: int = 0
     """How many times the request was re-sent (after an abort or a dead server)."""
 
@@ -115,7 +119,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         versions: list[int] = []
         text = ""
         finish: dict[str, Any] = {"type": "length", "length": budget}
-        attempt = idle = busy = 0
+        attempt = idle = busy = errors = 0
         try:
             while len(out) < budget or budget == 0:
                 if attempt > self.cfg.max_resends:
@@ -151,20 +155,24 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     raise RolloutError(f"{server.url}/generate rejected request {rid} ({status}): "
                                        f"{reply_message(body)}")
                 if status != 200 or not isinstance(body, dict):
-                    self._mark_down(server, f"/generate answered {status}: {reply_message(body)}")
+                    errors = await self._after_error(rid, server, errors, f"answered {status}: {reply_message(body)}")
                     continue
                 ids, lps, finish = _parse_reply(body)
                 vers = self._stamp(server, sent_version, body.get("meta_info") or {}, len(ids))
                 out += ids
                 logprobs += lps
                 versions += vers
-                text = body.get("text", "")
+                text += body.get("text") or ""
                 if finish.get("type") == "abort":
                     code = finish.get("status_code")
                     if rid in self._cancelled:
                         break
                     if code is not None and 400 <= int(code) < 500:
                         raise RolloutError(f"{server.url} aborted request {rid}: {finish.get('message')}")
+                    if code is not None and int(code) >= 500:
+                        errors = await self._after_error(rid, server, errors,
+                                                         f"aborted with {code}: {finish.get('message')}")
+                        continue
                     # Aborted by a pause or weight update: resume with what we have. A server that
                     # keeps aborting without progress is backed off, not hammered.
                     idle = 0 if ids else idle + 1
@@ -184,6 +192,19 @@ class HttpRolloutClient(ServerPool, RolloutClient):
             finish = {"type": "length", "length": len(out)}
         return GenerateResult(rid=rid, input_ids=prompt, output_ids=out, output_logprobs=logprobs,
                               output_versions=versions, finish_reason=finish, text=text, resends=attempt - 1)
+
+    async def _after_error(self, rid: str, server: _Server, errors: int, what: str) -> int:
+        """A server failed this request (5xx, or an abort with a 5xx status): count it, give up
+        past ``max_error_resends``, else wait (doubling) and let the next attempt go round-robin.
+        The server stays in rotation: one failed request does not make it dead."""
+        errors += 1
+        if errors > self.cfg.max_error_resends:
+            raise RolloutError(f"request {rid}: {server.url}/generate {what} (gave up after {errors} server errors)")
+        log.warning("request %s: %s/generate %s; re-sending (error %d of at most %d)", rid, server.url, what,
+                    errors, self.cfg.max_error_resends + 1)
+        self._sticky.pop(rid, None)
+        await asyncio.sleep(min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
+        return errors
 
     def _stamp(self, server: _Server, sent_version: int, meta: dict[str, Any], n: int) -> list[int]:
         """Per-token versions of one reply: the version the server held when the segment was sent,

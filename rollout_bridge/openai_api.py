@@ -19,7 +19,7 @@ from aiohttp import web
 
 from areal_jax.inference.types import GenerateOutput
 from rollout_bridge import protocol as P
-from rollout_bridge.server import STATE, ServerState, engine_request, stream_events
+from rollout_bridge.server import STATE, ServerState, checked, engine_request, stream_events
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -149,7 +149,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     rid, created, model = f"cmpl-{ereq.rid}", int(time.time()), st.served_model_name or st.model_path
     head = {"id": rid, "object": "text_completion", "created": created, "model": model}
     if not body.get("stream"):
-        out = await st.engine.generate(ereq)
+        out = checked(await st.engine.generate(ereq))
         reason, matched = _finish(out)
         text = _decode(st, out.output_ids)
         choice = {"index": 0, "text": text, "finish_reason": reason, "matched_stop": matched,
@@ -195,7 +195,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rid, created, model = f"chatcmpl-{ereq.rid}", int(time.time()), st.served_model_name or st.model_path
     head = {"id": rid, "created": created, "model": model}
     if not body.get("stream"):
-        out = await st.engine.generate(ereq)
+        out = checked(await st.engine.generate(ereq))
         reason, matched = _finish(out)
         choice = {"index": 0, "message": {"role": "assistant", "content": _decode(st, out.output_ids)},
                   "finish_reason": reason, "matched_stop": matched,

@@ -56,6 +56,11 @@ class ClientConfig:
     """How long a request waits for some server to come back before ``AllServersDownError``."""
     max_resends: int = 1000
     """Bound on re-sends of one request (aborts, failovers and refusals by a full server)."""
+    max_error_resends: int = 3
+    """Re-sends of one request after server errors (a 5xx, or an abort with a 5xx status); one
+    more error raises ``RolloutError`` with the server's message."""
+    error_backoff_s: float = 0.5
+    """Wait before re-sending after a server error; doubles with each further error (up to 30 s)."""
     max_connections_per_server: int = 512
     """Most concurrent /generate connections to one server; more requests wait for one. Control
     calls use their own connections, so a pause is never stuck behind generations."""
@@ -79,6 +84,9 @@ class _Server:
     keeps_labels: bool = False
     """The server confirmed that it took a label we gave (ours and SGLang >= 0.5 do). Only then can
     an older label mean a restart; a server that ignores labels always reports its first one."""
+    paused: bool = False
+    """The server is paused, by what it last answered or reported. While the fleet runs, a paused
+    server takes no requests: they would wait there until someone continues it."""
 
 
 class ServerPool:
@@ -98,6 +106,8 @@ class ServerPool:
         self._health_task: asyncio.Task | None = None
         self._current = v0
         self._last_disk: tuple[str, int] | None = None
+        self._paused = False
+        """This client paused the fleet and has not continued it yet."""
 
     # -- versions --
 
@@ -111,8 +121,12 @@ class ServerPool:
         return {s.url: s.version for s in self.servers}
 
     def in_rotation(self) -> list[str]:
-        """URLs of the servers new requests may go to: healthy and holding the current version."""
-        return [s.url for s in self.servers if s.healthy and s.version >= self._current]
+        """URLs of the servers new requests may go to: healthy, holding the current version, and
+        not left paused while the fleet runs."""
+        return [s.url for s in self.servers if self._usable(s) and s.version >= self._current]
+
+    def _usable(self, s: _Server) -> bool:
+        return s.healthy and not (s.paused and not self._paused)
 
     def _record(self, s: _Server, version: int, reply: Any = None) -> None:
         """``s`` now holds ``version`` (a push to it succeeded with ``reply``)."""
@@ -152,14 +166,66 @@ class ServerPool:
         log.warning("server %s reports weight_version %r (version %d) but was given version %d: restarted? "
                     "Out of rotation until it holds version %d", s.url, label, held, s.version, self._current)
         s.version = held
-        if self._last_disk is not None and self._last_disk[1] >= self._current:
-            path, version = self._last_disk
-            _, st, reply = await self._call_one(s, "/update_weights_from_disk", self._disk_body(path, version),
-                                                self.cfg.weight_timeout_s)
-            if st == 200 and not (isinstance(reply, dict) and reply.get("success") is False):
-                self._record(s, version, reply)
-                log.info("server %s reloaded version %d from %s", s.url, version, path)
+        await self._reload(s)
         return True
+
+    async def _reload(self, s: _Server) -> None:
+        """Load the last disk checkpoint into ``s`` if it is the current version."""
+        if self._last_disk is None or self._last_disk[1] < self._current:
+            return
+        path, version = self._last_disk
+        _, st, reply = await self._call_one(s, "/update_weights_from_disk", self._disk_body(path, version),
+                                            self.cfg.weight_timeout_s)
+        if st == 200 and not (isinstance(reply, dict) and reply.get("success") is False):
+            self._record(s, version, reply)
+            log.info("server %s reloaded version %d from %s", s.url, version, path)
+
+    async def _readmit(self, s: _Server) -> bool:
+        """Before a server that was down takes requests again: learn its weights (reloading the last
+        disk checkpoint if it missed a push) and its pause state. A server left paused while the
+        fleet runs is continued if it holds the current version, else it stays out of rotation
+        until a push and a continue reach it; one running while the fleet is paused is paused.
+        False if it could not be reached."""
+        if not await self._check_version(s):
+            return False
+        if s.version < self._current:
+            await self._reload(s)
+        reached, paused = await self._reported_pause(s)
+        if not reached:
+            return False
+        if self._paused and paused is False:
+            _, st, _ = await self._call_one(s, "/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
+            s.paused = st == 200
+        elif not self._paused and paused is not False:  # paused, or a server that does not say
+            if s.version >= self._current:
+                _, st, reply = await self._call_one(s, "/continue_generation", {}, self.cfg.control_timeout_s)
+                s.paused = st != 200
+                if s.paused:
+                    log.warning("server %s stays out of rotation: /continue_generation answered %s: %s",
+                                s.url, st, reply_message(reply))
+            else:
+                s.paused = bool(paused)
+                if s.paused:
+                    log.warning("server %s is paused and holds version %d, not %d: out of rotation until a "
+                                "weight push and /continue_generation reach it", s.url, s.version, self._current)
+        else:
+            s.paused = bool(paused)
+        return True
+
+    async def _reported_pause(self, s: _Server) -> tuple[bool, bool | None]:
+        """(reached, paused): whether ``s`` says it is paused (/get_server_info, ``paused`` at the
+        top or in ``internal_states``); None when it does not say (stock SGLang)."""
+        try:
+            status, body = await self._request(s, "GET", "/get_server_info", timeout=self.cfg.control_timeout_s)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            self._mark_down(s, e)
+            return False, None
+        if status != 200 or not isinstance(body, dict):
+            return True, None
+        states = [x for x in body.get("internal_states") or [] if isinstance(x, dict) and "paused" in x]
+        if "paused" in body:
+            states.append(body)
+        return True, (any(bool(x["paused"]) for x in states) if states else None)
 
     # -- plumbing --
 
@@ -232,8 +298,9 @@ class ServerPool:
                 return False
             if status != 200:
                 s.healthy, s.last_error = False, f"/health answered {status}: {body}"
-            elif not s.healthy:  # back: learn which weights it holds before it takes requests
-                s.healthy = await self._check_version(s)
+            elif not s.healthy or s.paused != self._paused:
+                # back, or left paused: learn its weights and pause state before it takes requests
+                s.healthy = await self._readmit(s)
             return s.healthy
 
         return list(await asyncio.gather(*(one(s) for s in self.servers)))
@@ -257,14 +324,14 @@ class ServerPool:
         and holds the current version; if no healthy server holds it, any healthy one (its tokens
         carry its older version), so a fleet that lost its weights still answers."""
         s = self._sticky.get(rid)
-        if s is not None and s.healthy and s.version >= self._current:
+        if s is not None and self._usable(s) and s.version >= self._current:
             return s
         deadline = time.monotonic() + self.cfg.all_down_wait_s
         while True:
             for fresh_only in (True, False):
                 for _ in range(len(self.servers)):
                     s = self.servers[next(self._rr)]
-                    if s.healthy and (s.version >= self._current or not fresh_only):
+                    if self._usable(s) and (s.version >= self._current or not fresh_only):
                         self._sticky[rid] = s
                         return s
             if time.monotonic() >= deadline:
@@ -309,10 +376,23 @@ class ServerPool:
         return [{"server": s.url, "status": st, "reply": r} for s, st, r in reached]
 
     async def pause(self, mode: str = "abort") -> None:
-        await self._broadcast("/pause_generation", {"mode": mode}, timeout=self.cfg.control_timeout_s)
+        self._paused = True
+        for r in await self._broadcast("/pause_generation", {"mode": mode}, timeout=self.cfg.control_timeout_s):
+            self._server(r["server"]).paused = True
 
     async def continue_generation(self) -> None:
-        await self._broadcast("/continue_generation", {}, timeout=self.cfg.control_timeout_s)
+        self._paused = False
+        replies = await self._broadcast("/continue_generation", {}, timeout=self.cfg.control_timeout_s, strict=False)
+        for r in replies:  # a server whose continue failed stays paused: out of rotation
+            ok = r["status"] == 200 and not (isinstance(r["reply"], dict) and r["reply"].get("success") is False)
+            self._server(r["server"]).paused = not ok
+        failed = [r for r in replies if self._server(r["server"]).paused]
+        if failed:
+            raise RolloutError("/continue_generation: " + "; ".join(
+                f"{r['server']} ({r['status']}): {reply_message(r['reply'])}" for r in failed))
+
+    def _server(self, url: str) -> _Server:
+        return next(s for s in self.servers if s.url == url)
 
     async def flush_cache(self) -> None:
         await self._broadcast("/flush_cache", {}, timeout=self.cfg.control_timeout_s)

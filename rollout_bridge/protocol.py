@@ -66,15 +66,72 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     repetition_penalty: float = 1.0
 
 
-class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Body of POST /generate (one request; SGLang's batch form is not used by areal-jax)."""
+class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Body of POST /generate (one request; SGLang's batch form is not used by areal-jax).
+
+    Every field of SGLang's request schema is here: the ones this server implements, then the
+    ones it does not, which are refused (``validate_generate``) unless left at their default. A
+    key that is not in SGLang's schema is refused too.
+    """
 
     input_ids: list[int] | None = None
     text: str | None = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     return_logprob: bool = False
+    logprob_start_len: int | None = None
+    """First prompt position whose logprob is returned (``input_token_logprobs``); None or -1:
+    none. Position 0 has no logprob (null)."""
+    top_logprobs_num: int | None = None
+    """Also return the logprobs of this many likeliest tokens at each output position
+    (``output_top_logprobs``) and, with ``logprob_start_len``, each prompt position."""
+    return_text_in_logprobs: bool | None = None
+    """Fill the third element of each logprob entry with the token's text."""
+    return_prompt_token_ids: bool = False
     rid: str | None = None
     stream: bool = False
+    # SGLang's other fields: accepted only at their defaults (see UNSUPPORTED_AT_DEFAULT).
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
+    image_data: Any = None
+    mm_hashes: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    extra_key: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    require_reasoning: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    kv_hints: Any = None
+    routing_key: Any = None
+    max_thinking_tokens: Any = None
+    session_id: Any = None
+    custom_logit_processor: Any = None
+    custom_labels: Any = None
+    images_config: Any = None
+    routed_experts_start_len: Any = None
+    return_sampling_mask: Any = None
+    modalities: Any = None
+
+
+UNSUPPORTED_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "token_ids_logprob": (), "return_hidden_states": (False,), "bootstrap_host": (), "bootstrap_port": (),
+    "bootstrap_room": (), "bootstrap_pair_key": (), "decode_tp_size": (), "routed_dp_rank": (),
+    "disagg_prefill_dp_rank": (), "image_data": ([],), "mm_hashes": ([],), "video_data": ([],), "audio_data": ([],),
+    "extra_key": (), "priority": (), "cache_salt": (), "require_reasoning": (False,), "lora_path": (),
+    "session_params": (), "kv_hints": (), "routing_key": (), "max_thinking_tokens": (), "session_id": (),
+    "custom_logit_processor": (), "custom_labels": ({},), "images_config": (), "routed_experts_start_len": (0,),
+    "return_sampling_mask": (False,), "modalities": ([],),
+}
+"""SGLang request fields this server does not implement -> the values besides null it accepts
+as "not used" (AReaL sends ``image_data: []``)."""
 
 
 class WeightVersionSpan(msgspec.Struct, kw_only=True):
@@ -91,16 +148,23 @@ class MetaInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int = 0
     weight_version: str | None = None
     weight_versions: list[WeightVersionSpan] = msgspec.field(default_factory=list)
-    output_token_logprobs: list[tuple[float, int, None]] | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    """``[logprob, token_id, text or null]`` per output token."""
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    """Per prompt position from ``logprob_start_len`` (position 0: logprob null)."""
+    output_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
+    input_top_logprobs: list[list[tuple[float, int, str | None]] | None] | None = None
     e2e_latency: float | None = None
 
 
-class GenerateReqOutput(msgspec.Struct, kw_only=True):
-    """Reply of /generate, and each ``data:`` event of a streamed one (cumulative)."""
+class GenerateReqOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Reply of /generate, and each ``data:`` event of a streamed one (the answer so far, or with
+    ``incremental_streaming_output`` what is new since the previous event)."""
 
     text: str
     output_ids: list[int]
     meta_info: MetaInfo
+    prompt_token_ids: list[int] | None = None
 
 
 # --- control endpoints ---------------------------------------------------------------------------
@@ -239,6 +303,21 @@ def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length:
             "input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_length}")
     if sp.max_new_tokens < 0:
         raise ProtocolError("sampling_params.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
+    for name, accepted in UNSUPPORTED_AT_DEFAULT.items():
+        value = getattr(req, name)
+        if value is not None and not any(value == a and type(value) is type(a) for a in accepted):
+            raise ProtocolError(name, f"not supported by this server; leave it out (got {value!r})")
+    start = req.logprob_start_len
+    if start is not None and start != -1 and not 0 <= start < len(ids):
+        raise ProtocolError("logprob_start_len", f"must be -1 or in [0, {len(ids)}) for a prompt of {len(ids)} "
+                            f"tokens, got {start}")
+    if req.top_logprobs_num is not None and req.top_logprobs_num < 0:
+        raise ProtocolError("top_logprobs_num", f"must be >= 0, got {req.top_logprobs_num}")
+    if not req.return_logprob:
+        for name, unset in (("logprob_start_len", (None, -1)), ("top_logprobs_num", (None, 0)),
+                            ("return_text_in_logprobs", (None, False))):
+            if getattr(req, name) not in unset:
+                raise ProtocolError(name, "needs return_logprob: true")
     if len(ids) + sp.max_new_tokens > context_length:
         raise ProtocolError(
             "sampling_params.max_new_tokens",

@@ -1,6 +1,8 @@
 """``areal-jax serve``: load a model directory and serve it on the embedded server, with SGLang's
 flag names for the options it shares (``--tp-size``, ``--dp-size``, ``--chunked-prefill-size``,
-``--max-queued-requests``, ``--random-seed``, ``--weight-version``, ...).
+``--max-queued-requests``, ``--random-seed``, ``--weight-version``, ``--context-length``, ...).
+As in SGLang, the context length defaults to the model's ``max_position_embeddings`` and exceeds
+it only when asked to explicitly.
 
 With ``--tp-size`` / ``--dp-size`` above 1 the model is sharded over that many of the host's
 devices (tensor axis: heads and MLP columns; data axis: the KV slots).
@@ -10,7 +12,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 from rollout_bridge.server import DEFAULT_WEIGHT_VERSION, build_app, start_server
@@ -18,6 +24,7 @@ from rollout_bridge.server import DEFAULT_WEIGHT_VERSION, build_app, start_serve
 log = logging.getLogger("rollout_bridge.serve")
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -37,12 +44,23 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=32, help="KV slots: most requests decoded at once")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for a slot; more are refused with 503 (default: unbounded)")
-    p.add_argument("--context-length", type=int, default=1024, help="most prompt + answer tokens per request")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="most prompt + answer tokens per request (default: the model's max_position_embeddings)"
+                        "%(default).0s")
+    p.add_argument("--allow-overwrite-longer-context-len", action="store_true",
+                   help="allow a --context-length above the model's max_position_embeddings (SGLang's "
+                        f"{LONGER_CONTEXT_ENV}=1 does the same)")
     p.add_argument("--chunked-prefill-size", type=int, default=1024,
                    help="prompt tokens per prefill call; longer prompts prefill in chunks (-1: never chunk)")
     p.add_argument("--random-seed", type=int, default=None,
                    help="seed of requests without sampling_seed (default: drawn at random at start)")
     p.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION, help="label of the initial weights")
+    p.add_argument("--skip-server-warmup", action="store_true",
+                   help="start answering at once and compile each step shape when first needed (default: compile "
+                        "every prefill and decode shape at start-up; /health answers 200 after)")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="a streamed /generate sends only what is new in each event (default: the answer so far, "
+                        "as SGLang does)")
     p.add_argument("--lanes", type=int, default=None,
                    help="slot groups decoded concurrently (not an SGLang flag; default: 2 on a multi-core CPU "
                         "without tp/dp, else 1)")
@@ -75,16 +93,33 @@ def make_mesh_for(tp_size: int, dp_size: int) -> Any:
     return make_mesh(MeshConfig(data=dp_size, fsdp=1, tensor=tp_size), devices[:tp_size * dp_size])
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Load the model and serve it until cancelled."""
-    from areal_jax.inference.engine import Engine, EngineConfig
-    from areal_jax.models import load_pretrained, load_tokenizer
+def context_length(requested: int | None, model_max: int, allow_longer: bool) -> int:
+    """The context length to serve: the model's ``max_position_embeddings`` unless asked for
+    less; more only with ``allow_longer`` (positions past the trained range are extrapolation)."""
+    if requested is None:
+        return model_max
+    if requested < 2:
+        raise SystemExit(f"areal-jax serve: --context-length must be >= 2, got {requested}")
+    if requested > model_max and not allow_longer:
+        raise SystemExit(f"areal-jax serve: --context-length {requested} exceeds the model's max_position_embeddings "
+                         f"({model_max}); pass --allow-overwrite-longer-context-len (or set "
+                         f"{LONGER_CONTEXT_ENV}=1) to serve it anyway, or lower --context-length")
+    return requested
 
+
+def build(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The app and its engine for parsed ``args`` (the engine is not started)."""
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import ModelConfig, load_pretrained, load_tokenizer
+
+    model_max = ModelConfig.from_json_file(Path(args.model_path) / "config.json").max_position_embeddings
+    allow = args.allow_overwrite_longer_context_len or os.environ.get(LONGER_CONTEXT_ENV, "") in ("1", "true", "True")
+    max_seq_len = context_length(args.context_length, model_max, allow)
     mesh = make_mesh_for(args.tp_size, args.dp_size)
     if args.max_running_requests % args.dp_size:
         raise SystemExit(f"areal-jax serve: --max-running-requests {args.max_running_requests} must be a multiple "
                          f"of --dp-size {args.dp_size}")
-    cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=args.context_length, seed=args.random_seed,
+    cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=max_seq_len, seed=args.random_seed,
                        lanes=args.lanes, max_queued_requests=args.max_queued_requests,
                        chunked_prefill_size=args.chunked_prefill_size)
     model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh)
@@ -92,15 +127,30 @@ async def serve(args: argparse.Namespace) -> None:
     engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
-                    info={"tp_size": args.tp_size, "dp_size": args.dp_size})
+                    info={"tp_size": args.tp_size, "dp_size": args.dp_size},
+                    incremental_streaming_output=args.incremental_streaming_output,
+                    warmup=not args.skip_server_warmup)
+    return app, engine
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load the model and serve it until cancelled."""
+    app, engine = build(args)
+    cfg = engine.cfg
     runner, bound = await start_server(app, args.host, args.port)
-    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)",
+    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)%s",
              args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
-             cfg.max_seq_len, engine.seed)
+             cfg.max_seq_len, engine.seed,
+             "" if args.skip_server_warmup else f"; compiling {len(engine.step_shapes())} step shapes first")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError):  # SIGTERM (a launcher stopping us) shuts down cleanly
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
+        log.info("SIGTERM: shutting down")
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # answers the requests in flight with their partial output first
 
 
 def run_server(argv: list[str] | argparse.Namespace | None = None) -> None:

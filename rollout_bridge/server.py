@@ -3,9 +3,11 @@
 A rollout client cannot tell it from a real SGLang server for the endpoints in ``protocol`` and
 the OpenAI-compatible ones in ``openai_api``. Errors in a request are HTTP 400 with
 ``{"error": {"message", "code"}}`` naming the field (a duplicate ``rid`` too); a full waiting
-queue is a 503 with ``Retry-After``; a weight load that fails answers ``success: false`` (HTTP
-400, as SGLang does) and the old weights keep serving. A client that goes away aborts its
-request. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
+queue is a 503 with ``Retry-After``; a request the engine fails (its step raised) is a 500 with
+the error; a weight load that fails answers ``success: false`` (HTTP 400, as SGLang does) and the
+old weights keep serving. A client that goes away aborts its
+request. On shutdown, requests in flight are answered with an abort and their tokens so far
+before the connections close. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
 names one); the engine's integer version is internal bookkeeping. With an API key, every endpoint
 but ``/health`` and ``/health_generate`` wants ``Authorization: Bearer KEY``.
 """
@@ -29,6 +31,9 @@ from rollout_bridge import protocol as P
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/health", "/health_generate"})
+WARMUP_PATHS = OPEN_PATHS | {"/get_model_info", "/model_info", "/get_server_info", "/server_info",
+                             "/get_weight_version", "/weight_version", "/metrics"}
+"""What answers while the engine compiles at start-up; everything else is a 503 until it is ready."""
 SERVER_VERSION = "areal-jax-0.1"
 DEFAULT_WEIGHT_VERSION = "default"
 """SGLang's label for the weights a server started with (its ``--weight-version`` default)."""
@@ -58,6 +63,15 @@ class ServerState:
     """Extra ``internal_states`` of /get_server_info (tp_size, dp_size, ...)."""
     metrics_mark: tuple[float, int] = (0.0, 0)
     """(time, generated tokens) at the last /metrics scrape, for its tokens/s."""
+    shutting_down: bool = False
+    ready: bool = True
+    """False while the engine compiles its steps at start-up: /health answers 503 until then."""
+    warmup: dict[str, Any] = field(default_factory=dict)
+    """How the start-up compilation went (``shapes``, ``seconds``, or ``error``)."""
+    incremental_streaming_output: bool = False
+    """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
+    ``--incremental-streaming-output``); without it every event repeats the answer so far, as
+    stock SGLang does by default."""
 
     def label_of(self, version: int) -> str:
         return self.labels.get(version, self.weight_version)
@@ -85,9 +99,12 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 @web.middleware
 async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     st = request.app[STATE]
+    if not st.ready and request.path not in WARMUP_PATHS:
+        return _error(503, _not_ready(st), {"Retry-After": str(RETRY_AFTER_S)})
     if st.api_key and request.path not in OPEN_PATHS:
-        got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {st.api_key}".encode()):
+        # aiohttp keeps bytes that are not UTF-8 as surrogates: compare them as sent, never fail
+        got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(got, f"Bearer {st.api_key}".encode()):
             return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     try:
         return await handler(request)
@@ -97,6 +114,8 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         return _error(400, f"rid: {e}")
     except QueueFullError as e:
         return _error(503, str(e), {"Retry-After": str(RETRY_AFTER_S)})
+    except EngineFailed as e:
+        return _error(e.status, str(e))
     except web.HTTPException:
         raise
     except ConnectionResetError:  # the client went away; its request was aborted
@@ -108,6 +127,22 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
 
 
 # --- /generate ---------------------------------------------------------------------------------
+
+class EngineFailed(RuntimeError):
+    """The engine failed a request (its step raised): HTTP ``status`` (5xx) with the message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def checked(out: GenerateOutput) -> GenerateOutput:
+    """``out``, unless the engine ended it with an error (an abort with a 5xx ``status_code``)."""
+    code = int((out.finish_reason or {}).get("status_code") or 0)
+    if code >= 500:
+        raise EngineFailed(code, str(out.finish_reason.get("message")))
+    return out
+
 
 def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
     engine = st.engine
@@ -125,8 +160,11 @@ def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
         max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
         top_k=-1 if sp.top_k >= P.CONTEXT_UNLIMITED_TOP_K else sp.top_k,
         stop_token_ids=list(sp.stop_token_ids) if sp.stop_token_ids else None,
-        ignore_eos=sp.ignore_eos, seed=sp.sampling_seed,
+        ignore_eos=sp.ignore_eos, seed=sp.sampling_seed, top_logprobs_num=req.top_logprobs_num or 0,
     )
+    if esp.top_logprobs_num > engine.cfg.max_top_logprobs:
+        raise P.ProtocolError("top_logprobs_num", f"at most {engine.cfg.max_top_logprobs} on this server, got "
+                              f"{esp.top_logprobs_num}")
     try:
         esp.validate(engine.vocab_size)
     except ValueError as e:
@@ -135,34 +173,96 @@ def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
                            return_logprob=req.return_logprob)
 
 
-def _reply(st: ServerState, out: GenerateOutput, req: P.GenerateReqInput, t0: float) -> P.GenerateReqOutput:
+def _token_text(st: ServerState, req: P.GenerateReqInput) -> Any:
+    if req.return_text_in_logprobs and st.tokenizer is not None:
+        return lambda t: st.tokenizer.decode([t])
+    return lambda t: None
+
+
+async def input_logprobs(st: ServerState, req: P.GenerateReqInput) -> dict[str, Any]:
+    """``input_token_logprobs`` (and ``input_top_logprobs``) from ``logprob_start_len`` on, by
+    one full forward over the prompt; {} when not asked for."""
+    start = req.logprob_start_len
+    if not req.return_logprob or start is None or start == -1:
+        return {}
+    ids, n = req.input_ids, req.top_logprobs_num or 0
+    chosen, values, top = await asyncio.to_thread(st.engine.prompt_logprobs, ids, req.sampling_params.temperature)
+    text = _token_text(st, req)
+    out: dict[str, Any] = {"input_token_logprobs": [
+        (None if p == 0 else float(chosen[p - 1]), int(ids[p]), text(ids[p])) for p in range(start, len(ids))]}
+    if n:
+        out["input_top_logprobs"] = [
+            None if p == 0 else [(float(v), int(t), text(int(t))) for v, t in zip(values[p - 1][:n], top[p - 1][:n],
+                                                                                 strict=True)]
+            for p in range(start, len(ids))]
+    return out
+
+
+def _reply(st: ServerState, out: GenerateOutput, req: P.GenerateReqInput, t0: float,
+           prompt: dict[str, Any] | None = None) -> P.GenerateReqOutput:
     ids = list(out.output_ids)
     text = ""
     if st.tokenizer is not None and ids:
         text = st.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
     versions = list(out.output_versions or [])
+    tok = _token_text(st, req)
     meta = P.MetaInfo(
         id=out.rid, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
         completion_tokens=len(ids), weight_version=st.label_of(out.weight_version),
         weight_versions=P.version_spans([st.label_of(v) for v in versions]) if len(versions) == len(ids) else [],
         output_token_logprobs=(
-            [(float(lp), int(t), None) for lp, t in zip(out.output_logprobs, ids, strict=False)]
+            [(float(lp), int(t), tok(t)) for lp, t in zip(out.output_logprobs, ids, strict=False)]
             if req.return_logprob else None),
-        e2e_latency=time.perf_counter() - t0,
+        output_top_logprobs=(
+            [[(lp, t, tok(t)) for lp, t in row] for row in out.output_top_logprobs]
+            if req.return_logprob and out.output_top_logprobs is not None else None),
+        e2e_latency=time.perf_counter() - t0, **(prompt or {}),
     )
-    return P.GenerateReqOutput(text=text, output_ids=ids, meta_info=meta)
+    return P.GenerateReqOutput(text=text, output_ids=ids, meta_info=meta,
+                               prompt_token_ids=list(req.input_ids) if req.return_prompt_token_ids else None)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     t0 = time.perf_counter()
+    if st.shutting_down:
+        return _error(503, SHUTDOWN_MESSAGE)
     req = P.decode(await request.read(), P.GenerateReqInput)
     ereq = engine_request(st, req)
+    prompt = await input_logprobs(st, req)
     if not req.stream:
         # A client that disconnects cancels this handler, and the cancel aborts the request.
-        out = await st.engine.generate(ereq)
-        return json_response(_reply(st, out, req, t0))
-    return await stream_events(request, st.engine.stream(ereq), lambda part: _reply(st, part, req, t0))
+        out = checked(await st.engine.generate(ereq))
+        return json_response(_reply(st, out, req, t0, prompt))
+    render = (_Increments(st, req, t0, prompt) if st.incremental_streaming_output
+              else lambda part: _reply(st, part, req, t0, prompt))
+    return await stream_events(request, st.engine.stream(ereq), render)
+
+
+class _Increments:
+    """Renders cumulative engine outputs as the text, tokens and logprobs new since the previous
+    event (``weight_versions`` spans index this event's ``output_ids``)."""
+
+    def __init__(self, st: ServerState, req: P.GenerateReqInput, t0: float, prompt: dict[str, Any]):
+        self.st, self.req, self.t0, self.prompt = st, req, t0, prompt
+        self.text, self.n = "", 0
+
+    def __call__(self, part: GenerateOutput) -> list[P.GenerateReqOutput]:
+        full = _reply(self.st, part, self.req, self.t0, self.prompt)
+        text = full.text if part.finished else full.text.rstrip("\ufffd")  # half a character: later
+        start, self.n = self.n, len(full.output_ids)
+        delta, self.text = text[len(self.text):], text
+        if start == self.n and not delta and not part.finished:
+            return []
+        meta = full.meta_info
+        self.prompt = {}  # the prompt's logprobs go with the first event only
+        if meta.output_token_logprobs is not None:
+            meta.output_token_logprobs = meta.output_token_logprobs[start:]
+        if meta.output_top_logprobs is not None:
+            meta.output_top_logprobs = meta.output_top_logprobs[start:]
+        versions = [self.st.label_of(v) for v in (part.output_versions or [])[start:]]
+        meta.weight_versions = P.version_spans(versions) if len(versions) == self.n - start else []
+        return [P.GenerateReqOutput(text=delta, output_ids=full.output_ids[start:], meta_info=meta)]
 
 
 async def stream_events(request: web.Request, parts: Any, render: Any) -> web.StreamResponse:
@@ -204,13 +304,24 @@ def _as_list(x: Any) -> list[Any]:
 
 # --- health and info ---------------------------------------------------------------------------
 
+def _not_ready(st: ServerState) -> str:
+    if "error" in st.warmup:
+        return f"the start-up compilation failed: {st.warmup['error']}"
+    return "warming up: compiling the engine's steps"
+
+
 async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    if not st.ready:
+        return _error(503, _not_ready(st))
     return web.Response(text="")
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Healthy when the engine produces one token within the timeout (or is paused on purpose)."""
     st = request.app[STATE]
+    if not st.ready:
+        return _error(503, _not_ready(st))
     if st.paused:
         return web.Response(text="")
     probe = GenerateRequest(input_ids=[0], sampling=EngineSamplingParams(max_new_tokens=1, temperature=0.0),
@@ -240,8 +351,10 @@ async def get_server_info(request: web.Request) -> web.Response:
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
+        incremental_streaming_output=st.incremental_streaming_output,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
                           "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
+                          "ready": st.ready, "warmup": st.warmup,
                           "lanes": e.num_lanes, "random_seed": e.seed,
                           "max_queued_requests": e.cfg.max_queued_requests,
                           "chunked_prefill_size": e.cfg.chunked_prefill_size, **st.info}]))
@@ -311,14 +424,20 @@ async def continue_generation(request: web.Request) -> web.Response:
 def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *, model_path: str = "",
               tokenizer_path: str | None = None, served_model_name: str = "",
               weight_version: str = DEFAULT_WEIGHT_VERSION, info: dict[str, Any] | None = None,
-              max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True) -> web.Application:
-    """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine."""
+              max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True,
+              incremental_streaming_output: bool = False, warmup: bool = False) -> web.Application:
+    """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine.
+    ``incremental_streaming_output``: see ``ServerState``. With ``warmup``, the engine compiles
+    every step shape (``Engine.warmup``) after the server starts listening and before it starts
+    the engine; until then /health is a 503 and requests get a 503."""
+    if warmup and not manage_engine:
+        raise ValueError("warmup needs manage_engine: the engine compiles before it starts")
     from rollout_bridge import openai_api, weights_api
 
     app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes)
     st = ServerState(engine=engine, tokenizer=tokenizer, api_key=api_key, model_path=model_path,
                      tokenizer_path=tokenizer_path or model_path, served_model_name=served_model_name,
-                     info=dict(info or {}))
+                     info=dict(info or {}), incremental_streaming_output=incremental_streaming_output)
     st.relabel(weight_version)
     app[STATE] = st
     r = app.router
@@ -337,16 +456,54 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     r.add_post("/continue_generation", continue_generation)
     weights_api.add_routes(app)
     openai_api.add_routes(app)
+    app.on_shutdown.append(_answer_in_flight)
     if manage_engine:
+        tasks: list[asyncio.Task] = []
+
         async def _start(app: web.Application) -> None:
-            await engine.start()
+            if warmup:
+                st.ready = False
+                tasks.append(asyncio.create_task(_warm_then_start(st), name="engine-warmup"))
+            else:
+                await engine.start()
 
         async def _stop(app: web.Application) -> None:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await engine.stop()
 
         app.on_startup.append(_start)
         app.on_cleanup.append(_stop)
     return app
+
+
+async def _warm_then_start(st: ServerState) -> None:
+    t0 = time.perf_counter()
+    try:
+        shapes = await asyncio.to_thread(st.engine.warmup)
+    except Exception as e:
+        log.exception("start-up compilation failed")
+        st.warmup = {"error": f"{type(e).__name__}: {e}"}
+        return
+    st.warmup = {"shapes": shapes, "seconds": round(time.perf_counter() - t0, 2)}
+    await st.engine.start()
+    st.ready = True
+    log.info("compiled %d step shapes in %.1f s: ready", shapes, st.warmup["seconds"])
+
+
+SHUTDOWN_MESSAGE = "server shutting down"
+
+
+async def _answer_in_flight(app: web.Application) -> None:
+    """On shutdown, before connections close: every request still waiting or running is aborted,
+    so its handler answers with the tokens so far and a client can resume it elsewhere; requests
+    that arrive on open connections from now on get a 503."""
+    st = app[STATE]
+    st.shutting_down = True
+    if st.engine.num_running or st.engine.num_waiting:
+        n = await st.engine.abort(abort_all=True, message=SHUTDOWN_MESSAGE)
+        log.info("shutting down: %d request(s) answered with their partial output", n)
 
 
 async def start_server(app: web.Application, host: str = "127.0.0.1", port: int = 0, *,

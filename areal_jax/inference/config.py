@@ -55,8 +55,11 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     """Most padded tokens (rows x bucket) in one prefill call; one prompt always fits."""
     decode_steps: int = 8
-    """Tokens per decode call (a scan on device). More amortises dispatch and host sync; a slot
-    whose request stops inside a chunk idles for the chunk's rest, and admission waits for it."""
+    """Most tokens per decode call (a loop on device). More amortises dispatch and host sync."""
+    end_chunk_at_finish: bool = True
+    """While requests wait for a slot, end a decode chunk after the step at which a running
+    request stops (stop token or length), so its slot takes a waiting request at once instead of
+    idling to the chunk's end. False: every chunk runs ``decode_steps``."""
     lanes: int | None = None
     """Groups of slots, each with its own cache, stepped concurrently from its own thread; the
     compiled steps are shared (all lanes have ``num_slots / lanes`` rows). On a multi-core CPU,
@@ -78,6 +81,9 @@ class EngineConfig:
     memory instead of ``context ** 2``. -1 disables chunking."""
     cache_dtype: str | None = None
     """KV cache dtype; None uses the model's compute dtype."""
+    max_top_logprobs: int = 20
+    """Most ``top_logprobs_num`` a request may ask for: every step computes this many top
+    logprobs when some running request wants any."""
 
     def __post_init__(self) -> None:
         self.prefill_buckets = tuple(sorted(self.prefill_buckets or default_prefill_buckets(self.max_seq_len)))

@@ -3,8 +3,9 @@
 Requests wait in a FIFO queue (bounded by ``max_queued_requests``) and enter as soon as a slot
 frees: waiting prompts are prefilled together (rows padded to a length bucket, each row written
 into its own slot; a prompt longer than ``chunked_prefill_size`` alone, in chunks), then one
-compiled call advances every slot of a lane by ``decode_steps`` tokens, attending only up to a
-bucketed live length. A lane is a group of slots with its own cache and its own asyncio task; lanes share the
+compiled call advances every slot of a lane by up to ``decode_steps`` tokens, attending only up
+to a bucketed live length (while requests wait, a chunk ends where a running request ends, so its
+slot is refilled at once). A lane is a group of slots with its own cache and its own asyncio task; lanes share the
 queue, the weights and the compiled steps, and their calls run concurrently in worker threads
 (``asyncio.to_thread``), so the event loop that owns the engine (an HTTP server, say) stays
 responsive. Scheduling state lives on the event loop; a lane changes its slots only under its own
@@ -33,7 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
-from areal_jax.inference.steps import SlotState, bucket, compile_steps
+from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import assign_hf_tensors, load_pretrained
@@ -53,6 +54,8 @@ class _Seq:
     out_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    tops: list[list[tuple[float, int]]] = field(default_factory=list)
+    """The ``top_logprobs_num`` likeliest (logprob, token id) at each output token, if asked for."""
     finish_reason: dict | None = None
     lane: _Lane | None = None
     slot: int | None = None
@@ -96,8 +99,10 @@ class Engine:
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._graphdef, state = nnx.split(model)
         self._state = self._committed(state)
-        steps = compile_steps(self._graphdef)
+        self.max_top = max(1, min(cfg.max_top_logprobs, model.config.vocab_size))
+        steps = compile_steps(self._graphdef, self.max_top)
         self.prefill_fn, self.prefill_chunk_fn, self.decode_fn = steps.prefill, steps.prefill_chunk, steps.decode
+        self.prompt_logprobs_fn = steps.prompt_logprobs
         # at[].set writes into the donated input buffer (zeros_like would not use it, so XLA would not
         # reuse it): a flush never holds two caches.
         self._zero_fn = jax.jit(lambda cache: jax.tree.map(lambda x: x.at[:].set(0), cache), donate_argnums=0)
@@ -114,8 +119,9 @@ class Engine:
         self._paused: str | None = None
         self._running = False
         self._update_lock: asyncio.Lock | None = None
-        self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_tokens": 0,
-                      "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0}
+        self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
+                      "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0, "finished_slot_steps": 0,
+                      "idle_slot_steps_while_waiting": 0}
 
     # -- properties --
 
@@ -192,6 +198,9 @@ class Engine:
         if cap is not None and len(self._waiting) >= cap and req.sampling.max_new_tokens:
             raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
         req.sampling.validate(self.vocab_size)
+        if req.sampling.top_logprobs_num > self.cfg.max_top_logprobs:
+            raise ValueError(f"top_logprobs_num must be at most {self.cfg.max_top_logprobs} "
+                             f"(EngineConfig.max_top_logprobs), got {req.sampling.top_logprobs_num}")
         n = len(req.input_ids)
         if n == 0:
             raise ValueError("input_ids is empty")
@@ -232,14 +241,14 @@ class Engine:
         finally:
             self._abort_seq(seq, "client cancelled")
 
-    async def abort(self, rid: str | None = None, abort_all: bool = False) -> int:
+    async def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "aborted") -> int:
         """Abort one request (by rid, O(1), no lock) or all (between steps); they return their
-        partial output. Returns how many."""
+        partial output, finished as ``{"type": "abort", "message": message}``. Returns how many."""
         if abort_all:
             async with self._all_lanes():
-                return self._abort_where(lambda s: True, "aborted")
+                return self._abort_where(lambda s: True, message)
         seq = self._live.get(rid) if rid is not None else None
-        return int(seq is not None and self._abort_seq(seq, "aborted"))
+        return int(seq is not None and self._abort_seq(seq, message))
 
     async def pause(self, mode: str = "abort") -> None:
         """Stop stepping after the steps in flight. ``abort``: every request returns now (partial
@@ -312,11 +321,61 @@ class Engine:
         # jit outputs are uncommitted; the steps are compiled for committed inputs (no copy here)
         return jax.tree.map(jax.device_put, zeroed, shardings)
 
+    # -- compile ahead --
+
+    def step_shapes(self) -> list[tuple[str, int, int, int]]:
+        """Every compiled-step shape the scheduler can ask for, as ``(step, rows, length, kv_len)``:
+        ``prefill`` (rows padded, a length bucket, or the chunk size for a long prompt's last
+        chunk), ``prefill_chunk`` (one row, the chunk, the cache so far) and ``decode`` (rows and
+        length unused: every slot steps)."""
+        cfg, chunk = self.cfg, self.cfg.prefill_chunk
+        most = min(self.lane_slots, cfg.max_prefill_batch)
+        shapes = []
+        top = cfg.max_seq_len if chunk is None else bucket(chunk, cfg.prefill_buckets)
+        for length in (b for b in cfg.prefill_buckets if b <= top):
+            fewest = 1  # the fewest prompts that pad to each row count
+            for rows in cfg.prefill_rows:
+                if fewest <= most and (fewest == 1 or fewest * length <= cfg.max_prefill_tokens):
+                    shapes.append(("prefill", rows, length, length))
+                fewest = rows + 1
+        if chunk is not None:
+            longest = cfg.max_seq_len - 1  # a prompt leaves room for one token
+            shapes += [("prefill", 1, chunk, kv) for kv in cfg.kv_buckets if kv > chunk]
+            shapes += sorted({("prefill_chunk", 1, chunk, bucket(offset + chunk, cfg.kv_buckets))
+                              for offset in range(0, longest - chunk, chunk)})
+        shapes += [("decode", 0, 0, kv) for kv in cfg.kv_buckets]
+        return shapes
+
+    def warmup(self) -> int:
+        """Compile every step shape before serving, by running each once on padding (rows that
+        write nowhere, or free slots); returns how many. Call before ``start()``: it uses the
+        first lane's cache, and the lanes share the compiled steps."""
+        if self._running:
+            raise RuntimeError("warmup() runs before start(): it steps the first lane's cache")
+        lane = self._lanes[0]
+        for step, rows, length, kv_len in self.step_shapes():
+            ids, zeros = np.zeros((rows, length), np.int32), np.zeros((rows,), np.int32)
+            slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows: every write drops
+            if step == "decode":
+                lane.cache, lane.slot_state, _ = self._run_step(
+                    self.decode_fn, self._state, lane.cache, lane.slot_state, np.zeros((self.lane_slots,), bool),
+                    np.bool_(False), kv_len=kv_len, num_steps=self.cfg.decode_steps)
+            elif step == "prefill_chunk":
+                lane.cache = self._run_chunk(lane.cache, ids, np.int32(0), zeros, slots, kv_len)
+            else:
+                ones, u32 = np.ones((rows,), np.float32), np.zeros((rows,), np.uint32)
+                lane.cache, lane.slot_state, _ = self._run_step(
+                    self.prefill_fn, self._state, lane.cache, lane.slot_state, ids, np.int32(0), zeros, slots, zeros,
+                    ones, ones, np.full((rows,), -1, np.int32), u32, u32, zeros, zeros,
+                    np.full((rows, DEVICE_STOP_IDS), -1, np.int32), kv_len=kv_len)
+        return len(self.step_shapes())
+
     # -- bookkeeping --
 
     def _snapshot(self, seq: _Seq) -> GenerateOutput:
         return GenerateOutput(seq.req.rid, len(seq.req.input_ids), list(seq.out_ids), list(seq.logprobs),
-                              list(seq.versions), seq.finish_reason, self._version)
+                              list(seq.versions), seq.finish_reason, self._version,
+                              list(seq.tops) if seq.req.sampling.top_logprobs_num else None)
 
     def _release(self, seq: _Seq) -> None:
         if seq.lane is not None:
@@ -336,24 +395,33 @@ class Engine:
         if seq.updates is not None:
             seq.updates.put_nowait(out)
 
-    def _abort_seq(self, seq: _Seq, message: str) -> bool:
-        """End one request with an abort, wherever it is (O(1)); False if it had finished."""
+    def _abort_seq(self, seq: _Seq, message: str, status_code: int | None = None) -> bool:
+        """End one request with an abort, wherever it is (O(1)); False if it had finished. A
+        ``status_code`` (SGLang's field) marks an error rather than a pause or a cancel."""
         if seq.finish_reason is not None:
             return False
-        self._finish(seq, {"type": "abort", "message": message})
+        reason: dict[str, Any] = {"type": "abort", "message": message}
+        if status_code is not None:
+            reason["status_code"] = status_code
+        self._finish(seq, reason)
         return True
 
-    def _abort_where(self, pred: Any, message: str) -> int:
+    def _abort_where(self, pred: Any, message: str, status_code: int | None = None) -> int:
         hits = [s for s in self._live.values() if pred(s)]
         for seq in hits:
-            self._abort_seq(seq, message)
+            self._abort_seq(seq, message, status_code)
         return len(hits)
 
-    def _append(self, seq: _Seq, token: int, logprob: float, version: int) -> bool:
-        """Record one sampled token; finish the request if it stops here. True when finished."""
+    def _append(self, seq: _Seq, token: int, logprob: float, version: int, top_values: Any = None,
+                top_ids: Any = None) -> bool:
+        """Record one sampled token (and the likeliest ones beside it); finish the request if it
+        stops here. True when finished."""
         seq.out_ids.append(token)
         seq.logprobs.append(logprob)
         seq.versions.append(version)
+        n = seq.req.sampling.top_logprobs_num
+        if n:
+            seq.tops.append([(float(v), int(t)) for v, t in zip(top_values[:n], top_ids[:n], strict=True)])
         self.stats["generated_tokens"] += 1
         sp = seq.req.sampling
         if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
@@ -410,7 +478,7 @@ class Engine:
                         await self._decode(lane)
                 except Exception as e:  # a failed step must not hang its requests
                     log.exception("engine step failed (lane %d)", lane.index)
-                    self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}")
+                    self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}", status_code=500)
                     lane.cache = lane.slot_state = None  # free the old cache before the new one
                     lane.cache, lane.slot_state = self._fresh_cache()
 
@@ -445,7 +513,8 @@ class Engine:
         slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows write nowhere
         first_step = np.zeros((rows,), np.int32)
         temp, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
-        top_k = np.full((rows,), -1, np.int32)
+        top_k, top_n = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
+        remaining, stop_ids = np.zeros((rows,), np.int32), np.full((rows, DEVICE_STOP_IDS), -1, np.int32)
         seed, stream = np.zeros((rows,), np.uint32), np.zeros((rows,), np.uint32)
         tokens = []
         for i, seq in enumerate(batch):
@@ -453,7 +522,11 @@ class Engine:
             tokens.append(toks)
             lengths[i], slots[i], first_step[i] = len(toks), free[i], len(seq.out_ids)
             sp = seq.req.sampling
-            temp[i], top_p[i], top_k[i] = sp.temperature, sp.top_p, sp.top_k
+            temp[i], top_p[i], top_k[i], top_n[i] = sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs_num
+            # tokens it may sample after this one, and what stops it: a decode chunk sees it end
+            remaining[i] = min(sp.max_new_tokens - len(seq.out_ids), cfg.max_seq_len - len(toks)) - 1
+            stops = [*(sp.stop_token_ids or ()), *(() if sp.ignore_eos else sorted(self.eos_token_ids))]
+            stop_ids[i, :min(len(stops), DEVICE_STOP_IDS)] = stops[:DEVICE_STOP_IDS]
             seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (self.seed, seq.stream_id)
             seq.lane, seq.slot = lane, free[i]
             lane.slots[free[i]] = seq
@@ -488,11 +561,13 @@ class Engine:
         version = self._version
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
-            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, kv_len=kv_len)
+            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, top_n, remaining, stop_ids,
+            kv_len=kv_len)
         self.stats["prefill_calls"] += 1
+        main, top_values, top_ids = out
         for i, seq in enumerate(batch):
             if lane.slots[free[i]] is seq:  # not aborted or retracted meanwhile
-                self._append(seq, int(out[0, i]), float(out[1, i]), version)
+                self._append(seq, int(main[0, i]), float(main[1, i]), version, top_values[i], top_ids[i])
                 self._notify(seq)
 
     def _run_chunk(self, cache: Any, *args: Any) -> Any:
@@ -505,17 +580,28 @@ class Engine:
         live = lane.running
         kv_len = bucket(max(s.length - 1 for s in live) + n, self.cfg.kv_buckets)
         version = self._version
+        active = np.array([s is not None for s in lane.slots])
+        waiting = bool(self._waiting)  # someone wants a slot: end the chunk where a request ends
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
-            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, kv_len=kv_len, num_steps=n)
+            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active,
+            np.bool_(waiting and self.cfg.end_chunk_at_finish),
+            kv_len=kv_len, num_steps=n)
         self.stats["decode_calls"] += 1
-        tokens, logprobs = out[0].astype(np.int64).tolist(), out[1].tolist()
+        main, top_values, top_ids, steps = out
+        steps = int(steps)
+        self.stats["decode_steps"] += steps
+        tokens, logprobs = main[0].astype(np.int64).tolist(), main[1].tolist()
         for seq in live:
             if seq.lane is not lane:  # aborted or retracted meanwhile
                 continue
             slot = seq.slot
-            for i in range(n):
+            for i in range(steps):
                 self.stats["decode_tokens"] += 1
-                if self._append(seq, tokens[i][slot], logprobs[i][slot], version):
+                if self._append(seq, tokens[i][slot], logprobs[i][slot], version, top_values[i, slot],
+                                top_ids[i, slot]):
+                    idle = steps - 1 - i  # steps this slot computed for a finished request
+                    self.stats["finished_slot_steps"] += idle
+                    self.stats["idle_slot_steps_while_waiting"] += idle if waiting else 0
                     break
             self._notify(seq)
 
@@ -523,7 +609,20 @@ class Engine:
         if seq.updates is not None and seq.finish_reason is None:
             seq.updates.put_nowait(self._snapshot(seq))
 
-    def _run_step(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SlotState, np.ndarray]:
+    def _run_step(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SlotState, tuple[np.ndarray, ...]]:
         with activate(self.mesh):
             cache, state, out = fn(*args, **kwargs)
-            return cache, state, np.asarray(jax.device_get(out))
+            return cache, state, tuple(np.asarray(x) for x in jax.device_get(out))
+
+    def prompt_logprobs(self, input_ids: list[int], temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For positions 1 .. n-1 of a prompt: the logprob of each token given the ones before it
+        and the ``max_top`` likeliest tokens there (values, ids), under ``log_softmax(logits / T)``
+        and the weights served now. One full forward, padded to a prefill bucket; blocking (run it
+        in a thread)."""
+        n = len(input_ids)
+        ids = np.zeros((1, bucket(n, self.cfg.prefill_buckets)), np.int32)
+        ids[0, :n] = input_ids
+        with activate(self.mesh):
+            out = self.prompt_logprobs_fn(self._state, ids, np.float32(temperature))
+            chosen, values, top = (np.asarray(x) for x in jax.device_get(out))
+        return chosen[:n - 1], values[:n - 1], top[:n - 1]

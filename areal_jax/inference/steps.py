@@ -23,6 +23,9 @@ from areal_jax.inference.sampling import row_keys, sample
 from areal_jax.models.decoder import Decoder, KVCache
 from sharding import constrain
 
+DEVICE_STOP_IDS = 8
+"""Stop token ids per slot that a decode chunk checks on the device."""
+
 
 class SlotState(NamedTuple):
     """Device-resident state of every KV slot, ``[num_slots]`` each."""
@@ -38,13 +41,21 @@ class SlotState(NamedTuple):
     top_k: jax.Array
     seed: jax.Array
     stream: jax.Array
+    top_n: jax.Array
+    """How many of the likeliest tokens to report at each step (``top_logprobs_num``; 0: none)."""
+    remaining: jax.Array
+    """Tokens the request may still sample (its length limit), so a decode chunk sees it end."""
+    stop_ids: jax.Array
+    """``[num_slots, DEVICE_STOP_IDS]`` token ids that end the request (eos unless ignored, then
+    its stop ids; -1 pads). A request with more keeps its extra ones on the host only."""
 
     @classmethod
     def empty(cls, num_slots: int) -> SlotState:
         zi = lambda: jnp.zeros((num_slots,), jnp.int32)  # distinct buffers: each is donated
         return cls(zi(), zi(), zi(), jnp.ones((num_slots,), jnp.float32), jnp.ones((num_slots,), jnp.float32),
                    jnp.full((num_slots,), -1, jnp.int32), jnp.zeros((num_slots,), jnp.uint32),
-                   jnp.zeros((num_slots,), jnp.uint32))
+                   jnp.zeros((num_slots,), jnp.uint32), zi(), zi(),
+                   jnp.full((num_slots, DEVICE_STOP_IDS), -1, jnp.int32))
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -61,6 +72,22 @@ def _forward(model: Decoder, ids: jax.Array, positions: jax.Array, cache: KVCach
     so prefill projects only each row's last position onto the vocabulary)."""
     x, cache = model.decode_layers(model.embed_tokens(ids), positions, cache, kv_len=kv_len, slots=slots)
     return model.norm(x), cache
+
+
+def top_logprobs(logits: jax.Array, temperature: jax.Array, top_n: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Logprobs and ids ``[b, k]`` of the ``k`` likeliest tokens under ``log_softmax(logits / T)``
+    (T=1 for greedy rows), computed only when some row has ``top_n > 0`` (else zeros)."""
+    rows = logits.shape[0]
+
+    def compute(_: None) -> tuple[jax.Array, jax.Array]:
+        temp = jnp.where(temperature <= 0, 1.0, temperature)
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32) / temp[:, None], axis=-1), k)
+        return values, ids.astype(jnp.int32)
+
+    def skip(_: None) -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((rows, k), jnp.float32), jnp.zeros((rows, k), jnp.int32)
+
+    return jax.lax.cond(jnp.any(top_n > 0), compute, skip, None)
 
 
 def _replicated(tree: Any) -> Any:
@@ -85,7 +112,8 @@ def _prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, ids
 def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState,
              ids: jax.Array, offset: jax.Array, lengths: jax.Array, slots: jax.Array, first_step: jax.Array,
              temperature: jax.Array, top_p: jax.Array, top_k: jax.Array, seed: jax.Array,
-             stream: jax.Array, *, kv_len: int) -> tuple[KVCache, SlotState, jax.Array]:
+             stream: jax.Array, top_n: jax.Array, remaining: jax.Array, stop_ids: jax.Array, *, kv_len: int,
+             max_top: int) -> tuple[KVCache, SlotState, tuple[jax.Array, jax.Array, jax.Array]]:
     """Write ``ids [rows, T]`` (row i: tokens ``offset ..`` of ``lengths[i]``) into ``slots`` and
     sample each row's next token; every row's last token must lie in this call (an unchunked
     prefill has ``offset`` 0 and ``kv_len`` T). Padding rows have length 0 and slot
@@ -96,34 +124,74 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_stat
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1 - offset, 0)[:, None, None], axis=1)
     logits = model.logits_from_hidden(last)[:, 0]
     tokens, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, first_step))
+    tops = top_logprobs(logits, temperature, top_n, max_top)
     put = lambda arr, val: arr.at[slots].set(val.astype(arr.dtype), mode="drop")
     slot_state = SlotState(
         put(slot_state.tokens, tokens), put(slot_state.positions, lengths), put(slot_state.step, first_step + 1),
         put(slot_state.temperature, temperature), put(slot_state.top_p, top_p), put(slot_state.top_k, top_k),
-        put(slot_state.seed, seed), put(slot_state.stream, stream))
-    return cache, _replicated(slot_state), jnp.stack([tokens.astype(jnp.float32), logprobs])
+        put(slot_state.seed, seed), put(slot_state.stream, stream), put(slot_state.top_n, top_n),
+        put(slot_state.remaining, remaining), put(slot_state.stop_ids, stop_ids))
+    return cache, _replicated(slot_state), (jnp.stack([tokens.astype(jnp.float32), logprobs]), *tops)
 
 
-def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, *,
-            kv_len: int, num_steps: int) -> tuple[KVCache, SlotState, jax.Array]:
-    """Advance every slot ``num_steps`` tokens, attending to the first ``kv_len`` cache positions.
+def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, active: jax.Array,
+            early: jax.Array, *, kv_len: int, num_steps: int,
+            max_top: int) -> tuple[KVCache, SlotState, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
+    """Advance every slot up to ``num_steps`` tokens, attending to the first ``kv_len`` cache
+    positions. With ``early`` (requests are waiting for a slot), the chunk ends after the step at
+    which some active request samples a stop token or reaches its length, so its slot is free for
+    the next call instead of idling to the chunk's end.
 
-    Returns the cache, the slot state and ``[2, num_steps, num_slots]``: token ids (as float32,
-    exact below 2**24) and logprobs. Free slots compute garbage the host ignores; their writes
-    go to their own (free) slot or past the cache.
+    ``active [num_slots]`` marks the slots that hold a request. A free slot's sampling parameters
+    are reset to SGLang's defaults first: a finished top-p or top-k request must not keep every
+    later step on the sorting path. Returns the cache, the slot state and
+    ``([2, num_steps, num_slots]`` token ids (as float32, exact below 2**24) and logprobs,
+    ``[num_steps, num_slots, max_top]`` top logprobs and their ids, the number of steps run);
+    rows past that number are zeros. Free slots compute garbage the host ignores; their writes go
+    to their own (free) slot or past the cache.
     """
     model = nnx.merge(graphdef, state)
+    slot_state = slot_state._replace(temperature=jnp.where(active, slot_state.temperature, 1.0),
+                                     top_p=jnp.where(active, slot_state.top_p, 1.0),
+                                     top_k=jnp.where(active, slot_state.top_k, -1),
+                                     top_n=jnp.where(active, slot_state.top_n, 0))
 
-    def one(carry: tuple[KVCache, SlotState], _: None) -> tuple[tuple[KVCache, SlotState], jax.Array]:
-        cache, s = carry
+    slots = active.shape[0]
+
+    def one(carry: tuple) -> tuple:
+        i, live, ended, cache, s, out, top_values, top_ids = carry
         hidden, cache = _forward(model, s.tokens[:, None], s.positions[:, None], cache, kv_len, None)
         logits = model.logits_from_hidden(hidden)[:, 0]
         tokens, logprobs = sample(logits, s.temperature, s.top_p, s.top_k, row_keys(s.seed, s.stream, s.step))
-        s = s._replace(tokens=tokens, positions=s.positions + 1, step=s.step + 1)
-        return (cache, s), jnp.stack([tokens.astype(jnp.float32), logprobs])
+        values, ids = top_logprobs(logits, s.temperature, s.top_n, max_top)
+        ends = live & (jnp.any(tokens[:, None] == s.stop_ids, axis=-1) | (s.remaining <= 1))
+        s = s._replace(tokens=tokens, positions=s.positions + 1, step=s.step + 1, remaining=s.remaining - 1)
+        out = out.at[:, i].set(jnp.stack([tokens.astype(jnp.float32), logprobs]))
+        return (i + 1, live & ~ends, ended | jnp.any(ends), cache, s, out, top_values.at[i].set(values),
+                top_ids.at[i].set(ids))
 
-    (cache, slot_state), out = jax.lax.scan(one, (cache, slot_state), None, length=num_steps)
-    return cache, _replicated(slot_state), jnp.moveaxis(out, 1, 0)
+    def more(carry: tuple) -> jax.Array:
+        i, _, ended = carry[:3]
+        return (i < num_steps) & ~(early & ended)
+
+    start = (jnp.int32(0), active, jnp.bool_(False), cache, slot_state, jnp.zeros((2, num_steps, slots), jnp.float32),
+             jnp.zeros((num_steps, slots, max_top), jnp.float32), jnp.zeros((num_steps, slots, max_top), jnp.int32))
+    steps, _, _, cache, slot_state, out, top_values, top_ids = jax.lax.while_loop(more, one, start)
+    return cache, _replicated(slot_state), (out, top_values, top_ids, steps)
+
+
+def _prompt_logprobs(graphdef: nnx.GraphDef, state: nnx.State, ids: jax.Array, temperature: jax.Array, *,
+                     max_top: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For a prompt ``ids [1, T]`` (right padding is inert under causal attention): at each
+    position t >= 1, the logprob of ``ids[t]`` given the tokens before it, and the ``max_top``
+    likeliest tokens there, under ``log_softmax(logits / T)``; row t describes position t + 1."""
+    model = nnx.merge(graphdef, state)
+    logits = model(ids)[0, :-1]
+    temp = jnp.where(temperature <= 0, 1.0, temperature)
+    logp = jax.nn.log_softmax(logits / temp, axis=-1)
+    chosen = jnp.take_along_axis(logp, ids[0, 1:, None], axis=-1)[:, 0]
+    values, top = jax.lax.top_k(logp, max_top)
+    return chosen, values, top.astype(jnp.int32)
 
 
 class Steps(NamedTuple):
@@ -132,11 +200,16 @@ class Steps(NamedTuple):
     prefill: Any
     prefill_chunk: Any
     decode: Any
+    prompt_logprobs: Any
 
 
-def compile_steps(graphdef: nnx.GraphDef) -> Steps:
-    """The steps jitted for one model graph, donating cache and slot state."""
+def compile_steps(graphdef: nnx.GraphDef, max_top: int) -> Steps:
+    """The steps jitted for one model graph, donating cache and slot state; ``max_top`` is the
+    most top logprobs a step reports per token."""
     return Steps(
-        prefill=jax.jit(partial(_prefill, graphdef), donate_argnums=(1, 2), static_argnames=("kv_len",)),
+        prefill=jax.jit(partial(_prefill, graphdef, max_top=max_top), donate_argnums=(1, 2),
+                        static_argnames=("kv_len",)),
         prefill_chunk=jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1,), static_argnames=("kv_len",)),
-        decode=jax.jit(partial(_decode, graphdef), donate_argnums=(1, 2), static_argnames=("kv_len", "num_steps")))
+        decode=jax.jit(partial(_decode, graphdef, max_top=max_top), donate_argnums=(1, 2),
+                       static_argnames=("kv_len", "num_steps")),
+        prompt_logprobs=jax.jit(partial(_prompt_logprobs, graphdef, max_top=max_top)))

@@ -24,6 +24,9 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence token(s)."""
     seed: int | None = None
     """Seed of this request's sampling stream; the same seed and prompt give the same output."""
+    top_logprobs_num: int = 0
+    """Also report the logprobs of this many likeliest tokens at each output token (SGLang's
+    ``top_logprobs_num``)."""
 
     def validate(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the first field out of range."""
@@ -40,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if self.top_logprobs_num < 0:
+            raise ValueError(f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}")
 
 
 @dataclass
@@ -69,6 +74,8 @@ class GenerateOutput:
     ``{"type": "abort", "message": str}``; None on a partial (streamed) output."""
     weight_version: int
     """Engine version when this output was made."""
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    """With ``top_logprobs_num``: the likeliest (logprob, token id) at each output token."""
 
     @property
     def finished(self) -> bool:

@@ -216,3 +216,37 @@ def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Deco
     waited, ids = run(go())
     assert waited < 0.9, waited
     assert ids == reference_greedy(model, prompt, 3)
+
+
+def test_finished_slot_sampling_params_are_reset(model: Decoder) -> None:
+    """A finished top-p/top-k request leaves defaults in its slot: later decode steps of other
+    requests must not stay on the vocabulary-sorting path."""
+    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=4, lanes=1, seed=0))
+    short = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2, top_p=0.5, top_k=3, ignore_eos=True))
+    long = GenerateRequest([6, 7, 8], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    outs = generate_all(engine, [short, long])
+    assert [len(o.output_ids) for o in outs] == [2, 20]
+    state = engine._lanes[0].slot_state  # noqa: SLF001 - the device-side slot parameters are the point
+    np.testing.assert_array_equal(np.asarray(state.top_p), [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(state.top_k), [-1, -1])
+
+
+@pytest.mark.parametrize("end_chunk_at_finish", [True, False])
+def test_slot_of_a_request_ending_mid_chunk_is_refilled_at_once(model: Decoder, end_chunk_at_finish: bool) -> None:
+    """While a request waits, a decode chunk ends at the step where a running request stops (by
+    length or by a stop token), not 8 steps later; the tokens are the same either way."""
+    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=8, lanes=1, seed=0,
+                                        end_chunk_at_finish=end_chunk_at_finish))
+    free = SamplingParams(max_new_tokens=30, temperature=1.0, ignore_eos=True, seed=7)
+    stop_at = generate_all(engine, [GenerateRequest([9, 8, 7], free)])[0].output_ids[3]
+    reqs = [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=3, ignore_eos=True)),
+            GenerateRequest([6, 7, 8], SamplingParams(max_new_tokens=40, ignore_eos=True)),
+            GenerateRequest([9, 8, 7], SamplingParams(max_new_tokens=30, temperature=1.0, ignore_eos=True, seed=7,
+                                                      stop_token_ids=[stop_at])),
+            GenerateRequest([2, 3, 4], SamplingParams(max_new_tokens=5, ignore_eos=True))]
+    idle0 = engine.stats["idle_slot_steps_while_waiting"]
+    outs = generate_all(engine, reqs)
+    stop_len = outs[2].output_ids.index(stop_at) + 1
+    assert [len(o.output_ids) for o in outs] == [3, 40, stop_len, 5] and outs[2].finish_reason["type"] == "stop"
+    idle = engine.stats["idle_slot_steps_while_waiting"] - idle0
+    assert (idle == 0) == end_chunk_at_finish, idle

@@ -14,7 +14,7 @@ from rollout_bridge.launcher import LaunchError, ServerFleet
 @pytest.mark.slow
 def test_fleet_starts_notices_a_dead_child_and_stops_all(tmp_path: Path) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "m")
-    fleet = ServerFleet(ckpt, 2, tmp_path / "logs", extra_args=["--max-running-requests", "4"],
+    fleet = ServerFleet(ckpt, 2, tmp_path / "logs", extra_args=["--max-running-requests", "4", "--skip-server-warmup"],
                         startup_timeout_s=120)
     addresses = fleet.start()
     try:

@@ -172,3 +172,27 @@ def test_client_against_stock_sglang_replies(sgl: Any) -> None:
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_every_sglang_request_field_is_served_or_refused(sgl: Any, tiny_dir: Path) -> None:
+    """Our /generate request has exactly SGLang's fields: none silently ignored, none invented."""
+    assert set(P.GenerateReqInput.__struct_fields__) == set(sgl.GenerateRequest.__struct_fields__)
+    implemented = set(P.GenerateReqInput.__struct_fields__) - set(P.UNSUPPORTED_AT_DEFAULT)
+    assert implemented == {"input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len",
+                           "top_logprobs_num", "return_text_in_logprobs", "return_prompt_token_ids", "rid", "stream"}
+
+    async def main() -> None:
+        async with running_server(tiny_dir) as (addr, _), aiohttp.ClientSession() as s:
+            body = {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+                    "return_text_in_logprobs": True, "return_prompt_token_ids": True, "image_data": [],
+                    "sampling_params": {"max_new_tokens": 3}}
+            sgl.GenerateRequest.from_json_value(body)
+            async with s.post(f"http://{addr}/generate", json=body) as r:
+                reply = sgl.GenerateResponse.from_json_value(await r.json())
+            m = reply.meta_info
+            assert len(m.input_token_logprobs) == 3 and m.input_token_logprobs[0].logprob is None
+            assert len(m.output_top_logprobs) == 3 and all(len(row) == 2 for row in m.output_top_logprobs)
+            assert m.input_top_logprobs[0] is None and len(m.input_top_logprobs[1]) == 2
+            assert reply.prompt_token_ids == [5, 6, 7]
+
+    asyncio.run(main())

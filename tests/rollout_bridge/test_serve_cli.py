@@ -3,8 +3,10 @@ devices (--tp-size 2 --dp-size 2) says where it listens and answers as one devic
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,11 +27,28 @@ def test_serve_help_shows_defaults() -> None:
 
     text = parser().format_help().split("options:", 1)[1]
     for flag, default in (("--chunked-prefill-size", "1024"), ("--max-running-requests", "32"),
-                          ("--context-length", "1024"), ("--weight-version", "default"), ("--tp-size", "1"),
-                          ("--log-level", "info")):
+                          ("--context-length", "the model's max_position_embeddings"),
+                          ("--weight-version", "default"), ("--tp-size", "1"), ("--log-level", "info")):
         assert flag in text, flag
         block = text.split(flag, 1)[1].split("\n  --", 1)[0]
         assert f"(default: {default})" in " ".join(block.split()), (flag, block)
+
+
+def test_context_length_defaults_to_the_model_and_exceeds_it_only_when_allowed(
+        tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_bridge.serve import LONGER_CONTEXT_ENV, build, parser
+
+    monkeypatch.delenv(LONGER_CONTEXT_ENV, raising=False)
+    model_max = json.loads((tiny_dir / "config.json").read_text())["max_position_embeddings"]
+    base = ["--model-path", str(tiny_dir), "--max-running-requests", "2", "--lanes", "1"]
+    served = lambda *extra: build(parser().parse_args([*base, *extra]))[1].max_seq_len  # noqa: E731
+    assert served() == model_max
+    assert served("--context-length", "64") == 64
+    with pytest.raises(SystemExit, match="--allow-overwrite-longer-context-len"):
+        served("--context-length", str(2 * model_max))
+    assert served("--context-length", str(2 * model_max), "--allow-overwrite-longer-context-len") == 2 * model_max
+    monkeypatch.setenv(LONGER_CONTEXT_ENV, "1")
+    assert served("--context-length", str(2 * model_max)) == 2 * model_max
 
 
 def _post(url: str, body: dict) -> dict:
@@ -48,7 +67,7 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
              "--tp-size", "2", "--dp-size", "2", "--max-running-requests", "4", "--context-length", "64",
-             "--log-level", "info"], env=env, stdout=f, stderr=subprocess.STDOUT)
+             "--log-level", "info", "--skip-server-warmup"], env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -70,3 +89,40 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         proc.terminate()
         proc.wait(timeout=30)
     assert "ERROR" not in log.read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_answers_requests_in_flight_before_exiting(tiny_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    log = tmp_path / "serve.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
+             "--max-running-requests", "2", "--context-length", "1024", "--log-level", "info",
+             "--skip-server-warmup"],
+            env=env, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if f"on {url}" in log.read_text():
+                break
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(_post, url + "/generate", body)
+            for _ in range(600):
+                with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
+                    if json.loads(r.read())["internal_states"][0]["num_running"]:
+                        break
+                time.sleep(0.1)
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            reply = pending.result(timeout=60)
+        assert reply["meta_info"]["finish_reason"] == {"type": "abort", "message": "server shutting down"}
+        assert 0 < len(reply["output_ids"]) < 1000
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

@@ -5,13 +5,16 @@ random seeds, /get_weight_version and /metrics (real HTTP on 127.0.0.1)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 
-from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from areal_jax.models import load_tokenizer
+from rollout_bridge.client import ClientConfig, HttpRolloutClient, RolloutError
 from tests.rollout_bridge.bridge_helpers import running_server
 
 LONG = {"max_new_tokens": 24, "ignore_eos": True}
@@ -165,5 +168,172 @@ def test_client_caps_its_connections_per_server(tiny_dir: Path) -> None:
                 await client.continue_generation()  # control calls are not queued behind them
                 results = await asyncio.gather(*tasks)
             assert [len(r.output_ids) for r in results] == [3] * 5
+
+    asyncio.run(main())
+
+
+def test_engine_error_is_a_500_and_the_client_resends_a_few_times(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine):
+            real, faults = engine.decode_fn, {"left": 1}
+
+            def flaky(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a device fault, injected
+                if faults["left"]:
+                    faults["left"] -= 1
+                    raise RuntimeError("injected device fault")
+                return real(*args, **kwargs)
+
+            engine.decode_fn = flaky
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                body = {"input_ids": [3, 4, 5], "sampling_params": LONG}
+                async with s.post(f"http://{addr}/generate", json=body) as r:
+                    assert r.status == 500
+                    assert "injected device fault" in (await r.json())["error"]["message"]
+            cfg = ClientConfig(generate_timeout_s=60, error_backoff_s=0.01, max_error_resends=2)
+            async with HttpRolloutClient([addr], config=cfg) as client:
+                faults["left"] = 1
+                r = await client.generate([3, 4, 5], LONG)
+                assert len(r.output_ids) == LONG["max_new_tokens"] and r.resends == 1
+                faults["left"] = 100
+                with pytest.raises(RolloutError, match="injected device fault"):
+                    await client.generate([3, 4, 5], LONG)
+                assert faults["left"] == 100 - (cfg.max_error_resends + 1)  # bounded
+                assert client.in_rotation() == [f"http://{addr}"]  # and the server is not marked down
+                engine.decode_fn = real
+                assert len((await client.generate([3, 4, 5], LONG)).output_ids) == LONG["max_new_tokens"]
+
+    asyncio.run(main())
+
+
+def test_resent_answer_keeps_all_text_and_streams_send_increments(tiny_dir: Path) -> None:
+    tok = load_tokenizer(tiny_dir)
+
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=128, app_kw={"incremental_streaming_output": True}) \
+                as (addr, engine), HttpRolloutClient([addr], config=ClientConfig(generate_timeout_s=60)) as client:
+            task = asyncio.create_task(client.generate([3, 4, 5], {"max_new_tokens": 60, "ignore_eos": True}))
+            await _until(lambda: engine.stats["decode_calls"] >= 2, timeout=120)
+            await client.pause("abort")
+            await client.continue_generation()
+            r = await task
+            assert r.resends >= 1 and len(r.output_ids) == 60
+            assert r.text == tok.decode(r.output_ids, skip_special_tokens=True)  # all segments, not the last
+
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                async with s.get(f"http://{addr}/get_server_info") as resp:
+                    assert (await resp.json())["incremental_streaming_output"] is True
+                body = {"input_ids": [3, 4, 5], "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}}
+                async with s.post(f"http://{addr}/generate", json=body) as resp:
+                    whole = await resp.json()
+                async with s.post(f"http://{addr}/generate", json={**body, "stream": True}) as resp:
+                    events = [e for e in (await resp.read()).decode().split("\n\n") if e]
+            parts = [json.loads(e[6:]) for e in events[:-1]]
+            assert len(parts) > 2 and all(len(p["output_ids"]) < 20 for p in parts)  # no event repeats it all
+            assert sum((p["output_ids"] for p in parts), []) == whole["output_ids"]
+            assert "".join(p["text"] for p in parts) == whole["text"]
+            lps = [e for p in parts for e in p["meta_info"]["output_token_logprobs"]]
+            assert [e[1] for e in lps] == whole["output_ids"]
+            assert np.allclose([e[0] for e in lps], [e[0] for e in whole["meta_info"]["output_token_logprobs"]],
+                               atol=1e-5)
+            assert parts[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+
+    asyncio.run(main())
+
+
+def test_authorization_header_that_is_not_utf8_is_a_401(tiny_dir: Path) -> None:
+    async def main() -> None:
+        async with running_server(tiny_dir, api_key="sekret", max_seq_len=64) as (addr, _):
+            host, port = addr.split(":")
+            for auth in (b"Bearer \xff\xfe", b"\xc3\x28", "Bearer sekrét".encode("latin-1")):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /get_model_info HTTP/1.1\r\nHost: x\r\nAuthorization: " + auth
+                             + b"\r\nConnection: close\r\n\r\n")
+                await writer.drain()
+                status = (await asyncio.wait_for(reader.read(), 30)).split(b"\r\n", 1)[0]
+                writer.close()
+                assert status.split()[1] == b"401", (auth, status)
+
+    asyncio.run(main())
+
+
+def test_shutdown_answers_requests_in_flight_with_their_tokens(tiny_dir: Path) -> None:
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import load_pretrained
+    from rollout_bridge.server import build_app, start_server
+
+    async def main() -> None:
+        model = load_pretrained(tiny_dir)
+        engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=512, seed=0))
+        runner, port = await start_server(build_app(engine, load_tokenizer(tiny_dir)), "127.0.0.1", 0,
+                                          shutdown_timeout=30)
+        url = f"http://127.0.0.1:{port}/generate"
+        body = {"input_ids": [3, 4, 5], "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async def plain() -> dict:
+                async with s.post(url, json=body) as r:
+                    assert r.status == 200
+                    return await r.json()
+
+            async def streamed() -> dict:
+                async with s.post(url, json={**body, "stream": True}) as r:
+                    events = [e for e in (await r.read()).decode().split("\n\n") if e]
+                assert events[-1] == "data: [DONE]"
+                return json.loads(events[-2][6:])
+
+            tasks = [asyncio.create_task(plain()), asyncio.create_task(streamed())]
+            await _until(lambda: engine.stats["decode_calls"] >= 4, timeout=120)
+            await runner.cleanup()
+            for reply in await asyncio.gather(*tasks):
+                meta = reply["meta_info"]
+                assert meta["finish_reason"] == {"type": "abort", "message": "server shutting down"}
+                assert 0 < len(reply["output_ids"]) < 400  # partial, to resume elsewhere
+                assert len(meta["output_token_logprobs"]) == len(reply["output_ids"])
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_warmup_compiles_every_step_shape_before_health_says_ready(tiny_dir: Path) -> None:
+    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.models import load_pretrained
+    from rollout_bridge.server import build_app, start_server
+
+    async def main() -> None:
+        cfg = EngineConfig(num_slots=2, max_seq_len=64, chunked_prefill_size=16, max_prefill_batch=2, lanes=1, seed=0)
+        engine = Engine(load_pretrained(tiny_dir), cfg)
+        runner, port = await start_server(build_app(engine, warmup=True), "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                async with s.get(url + "/health") as r:
+                    assert r.status == 503 and "warming up" in (await r.json())["error"]["message"]
+                async with s.post(url + "/generate", json={"input_ids": [3]}) as r:
+                    assert r.status == 503
+                while True:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                    await asyncio.sleep(0.1)
+                async with s.get(url + "/get_server_info") as r:
+                    state = (await r.json())["internal_states"][0]
+                assert state["ready"] and state["warmup"]["shapes"] == len(engine.step_shapes())
+                compiled = [f._cache_size() for f in (engine.prefill_fn, engine.prefill_chunk_fn, engine.decode_fn)]
+                assert sum(compiled) == len(engine.step_shapes())
+                # prompts of every kind (short, batched, chunked, near the context) compile nothing new
+                lengths = [1, 3, 16, 17, 30, 33, 47, 49, 62, 63]
+                bodies = [{"input_ids": [5] * n, "sampling_params": {"max_new_tokens": 64 - n, "ignore_eos": True}}
+                          for n in lengths]
+
+                async def one(body: dict) -> int:
+                    async with s.post(url + "/generate", json=body) as r:
+                        return len((await r.json())["output_ids"])
+
+                assert await asyncio.gather(*map(one, bodies)) == [64 - n for n in lengths]
+                assert [f._cache_size() for f in (engine.prefill_fn, engine.prefill_chunk_fn,
+                                                  engine.decode_fn)] == compiled
+        finally:
+            await runner.cleanup()
 
     asyncio.run(main())
