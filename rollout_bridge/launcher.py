@@ -78,7 +78,7 @@ class ServerFleet:
                 log = self.log_dir / f"server-{i}.log"
                 cmd = [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", self.model_path,
                        "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(self.seed + i),
-                       *self.extra_args]
+                       *self._warmup_args(), *self.extra_args]
                 with log.open("w") as f:
                     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **(self.env or {})})
@@ -89,6 +89,15 @@ class ServerFleet:
             self.stop()
             raise
         return self.addresses
+
+    def _warmup_args(self) -> list[str]:
+        """A run's fleet skips the start-up compile of every step shape unless ``server_args`` ask
+        for it (``--server-warmup``): the run compiles only the shapes its requests use, while the
+        trainer waits for its first batch anyway."""
+        if "--server-warmup" in self.extra_args:
+            self.extra_args = [a for a in self.extra_args if a != "--server-warmup"]
+            return []
+        return ["--skip-server-warmup"]
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s

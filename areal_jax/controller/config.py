@@ -21,7 +21,9 @@ class RolloutConfig:
     api_key: str | None = None
     """Bearer key the servers want, if any."""
     server_args: list[str] = field(default_factory=list)
-    """Extra ``areal-jax serve`` flags for embedded servers, e.g. ``["--max-running-requests", "64"]``."""
+    """Extra ``areal-jax serve`` flags for embedded servers, e.g. ``["--max-running-requests", "64"]``.
+    A run's servers skip the start-up compile of every step shape (they compile what the run
+    uses, on first use); ``"--server-warmup"`` here asks for it."""
     startup_timeout_s: float = 300.0
     """How long to wait for embedded servers to answer ``/health``."""
     workflow: str = "single_turn"

@@ -41,3 +41,12 @@ def test_fleet_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
         fleet.start()
     assert "no-such-model" in str(e.value)  # the child's own error is quoted
     assert fleet.children == []
+
+
+def test_fleet_skips_the_server_warmup_unless_asked(tmp_path: Path) -> None:
+    """A run's servers start at once (the run compiles only the shapes it uses); ``--server-warmup``
+    in ``server_args`` keeps the start-up compile and is not passed on to ``serve``, which lacks it."""
+    fleet = ServerFleet(tmp_path, 1, tmp_path, extra_args=["--context-length", "128"])
+    assert fleet._warmup_args() == ["--skip-server-warmup"]
+    fleet = ServerFleet(tmp_path, 1, tmp_path, extra_args=["--server-warmup", "--context-length", "128"])
+    assert fleet._warmup_args() == [] and fleet.extra_args == ["--context-length", "128"]
