@@ -128,7 +128,7 @@ async def _train(cfg: RunConfig) -> RunResult:
     tokenizer = load_tokenizer(base)
     data = load_prompts(cfg.data, tokenizer)
     mesh = make_mesh(cfg.mesh)
-    model = load_pretrained(base, mesh=mesh, dtype=cfg.model.dtype)
+    model = load_pretrained(base, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     serve_dir = base
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict())
     result = RunResult(run_dir=run_dir, metrics=logger.history)

@@ -33,10 +33,18 @@ class ModelSource:
     """Architecture of a tiny model: ``qwen2``, ``qwen3`` or ``llama``."""
     dtype: str | None = None
     """Parameter/compute dtype override (``float32``, ``bfloat16``); None: the checkpoint's."""
+    attention_impl: str = "dense"
+    """The trainer's attention over packed rows: ``dense`` (the reference), ``dot_product`` (cuDNN
+    flash attention on GPU), ``splash`` (Pallas, TPU) or ``auto`` (fused on GPU/TPU in bfloat16,
+    dense elsewhere); see ``ModelConfig.attention_impl``."""
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("model: set exactly one of model.path (a HF model directory) or model.tiny (a size)")
+        from areal_jax.models.config import ATTENTION_IMPLS
+
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"model.attention_impl={self.attention_impl!r}: choose one of {list(ATTENTION_IMPLS)}")
 
 
 @dataclass

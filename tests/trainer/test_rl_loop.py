@@ -73,6 +73,8 @@ def test_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
         load_run_config(DEMO, ["rollout.max_stalenes=3"])
     with pytest.raises(ConfigError, match="rollout.group_size"):
         load_run_config(DEMO, ["rollout.group_size=many"])
+    with pytest.raises((ConfigError, ValueError), match="model.attention_impl='flash'"):
+        load_run_config(DEMO, ["model.attention_impl=flash"])
     with pytest.raises(ValueError, match="workflow"):
         train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "rollout.workflow=nope.nothing:here"]))
     assert not (tmp_path / "logs").exists()  # no server was started
