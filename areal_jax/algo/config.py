@@ -57,7 +57,9 @@ class AlgoConfig:
     loss_aggregation: str = "token_mean"
     """``token_mean``, ``seq_mean_token_mean`` or ``constant`` (sum / ``constant_normalizer``)."""
     constant_normalizer: float | None = None
-    """Divisor of the summed token losses when ``loss_aggregation == 'constant'`` (Dr.GRPO)."""
+    """Divisor of a minibatch's summed token losses when ``loss_aggregation == 'constant'``
+    (Dr.GRPO), whatever its packing into micro-batches: typically sequences per minibatch times
+    max new tokens."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference penalty, a per-token reward ``-kl_coef * kl`` added after the
     group normalisation of the task reward (AReaL's ``kl_ctl``). 0 means no reference model is

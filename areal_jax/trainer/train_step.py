@@ -367,13 +367,19 @@ class Trainer:
         ``proximal_logprobs``). Each micro-batch's loss is scaled by its share of the minibatch's
         normaliser, so the sum is the gradient of the minibatch's loss however it was split.
         Returns the gradients and each micro-batch's statistics (device arrays)."""
-        units = [self._loss_units(m) for m in micro_batches]
-        total = sum(units)
+        if self.algo.loss_aggregation == "constant":
+            # Each micro-batch's loss is its token sum over the one constant: the shares add up to
+            # the minibatch's sum / constant as they are, however the minibatch was packed.
+            scales = [1.0] * len(micro_batches)
+        else:
+            units = [self._loss_units(m) for m in micro_batches]
+            total = sum(units)
+            scales = [1.0 if total == 0 else u / total for u in units]
         auxes = []
         with activate(self.mesh, self.rules):
             acc = self._zeros_fn(self.params)
-            for m, u in zip(micro_batches, units, strict=True):
-                scalars = {"loss_scale": np.float32(1.0 if total == 0 else u / total),
+            for m, scale in zip(micro_batches, scales, strict=True):
+                scalars = {"loss_scale": np.float32(scale),
                            "proximal_version": np.float32(version)}
                 acc, aux = self._grad_fn(self.params, acc, m, scalars)
                 auxes.append(aux)
@@ -430,8 +436,6 @@ class Trainer:
         if self.algo.loss_aggregation == "seq_mean_token_mean":
             ids = np.where(mask, arrays["segment_ids"] + np.arange(mask.shape[0])[:, None] * mask.shape[1], -1)
             return float(len(np.unique(ids[ids >= 0])))
-        if self.algo.loss_aggregation == "constant":
-            return 1.0  # sums over micro-batches already add up; every share has scale 1
         return float(mask.sum())
 
     def _unpacked_logprobs(self, micro: list[MicroBatch], params: nnx.State,

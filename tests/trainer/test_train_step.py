@@ -34,11 +34,15 @@ def _grads(trainer: Trainer, micro: list[dict]) -> tuple[np.ndarray, float]:
     return flat, float(sum(a["scaled_loss"] for a in jax.device_get(aux)))
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "constant"])
 def test_packed_equals_padded_and_accumulation_equals_one_micro_batch(aggregation: str) -> None:
     """Three layouts of the same minibatch give one loss and one gradient: one sequence per row
-    right-padded; packed into one big micro-batch; packed into several small micro-batches."""
-    trainer = Trainer(tiny_model(), AlgoConfig(loss_aggregation=aggregation, eps_clip=0.1),
+    right-padded; packed into one big micro-batch; packed into several small micro-batches.
+    Dr.GRPO's ``constant`` is the minibatch's token sum over the constant: the token mean times
+    (masked tokens / constant), whatever the layout."""
+    constant = 37.0 if aggregation == "constant" else None
+    trainer = Trainer(tiny_model(), AlgoConfig(loss_aggregation=aggregation, eps_clip=0.1,
+                                               constant_normalizer=constant),
                       TrainConfig(micro_batch_tokens=64, length_buckets=(32, 64, 256), temperature=TEMPERATURE))
     trajs = random_trajectories(np.random.default_rng(0), 3, 4)
     lengths = [len(t) for t in trajs]
@@ -57,6 +61,12 @@ def test_packed_equals_padded_and_accumulation_equals_one_micro_batch(aggregatio
     np.testing.assert_allclose(l_sev, l_one, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(g_one, g_pad, rtol=1e-4, atol=1e-7)
     np.testing.assert_allclose(g_sev, g_one, rtol=1e-4, atol=1e-7)
+    if aggregation == "constant":
+        mean = Trainer(tiny_model(), AlgoConfig(eps_clip=0.1), trainer.train)
+        g_mean, l_mean = _grads(mean, _micro_batches(mean, trajs, one))
+        tokens = sum(float(t.loss_mask[1:].sum()) for t in trajs)
+        np.testing.assert_allclose(l_one, l_mean * tokens / constant, rtol=1e-5)
+        np.testing.assert_allclose(g_one, g_mean * tokens / constant, rtol=1e-4, atol=1e-7)
 
 
 def test_attention_window_keeps_the_gradient_and_bounds_lengths() -> None:
