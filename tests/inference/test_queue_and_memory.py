@@ -77,9 +77,14 @@ def cancel_queued_seconds(engine: Engine, n: int) -> float:
     return run(go())
 
 
-def test_cancelling_10000_queued_requests_is_fast(engine: Engine) -> None:
-    # Each cancel used to scan and rebuild the queue: 10,000 took about 11 s of blocked event loop.
-    assert cancel_queued_seconds(engine, 10_000) < 3.0
+def test_cancelling_queued_requests_costs_constant_time_each(engine: Engine) -> None:
+    """Each cancel used to scan and rebuild the queue (10,000 took about 11 s of blocked event
+    loop): quadratic, so 8x the requests took 64x the time. Linear now: compared side by side,
+    not against a clock (benchmarks/engine_limits.py has the seconds)."""
+    cancel_queued_seconds(engine, 500)  # first-call costs out of the way
+    small = min(cancel_queued_seconds(engine, 1_000) for _ in range(2))
+    large = min(cancel_queued_seconds(engine, 8_000) for _ in range(2))
+    assert large / small < 40, (small, large)  # measured 9 to 21 on a loaded 2-core machine
 
 
 def test_default_seed_differs_per_engine_explicit_seed_reproduces(ckpt: Path) -> None:
