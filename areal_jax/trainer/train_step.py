@@ -199,9 +199,16 @@ class Trainer:
         (``...mu['layers'][0]['mlp']...`` ends with the param's path); jit alone would leave
         the freshly made zeros on one device.
         """
-        keystr = jax.tree_util.keystr
+        # Variables' ``.value`` shows in the paths of params and optimizer state, not of the
+        # shardings tree: paths are compared without it.
+        def keystr(path: Any) -> str:
+            return jax.tree_util.keystr(tuple(
+                k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
+
         shapes = {keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
         by_path = {keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+        if set(by_path) != set(shapes):
+            raise ValueError("parameter and sharding trees differ: " + ", ".join(sorted(set(by_path) ^ set(shapes))[:5]))
 
         def pick(path: Any, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
             key = keystr(path)

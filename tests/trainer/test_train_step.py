@@ -176,6 +176,12 @@ def test_bfloat16_compute_keeps_float32_master_params() -> None:
     f32 = Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).train_batch(trajs, 0)
     trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(compute_dtype="bfloat16", **cfg))
     assert trainer.graphdef != trainer._source_graphdef
+    # Before any update both trainers hold the same float32 weights: their logprobs differ only by
+    # bfloat16 rounding, which must show (were bfloat16 ignored, they would agree to ~1e-7).
+    lp32 = np.concatenate(Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).compute_logprobs(trajs))
+    lp16 = np.concatenate(trainer.compute_logprobs(trajs))
+    gap = np.abs(lp16 - lp32).max()
+    assert 1e-4 < gap < 0.1, gap
     bf16 = trainer.train_batch(trajs, 0)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
     np.testing.assert_allclose(bf16["entropy"], f32["entropy"], rtol=2e-2)
