@@ -208,7 +208,8 @@ class Trainer:
         shapes = {keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
         by_path = {keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
         if set(by_path) != set(shapes):
-            raise ValueError("parameter and sharding trees differ: " + ", ".join(sorted(set(by_path) ^ set(shapes))[:5]))
+            differ = sorted(set(by_path) ^ set(shapes))[:5]
+            raise ValueError(f"parameter and sharding trees differ: {', '.join(differ)}")
 
         def pick(path: Any, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
             key = keystr(path)
