@@ -4,11 +4,20 @@ logprobs equal to the trainer's forward after a handover."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+from typing import Any
+
 import jax
 import numpy as np
+import pytest
 
 from areal_jax.algo import AlgoConfig
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.models.hf_io import load_pretrained
 from areal_jax.trainer import TrainConfig, Trainer
+from rollout_bridge.client import GenerateResult, RolloutError
+from rollout_bridge.local import LocalRolloutClient, build_engine
 from tests.trainer.helpers import random_trajectories, tiny_model
 
 TRAIN = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2)
@@ -39,3 +48,82 @@ def test_lent_params_outlive_the_next_update_and_later_ones_are_donated_again() 
     unlent = jax.tree.leaves(trainer.params)
     trainer.train_batch(trajs, 1)  # not lent: donated as before, so an update holds one copy
     assert all(x.is_deleted() for x in unlent)
+
+
+# --- the client over an engine in this process (shared placement, one device) --------------------
+
+ENGINE_ARGS = ["--max-running-requests", "4", "--context-length", "64"]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_dir: Path) -> tuple[Trainer, LocalRolloutClient]:
+    """A trainer one step past the checkpoint, and a client over an engine still serving it."""
+    trainer = Trainer(load_pretrained(tiny_dir), AlgoConfig(), TRAIN)
+    trainer.train_batch(random_trajectories(np.random.default_rng(2), 2, 4), 0)
+    return trainer, LocalRolloutClient(build_engine(tiny_dir, ENGINE_ARGS, seed=0))
+
+
+def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(
+        shared: tuple[Trainer, LocalRolloutClient]) -> None:
+    trainer, client = shared
+    prompt = [5, 9, 14, 3]
+    sp = {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7}
+
+    async def run() -> tuple[Any, ...]:
+        async with client:
+            metrics = await client.update_params(trainer.lend_params(), version=1)
+            first = await client.generate(prompt, sp)
+            traj = Trajectory.from_prompt_and_answer(np.array(prompt), np.array(first.output_ids),
+                                                     np.array(first.output_logprobs), 1, reward=0.0, group_id=0)
+            trainer_lp = trainer.compute_logprobs([traj])[0][len(prompt):]
+            # The next update must neither delete nor change what the engine serves now.
+            await asyncio.to_thread(trainer.train_batch, random_trajectories(np.random.default_rng(3), 2, 4), 1)
+            again = await client.generate(prompt, sp)
+            return metrics, first, trainer_lp, again
+
+    metrics, first, trainer_lp, again = asyncio.run(run())
+    assert metrics.copied_bytes == 0 and metrics.bytes > 0  # same dtype and layout: no copy
+    assert first.output_versions == [1] * 12 and client.server_versions() == {"local": 1}
+    np.testing.assert_allclose(first.output_logprobs, trainer_lp, atol=1e-5)
+    assert again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_handover_during_generation_resumes_answers_with_per_token_versions(
+        shared: tuple[Trainer, LocalRolloutClient], mode: str) -> None:
+    trainer, client = shared
+    engine = client.engine
+    budget = 40
+
+    async def run() -> list[GenerateResult]:
+        async with client:
+            await client.update_params(trainer.lend_params(), version=1)
+            tasks = [asyncio.create_task(client.generate([7, 8, 9 + i], {"max_new_tokens": budget, "ignore_eos": True}))
+                     for i in range(3)]
+            start = engine.stats["generated_tokens"]
+            while engine.stats["generated_tokens"] - start < 8:  # every answer has started, none is done
+                await asyncio.sleep(0.005)
+            await client.pause(mode)
+            await client.update_params(trainer.lend_params(), version=2)
+            await client.continue_generation()
+            return await asyncio.gather(*tasks)
+
+    for r in asyncio.run(run()):
+        assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) == budget
+        assert r.finish_reason == {"type": "length", "length": budget}
+        k = r.output_versions.count(1)
+        assert 0 < k < budget and r.output_versions == [1] * k + [2] * (budget - k)
+        assert r.resends == (1 if mode == "abort" else 0)  # retract: the engine re-queues the request itself
+
+
+def test_requests_are_checked_as_over_http(shared: tuple[Trainer, LocalRolloutClient]) -> None:
+    _, client = shared
+
+    async def run(sp: dict[str, Any]) -> Any:
+        async with client:
+            return await client.generate([1, 2, 3], sp)
+
+    for bad, field in (({"top_p": 0.0}, "top_p"), ({"max_new_tokens": 100}, "context length"), ({"nope": 1}, "nope")):
+        with pytest.raises(RolloutError, match=field):
+            asyncio.run(run(bad))
+    assert asyncio.run(run({"max_new_tokens": 0})).output_ids == []
