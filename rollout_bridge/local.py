@@ -89,23 +89,31 @@ def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh
 
 
 def handover(params: Any, like: Any) -> tuple[Any, int]:
-    """``params`` placed like ``like`` (an engine's state: same tree), device to device: a leaf
-    whose dtype and layout already match is passed through as is; the others are cast where they
-    are (fewer bytes to move) and resharded onto ``like``'s shardings. Returns the new state and
-    the bytes copied. Blocks until the arrays are in place."""
+    """``params`` placed like ``like`` (an engine's state: the same parameters by path), device to
+    device: a leaf whose dtype and layout already match is passed through as is; the others are
+    cast where they are (fewer bytes to move) and resharded onto ``like``'s shardings. Returns the
+    new state, in ``like``'s tree (its variables' metadata), and the bytes copied. Blocks until
+    the arrays are in place."""
+    keystr = jax.tree_util.keystr
+    given = {keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+    paths, olds = zip(*jax.tree_util.tree_leaves_with_path(like), strict=True)
+    wanted = [keystr(p) for p in paths]
+    if set(given) != set(wanted):
+        diff = sorted(set(given) ^ set(wanted))
+        raise ValueError(f"handover: the trainer's params and the engine's state differ in parameters {diff[:5]}; "
+                         "load the engine from a checkpoint of the same model")
     copied = 0
-
-    def place(x: jax.Array, old: jax.Array) -> jax.Array:
-        nonlocal copied
+    leaves = []
+    for key, old in zip(wanted, olds, strict=True):
+        x = given[key]
+        if x.shape != old.shape:
+            raise ValueError(f"handover: {key} is {x.shape} in the trainer but {old.shape} in the engine")
         if x.dtype == old.dtype and x.sharding.is_equivalent_to(old.sharding, x.ndim):
-            return jax.device_put(x, old.sharding)  # the same buffers under the engine's sharding object
-        copied += old.nbytes
-        return jax.device_put(x.astype(old.dtype), old.sharding)
-
-    if jax.tree.structure(params) != jax.tree.structure(like):
-        raise ValueError("handover: the trainer's params and the engine's state differ in structure; load the "
-                         "engine from a checkpoint of the same model")
-    state = jax.tree.map(place, params, like)
+            leaves.append(jax.device_put(x, old.sharding))  # the same buffers under the engine's sharding object
+        else:
+            copied += old.nbytes
+            leaves.append(jax.device_put(x.astype(old.dtype), old.sharding))
+    state = jax.tree.unflatten(jax.tree.structure(like), leaves)
     return jax.block_until_ready(state), copied
 
 

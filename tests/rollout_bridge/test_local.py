@@ -16,10 +16,12 @@ from areal_jax.algo import AlgoConfig
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models.hf_io import load_pretrained
 from areal_jax.trainer import TrainConfig, Trainer
+from areal_jax.trainer.run_config import load_run_config
 from rollout_bridge.client import GenerateResult, RolloutError
-from rollout_bridge.local import LocalRolloutClient, build_engine
+from rollout_bridge.local import LocalRolloutClient, build_engine, split_devices
 from tests.trainer.helpers import random_trajectories, tiny_model
 
+DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 TRAIN = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2)
 
 
@@ -127,3 +129,15 @@ def test_requests_are_checked_as_over_http(shared: tuple[Trainer, LocalRolloutCl
         with pytest.raises(RolloutError, match=field):
             asyncio.run(run(bad))
     assert asyncio.run(run({"max_new_tokens": 0})).output_ids == []
+
+
+def test_config_chooses_the_local_backend_and_its_placement() -> None:
+    cfg = load_run_config(DEMO, ["rollout.backend=local", "rollout.local.placement=split",
+                                 "rollout.local.engine_devices=4", "rollout.local.engine_mesh={tensor: 2, data: 2}"])
+    local = cfg.rollout.local
+    assert cfg.rollout.backend == "local" and local.placement == "split" and local.engine_devices == 4
+    assert local.engine_mesh.shape(4) == (2, 1, 2)
+    with pytest.raises(ValueError, match="shared placement"):
+        split_devices(jax.devices()[:1], None)
+    with pytest.raises(ValueError, match="placement"):
+        load_run_config(DEMO, ["rollout.local.placement=elsewhere"])
