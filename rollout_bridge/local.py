@@ -81,6 +81,10 @@ def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh
     if args.tp_size != 1 or args.dp_size != 1:
         raise ValueError("--tp-size / --dp-size do not apply to the in-process engine: its mesh comes from the "
                          "placement (rollout.local)")
+    ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if args.max_running_requests % ways:
+        raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of {ways}: the "
+                         f"engine's mesh {dict(mesh.shape)} splits its KV slots over data x fsdp")
     cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=args.context_length,
                        seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
                        max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size)
@@ -108,12 +112,13 @@ def handover(params: Any, like: Any) -> tuple[Any, int]:
         x = given[key]
         if x.shape != old.shape:
             raise ValueError(f"handover: {key} is {x.shape} in the trainer but {old.shape} in the engine")
-        if x.dtype == old.dtype and x.sharding.is_equivalent_to(old.sharding, x.ndim):
-            leaves.append(jax.device_put(x, old.sharding))  # the same buffers under the engine's sharding object
-        else:
-            copied += old.nbytes
-            leaves.append(jax.device_put(x.astype(old.dtype), old.sharding))
-    state = jax.tree.unflatten(jax.tree.structure(like), leaves)
+        same = x.dtype == old.dtype and x.sharding.is_equivalent_to(old.sharding, x.ndim)
+        copied += 0 if same else old.nbytes
+        leaves.append(x if x.dtype == old.dtype else x.astype(old.dtype))
+    # One call for all leaves: the runtime batches the transfers. A leaf that matches keeps its
+    # buffers (only the sharding object becomes the engine's).
+    placed = jax.device_put(leaves, [old.sharding for old in olds])
+    state = jax.tree.unflatten(jax.tree.structure(like), placed)
     return jax.block_until_ready(state), copied
 
 

@@ -29,24 +29,18 @@ def _values(tree: object) -> list[np.ndarray]:
     return [np.array(x) for x in jax.tree.leaves(tree)]  # raises on a deleted (donated) array
 
 
-def test_trainer_never_donates_the_model_it_was_given() -> None:
+def test_trainer_never_deletes_the_given_model_nor_lent_params() -> None:
     model = tiny_model()  # an engine may be serving this very model
     before = _values(model)
     trainer = Trainer(model, AlgoConfig(), TRAIN)
-    trainer.train_batch(random_trajectories(np.random.default_rng(0), 2, 4), 0)
-    for a, b in zip(_values(model), before, strict=True):
+    trajs = random_trajectories(np.random.default_rng(0), 2, 4)
+    lent = trainer.lend_params()
+    trainer.train_batch(trajs, 0)
+    for a, b in zip(_values(model), before, strict=True):  # the given model: readable, unchanged
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_values(lent), before, strict=True):  # the lent params outlive the update too
         np.testing.assert_array_equal(a, b)
     assert any(not np.array_equal(a, b) for a, b in zip(_values(trainer.params), before, strict=True))
-
-
-def test_lent_params_outlive_the_next_update_and_later_ones_are_donated_again() -> None:
-    trainer = Trainer(tiny_model(), AlgoConfig(), TRAIN)
-    trajs = random_trajectories(np.random.default_rng(1), 2, 4)
-    lent = trainer.lend_params()
-    before = _values(lent)
-    trainer.train_batch(trajs, 0)
-    for a, b in zip(_values(lent), before, strict=True):  # still readable, and unchanged
-        np.testing.assert_array_equal(a, b)
     unlent = jax.tree.leaves(trainer.params)
     trainer.train_batch(trajs, 1)  # not lent: donated as before, so an update holds one copy
     assert all(x.is_deleted() for x in unlent)
@@ -141,3 +135,18 @@ def test_config_chooses_the_local_backend_and_its_placement() -> None:
         split_devices(jax.devices()[:1], None)
     with pytest.raises(ValueError, match="placement"):
         load_run_config(DEMO, ["rollout.local.placement=elsewhere"])
+
+
+@pytest.mark.slow
+def test_demo_learns_with_the_local_backend(tmp_path: Path) -> None:
+    """The demo (warm start, then asynchronous GRPO) on an in-process engine: held-out accuracy
+    rises from the warm start within 20 steps, every step served the version just trained."""
+    from areal_jax.trainer.rl import train
+
+    result = train(load_run_config(DEMO, [f"run_dir={tmp_path}", "rollout.backend=local", "steps=20",
+                                          "eval.every=10", "log.progress=false", "export=false"]))
+    assert [m["served_versions"] for m in result.metrics] == [[str(v)] for v in range(1, 21)]
+    assert all(m["staleness_max"] <= 2 for m in result.metrics)
+    assert max(m["staleness_max"] for m in result.metrics) >= 1  # rollout ran ahead of the trainer
+    assert result.eval_after["eval_accuracy"] > result.eval_before["eval_accuracy"], (result.eval_before,
+                                                                                      result.eval_after)
