@@ -11,6 +11,8 @@ one version and reports a ``TransferMetrics``. Sinks:
   read that store or mount it.
 * ``HttpBucketSink``: each bucket POSTed as safetensors bytes to our embedded servers'
   ``/update_weights_from_tensor``; the servers apply the whole version atomically at the end.
+* ``LocalSink``: an engine in this process (``LocalRolloutClient``); ``push_params`` hands it
+  the trainer's params on device (no HF names, no host memory), ``push`` takes host tensors.
 
 An NCCL sink for GPU SGLang servers fits the same interface: ``push`` would call
 ``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed`` with
@@ -173,3 +175,25 @@ class HttpBucketSink(WeightSink):
             cur = nxt
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
                                buckets=sent, tensors=n, servers=servers)
+
+
+class LocalSink(WeightSink):
+    """Weights for an in-process engine through a ``LocalRolloutClient``."""
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    async def push_params(self, version: int, params: Any) -> TransferMetrics:
+        """Hand the trainer's ``params`` (an ``nnx.State`` of device arrays) over on device. In the
+        shared placement pass ``Trainer.lend_params()``: the engine may keep those very arrays."""
+        m = await self.client.update_params(params, version=version)
+        return TransferMetrics(version=version, bytes=m.bytes, seconds=m.seconds, buckets=0, tensors=m.tensors,
+                               servers=1)
+
+    async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
+        """HF-named host tensors, gathered off the event loop: the path through host memory."""
+        t0 = time.perf_counter()
+        named = await asyncio.to_thread(dict, tensors)
+        await self.client.update_weights_from_tensors(named, version=version)
+        return TransferMetrics(version=version, bytes=sum(a.nbytes for a in named.values()),
+                               seconds=time.perf_counter() - t0, buckets=1, tensors=len(named), servers=1)

@@ -6,14 +6,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from sharding import MeshConfig
+
+
+@dataclass
+class LocalRolloutConfig:
+    """Where the in-process engine of ``rollout.backend: local`` runs, beside the trainer."""
+
+    placement: Literal["shared", "split"] = "shared"
+    """``shared``: on the trainer's devices and mesh, taking turns; a weight update hands the
+    engine the trainer's params, with no copy where dtypes and layouts match. ``split``: the last
+    ``engine_devices`` of this process's devices generate while the others train (``mesh`` then
+    applies to the trainer's devices); a weight update reshards device to device."""
+    engine_devices: int | None = None
+    """With ``split``: how many devices generate; None: half of them."""
+    engine_mesh: MeshConfig = field(default_factory=lambda: MeshConfig(data=1, fsdp=1, tensor=-1))
+    """With ``split``: the engine's mesh over its devices (``tensor``: heads and MLP columns split;
+    ``data``: KV slots split)."""
+
 
 @dataclass
 class RolloutConfig:
     """Rollout servers, sampling, the workflow and the staleness bound."""
 
-    backend: Literal["embedded", "servers"] = "embedded"
+    backend: Literal["embedded", "servers", "local"] = "embedded"
     """``embedded``: start ``num_servers`` of our JAX servers as child processes; ``servers``:
-    use the running servers (ours or SGLang) at ``servers``."""
+    use the running servers (ours or SGLang) at ``servers``; ``local``: one engine inside the
+    trainer's process (a TPU host, a notebook), no HTTP, weights handed over on device; sized by
+    ``server_args`` and placed by ``local``."""
     num_servers: int = 1
     """Embedded servers to start."""
     servers: list[str] = field(default_factory=list)
@@ -21,9 +41,12 @@ class RolloutConfig:
     api_key: str | None = None
     """Bearer key the servers want, if any."""
     server_args: list[str] = field(default_factory=list)
-    """Extra ``areal-jax serve`` flags for embedded servers, e.g. ``["--max-running-requests", "64"]``.
+    """Extra ``areal-jax serve`` flags for embedded servers, e.g. ``["--max-running-requests", "64"]``;
+    they size the in-process engine of ``backend: local`` too (but for ``--tp-size``/``--dp-size``).
     A run's servers skip the start-up compile of every step shape (they compile what the run
     uses, on first use); ``"--server-warmup"`` here asks for it."""
+    local: LocalRolloutConfig = field(default_factory=LocalRolloutConfig)
+    """Placement of the in-process engine, with ``backend: local``."""
     startup_timeout_s: float = 300.0
     """How long to wait for embedded servers to answer ``/health``."""
     workflow: str = "single_turn"
@@ -50,7 +73,8 @@ class RolloutConfig:
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
     weight_sync: Literal["http", "disk"] = "http"
     """``http``: stream buckets to our servers; ``disk``: write a versioned HF checkpoint and call
-    ``/update_weights_from_disk`` (SGLang, or any server on a shared filesystem)."""
+    ``/update_weights_from_disk`` (SGLang, or any server on a shared filesystem). ``backend:
+    local`` ignores it: its weights go device to device."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How servers pause for a weight update; ``abort`` ends in-flight requests and the client
     resumes them under the new weights (interruptible rollout)."""

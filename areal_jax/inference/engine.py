@@ -289,6 +289,28 @@ class Engine:
                 self._state = new_state
                 self._version = version
 
+    @property
+    def state(self) -> Any:
+        """The served model's ``nnx.State``: the tree, dtypes and shardings ``set_state`` wants."""
+        return self._state
+
+    async def set_state(self, state: Any, *, version: int) -> None:
+        """Serve ``state`` (device arrays already on this engine's shardings and dtypes, e.g. an
+        in-process trainer's params handed over) as ``version``, swapped in between steps. The
+        arrays are used as they are, not copied: whoever made them must not delete them while
+        they are served. A tree, shape, dtype or sharding that differs raises before any change."""
+        old, new = jax.tree.leaves(self._state), jax.tree.leaves(state)
+        if jax.tree.structure(self._state) != jax.tree.structure(state):
+            raise ValueError("set_state: the new state's tree differs from the served model's")
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            if a.shape != b.shape or a.dtype != b.dtype or not b.sharding.is_equivalent_to(a.sharding, a.ndim):
+                raise ValueError(f"set_state: leaf {i} is {b.shape} {b.dtype} on {b.sharding}; the engine serves "
+                                 f"{a.shape} {a.dtype} on {a.sharding}")
+        async with self._update_lock, self._all_lanes():
+            nnx.update(self.model, state)
+            self._state = state
+            self._version = version
+
     def _prepare_state(self, tensors: dict[str, np.ndarray] | None, model_dir: str | None) -> Any:
         """The served model's state with the new weights, committed like the current one; the
         served model itself is not touched."""

@@ -2,8 +2,9 @@
 run (``evaluate``) or for a saved checkpoint (``evaluate_checkpoint``, ``areal-jax eval``).
 
 ``open_rollout`` is the one place that turns the rollout config into a running client: embedded
-servers started as child processes (stopped again on exit, and named when one dies), or the
-URLs of servers already running, ours or SGLang.
+servers started as child processes (stopped again on exit, and named when one dies), the
+URLs of servers already running, ours or SGLang, or an engine inside this process
+(``backend: local``, placed by ``local_devices``).
 """
 
 from __future__ import annotations
@@ -43,14 +44,53 @@ async def evaluate(client: EpisodeClient, rows: list[Any], cfg: EvalConfig, *, m
             "eval_prompts": len(rows), "eval_seconds": time.perf_counter() - t0}
 
 
+def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
+    """``(trainer devices, engine devices)`` of ``backend: local``: all of this process's
+    devices for both (``shared``), or disjoint groups (``split``)."""
+    import jax
+
+    from rollout_bridge.local import split_devices
+
+    if jax.process_count() > 1:
+        raise ValueError("rollout.backend=local runs in one process; for several hosts use embedded or external "
+                         "servers (rollout.backend=embedded or servers)")
+    devices = jax.local_devices()
+    if cfg.rollout.local.placement == "split":
+        return split_devices(devices, cfg.rollout.local.engine_devices)
+    return devices, devices
+
+
+def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
+    """The in-process engine's mesh: the trainer's (shared; None on one device, which lets the
+    engine run lanes), or ``rollout.local.engine_mesh`` over its own devices (split)."""
+    from sharding import make_mesh
+
+    _, devices = local_devices(cfg)
+    if cfg.rollout.local.placement == "split":
+        return make_mesh(cfg.rollout.local.engine_mesh, devices)
+    mesh = trainer_mesh if trainer_mesh is not None else make_mesh(cfg.mesh, devices)
+    return mesh if mesh.size > 1 else None
+
+
 @contextlib.asynccontextmanager
-async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> AsyncIterator[tuple[Any, Any]]:
-    """``(client, fleet)``: an ``HttpRolloutClient`` on the configured servers; ``fleet`` is the
-    ``ServerFleet`` of embedded servers this started (None for ``backend: servers``)."""
+async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
+                       trainer_mesh: Any = None) -> AsyncIterator[tuple[Any, Any]]:
+    """``(client, fleet)``: an ``HttpRolloutClient`` on the configured servers, or with ``backend:
+    local`` a ``LocalRolloutClient`` over an engine in this process (shared placement: on
+    ``trainer_mesh``); ``fleet`` is the ``ServerFleet`` of embedded servers this started (else
+    None)."""
     from rollout_bridge.client import HttpRolloutClient
     from rollout_bridge.launcher import ServerFleet
 
     rollout = cfg.rollout
+    if rollout.backend == "local":
+        from rollout_bridge.local import LocalRolloutClient, build_engine
+
+        engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args,
+                                         mesh=_local_engine_mesh(cfg, trainer_mesh), seed=cfg.seed)
+        async with LocalRolloutClient(engine) as client:
+            yield client, None
+        return
     fleet = None
     try:
         if rollout.backend == "embedded":

@@ -28,7 +28,7 @@ import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.trainer.evaluate import evaluate, open_rollout
+from areal_jax.trainer.evaluate import evaluate, local_devices, open_rollout
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.run_config import RunConfig, load_run_config
 
@@ -112,7 +112,7 @@ async def _train(cfg: RunConfig) -> RunResult:
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.rewards import RewardPool
     from areal_jax.trainer import Trainer
-    from rollout_bridge.streamer import DiskSink, HttpBucketSink
+    from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
     from sharding import make_mesh
 
     t_start = time.perf_counter()
@@ -127,7 +127,9 @@ async def _train(cfg: RunConfig) -> RunResult:
     base = prepare_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     data = load_prompts(cfg.data, tokenizer)
-    mesh = make_mesh(cfg.mesh)
+    local = rollout.backend == "local"
+    # The local split placement trains on part of this process's devices and generates on the rest.
+    mesh = make_mesh(cfg.mesh, local_devices(cfg)[0] if local else None)
     model = load_pretrained(base, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     serve_dir = base
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict())
@@ -143,12 +145,13 @@ async def _train(cfg: RunConfig) -> RunResult:
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
-        async with open_rollout(cfg, serve_dir, run_dir / "logs") as (client, fleet):
-            logger.write(f"rollout: {len(client.servers)} server(s) ({rollout.backend}), mode {rollout.mode}, "
-                         f"max_staleness {rollout.effective_max_staleness}")
+        async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
+            where = (f"an engine in this process ({rollout.local.placement} placement)" if local
+                     else f"{len(client.servers)} server(s) ({rollout.backend})")
+            logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
             if rollout.backend == "servers" and cfg.warm_start is not None:
                 await client.update_weights_from_disk(str(serve_dir), version=0)
-            sink = (HttpBucketSink(client) if rollout.weight_sync == "http" else
+            sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
                     DiskSink(run_dir / "weights", model.config.to_hf_dict(), client=client, tokenizer_dir=base))
             with RewardPool(cfg.reward) as pool:
                 episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
@@ -204,7 +207,11 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         if rollout.mode == "async":
             await client.pause(rollout.pause_mode)
         try:
-            await sink.push(version, iter_hf_tensors(trainer.model()))
+            if rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
+                shared = rollout.local.placement == "shared"
+                await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
+            else:
+                await sink.push(version, iter_hf_tensors(trainer.model()))
         finally:
             if rollout.mode == "async":
                 await client.continue_generation()

@@ -16,6 +16,12 @@ Everything on device runs in ``jax.jit`` over split NNX state with explicit shar
 one grad function (one compiled shape per length bucket), one forward function (logprobs or
 values) and one apply function. Single-process for now: host arrays are placed with
 ``jax.device_put``.
+
+Donation: the apply step donates the params and optimizer state it replaces, so an update never
+holds two copies. The trainer therefore owns its params outright: it copies the model it is given
+(the caller's arrays, which an engine may be serving, are never donated), and params handed out
+with ``lend_params`` (to an in-process engine, with no copy) are not donated by the next update,
+which writes new buffers instead; the engine frees the old ones when it lets go of them.
 """
 
 from __future__ import annotations
@@ -140,6 +146,10 @@ class Trainer:
         self._logprob_fn = jax.jit(self._logprob_step, in_shardings=(ps, ds), out_shardings=ds)
         self._apply_fn = jax.jit(partial(self._apply_step, self.tx), in_shardings=(ps, os_, ps),
                                  out_shardings=(ps, os_, rep), donate_argnums=(0, 1))
+        # The same step for lent params: they stay alive (and unchanged) for whoever reads them.
+        self._apply_keep_fn = jax.jit(partial(self._apply_step, self.tx), in_shardings=(ps, os_, ps),
+                                      out_shardings=(ps, os_, rep), donate_argnums=(1,))
+        self._lent = False
         # Critic-free estimators keep no critic at all: no memory, no forward or backward pass.
         self.critic_params = None
         if algo.adv_estimator == "gae":
@@ -181,8 +191,11 @@ class Trainer:
 
     @staticmethod
     def _place(state: nnx.State, shardings: Any) -> nnx.State:
-        state = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), state)
-        return jax.device_put(state, shardings)
+        """Float32 copies of ``state`` on ``shardings``: never the caller's own buffers (the apply
+        step donates these), one leaf at a time so the transient is one tensor."""
+        copy = lambda x, s: jax.device_put(jnp.asarray(x, jnp.float32), s, may_alias=False)
+        # ``shardings`` has one leaf per variable: a prefix of ``state``.
+        return jax.tree.map(lambda s, var: jax.tree.map(lambda x: copy(x, s), var), shardings, state)
 
     def _adamw(self, schedule: optax.Schedule) -> optax.GradientTransformation:
         t = self.train
@@ -256,8 +269,16 @@ class Trainer:
 
     def model(self) -> Decoder:
         """The current policy as a ``Decoder`` for the weight streamer. It shares buffers with the
-        trainer, so read it before the next ``train_batch`` (which donates them)."""
+        trainer, so read it before the next ``train_batch`` (which donates them), or hold on to
+        it past that only through ``lend_params``."""
         return nnx.merge(self._source_graphdef, self.params)
+
+    def lend_params(self) -> nnx.State:
+        """The current float32 params themselves (no copy), for a reader that keeps them past the
+        next update, such as an in-process engine. The next update does not donate them: it
+        writes the new params to new buffers, and these stay valid until the reader drops them."""
+        self._lent = True
+        return self.params
 
     params_for_streaming = model
 
@@ -352,8 +373,10 @@ class Trainer:
             acc, aux = self.minibatch_grads([self._train_inputs(m) for m in minibatch], prepared.version)
             micro_aux.extend(aux)
             lrs.append(float(self.schedule(self.step)))
+            apply = self._apply_keep_fn if self._lent else self._apply_fn
             with activate(self.mesh, self.rules):
-                self.params, self.opt_state, out = self._apply_fn(self.params, self.opt_state, acc)
+                self.params, self.opt_state, out = apply(self.params, self.opt_state, acc)
+            self._lent = False  # the new params are the trainer's alone
             apply_aux.append(out)
             if self.critic_params is not None:
                 c_acc, c_aux = self.critic_minibatch_grads([{k: m.arrays[k] for k in _CRITIC_KEYS} for m in minibatch])

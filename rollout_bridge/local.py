@@ -1,0 +1,283 @@
+"""The in-process rollout client: the JAX engine inside the trainer's own process.
+
+A TPU host's chips belong to one process, and so does a notebook's accelerator: there, no HTTP
+server can run beside the trainer. ``LocalRolloutClient`` drives an ``Engine`` in the trainer's
+process and answers like ``HttpRolloutClient``: ``generate`` returns a ``GenerateResult`` with
+per-token versions and logprobs, an answer aborted by a pause or a weight update is re-submitted
+as prompt + tokens so far until it stops, and pause modes, continue and flush are the engine's.
+Requests are checked by the same protocol rules as over HTTP, and refused with ``RolloutError``.
+
+Weights are handed over on device (``update_params``): the trainer's params are placed on the
+engine's shardings and cast to its dtypes, never through host memory. Two placements:
+
+* ``shared``: trainer and engine on the same devices, taking turns. Where a param's dtype and
+  layout already match the engine's, the engine serves the trainer's array itself (no copy), so
+  the trainer must lend it (``Trainer.lend_params``: the next update then does not donate it).
+* ``split``: disjoint groups of this process's devices (``split_devices``; for example 4 chips
+  train and 4 generate on a v5e-8), each with its own mesh shape. The engine generates while a
+  train step runs; the handover reshards device to device onto the engine's shardings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import msgspec
+
+from areal_jax.inference.engine import PAUSE_MODES, Engine
+from areal_jax.inference.types import GenerateRequest, QueueFullError
+from areal_jax.inference.types import SamplingParams as EngineSamplingParams
+from rollout_bridge import protocol as P
+from rollout_bridge.client import ClientConfig, GenerateResult, RolloutClient, RolloutError
+
+__all__ = ["LOCAL", "HandoverMetrics", "LocalRolloutClient", "build_engine", "handover", "split_devices"]
+
+LOCAL = "local"
+"""The name the in-process engine goes by where an HTTP client would give a server URL."""
+
+
+@dataclass
+class HandoverMetrics:
+    """What one on-device weight handover cost."""
+
+    version: int
+    bytes: int
+    """Bytes of the engine's params (its dtypes)."""
+    copied_bytes: int
+    """Of those, bytes cast or moved; the rest the engine now shares with the trainer (no copy)."""
+    seconds: float
+    """From the first param placed to the engine serving the new version."""
+    tensors: int
+
+
+def split_devices(devices: Sequence[jax.Device], engine_devices: int | None) -> tuple[list[jax.Device],
+                                                                                    list[jax.Device]]:
+    """``(trainer devices, engine devices)`` for the split placement: the last ``engine_devices``
+    (None: half) generate, the others train."""
+    devices = list(devices)
+    n = len(devices) // 2 if engine_devices is None else engine_devices
+    if not 0 < n < len(devices):
+        raise ValueError(f"the split placement needs 1 to {len(devices) - 1} engine devices of this process's "
+                         f"{len(devices)} ({devices[0].platform}); got {n}. One device: use the shared placement")
+    return devices[:-n], devices[-n:]
+
+
+def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh: Any = None,
+                 seed: int | None = None) -> Engine:
+    """An engine for ``model_dir`` sized by ``areal-jax serve`` flags (``--max-running-requests``,
+    ``--context-length``, ``--dtype``, ``--random-seed``, ...), on ``mesh`` (None: one device)."""
+    from areal_jax.inference.config import EngineConfig
+    from areal_jax.models import load_pretrained
+    from rollout_bridge.serve import parser
+
+    args = parser().parse_args(["--model-path", str(model_dir), *server_args])
+    if args.tp_size != 1 or args.dp_size != 1:
+        raise ValueError("--tp-size / --dp-size do not apply to the in-process engine: its mesh comes from the "
+                         "placement (rollout.local)")
+    ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    if args.max_running_requests % ways:
+        raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of {ways}: the "
+                         f"engine's mesh {dict(mesh.shape)} splits its KV slots over data x fsdp")
+    cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=args.context_length,
+                       seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
+                       max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size)
+    model = load_pretrained(model_dir, dtype=args.dtype, mesh=mesh)
+    return Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
+
+
+def handover(params: Any, like: Any) -> tuple[Any, int]:
+    """``params`` placed like ``like`` (an engine's state: the same parameters by path), device to
+    device: a leaf whose dtype and layout already match is passed through as is; the others are
+    cast where they are (fewer bytes to move) and resharded onto ``like``'s shardings. Returns the
+    new state, in ``like``'s tree (its variables' metadata), and the bytes copied. Blocks until
+    the arrays are in place."""
+    keystr = jax.tree_util.keystr
+    given = {keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+    paths, olds = zip(*jax.tree_util.tree_leaves_with_path(like), strict=True)
+    wanted = [keystr(p) for p in paths]
+    if set(given) != set(wanted):
+        diff = sorted(set(given) ^ set(wanted))
+        raise ValueError(f"handover: the trainer's params and the engine's state differ in parameters {diff[:5]}; "
+                         "load the engine from a checkpoint of the same model")
+    copied = 0
+    leaves = []
+    for key, old in zip(wanted, olds, strict=True):
+        x = given[key]
+        if x.shape != old.shape:
+            raise ValueError(f"handover: {key} is {x.shape} in the trainer but {old.shape} in the engine")
+        same = x.dtype == old.dtype and x.sharding.is_equivalent_to(old.sharding, x.ndim)
+        copied += 0 if same else old.nbytes
+        leaves.append(x if x.dtype == old.dtype else x.astype(old.dtype))
+    # One call for all leaves: the runtime batches the transfers. A leaf that matches keeps its
+    # buffers (only the sharding object becomes the engine's).
+    placed = jax.device_put(leaves, [old.sharding for old in olds])
+    state = jax.tree.unflatten(jax.tree.structure(like), placed)
+    return jax.block_until_ready(state), copied
+
+
+class LocalRolloutClient(RolloutClient):
+    """``RolloutClient`` over an in-process ``Engine`` (see the module docstring). ``config``
+    brings the re-send bound and the back-off of a full queue; its timeouts do not apply."""
+
+    def __init__(self, engine: Engine, *, config: ClientConfig | None = None, manage_engine: bool = True):
+        self.engine = engine
+        self.cfg = config or ClientConfig()
+        self.manage_engine = manage_engine
+        self.last_handover: HandoverMetrics | None = None
+        self._inflight: dict[str, str] = {}  # rid -> the engine rid of its current segment
+        self._cancelled: set[str] = set()
+
+    async def start(self) -> None:
+        if self.manage_engine:
+            await self.engine.start()
+
+    async def close(self) -> None:
+        if self.manage_engine:
+            await self.engine.stop()
+
+    async def __aenter__(self) -> LocalRolloutClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- generation --
+
+    def _sampling(self, input_ids: list[int], sampling_params: dict[str, Any] | None) -> P.SamplingParams:
+        """SGLang-named params checked by the HTTP server's rules; a bad one raises ``RolloutError``."""
+        try:
+            sp = msgspec.convert(dict(sampling_params or {}), P.SamplingParams)
+            P.validate_generate(P.GenerateReqInput(input_ids=input_ids, sampling_params=sp),
+                                vocab_size=self.engine.vocab_size, context_length=self.engine.max_seq_len)
+        except (msgspec.ValidationError, P.ProtocolError) as e:
+            raise RolloutError(f"the local engine rejected the request: {e}") from None
+        return sp
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
+                       rid: str | None = None) -> GenerateResult:
+        """Generate until stop or length, re-submitting after aborts (see the module docstring)."""
+        prompt = list(input_ids)
+        sp = self._sampling(prompt, sampling_params)
+        budget = sp.max_new_tokens
+        rid = rid or uuid.uuid4().hex
+        out: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        finish: dict[str, Any] = {"type": "length", "length": budget}
+        attempt = busy = 0
+        try:
+            while len(out) < budget or budget == 0:
+                if attempt > self.cfg.max_resends:
+                    raise RolloutError(f"request {rid}: gave up after {self.cfg.max_resends} re-sends")
+                sub_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
+                req = GenerateRequest(prompt + out, EngineSamplingParams(
+                    max_new_tokens=budget - len(out), temperature=sp.temperature, top_p=sp.top_p,
+                    top_k=-1 if sp.top_k >= P.CONTEXT_UNLIMITED_TOP_K else sp.top_k,
+                    stop_token_ids=list(sp.stop_token_ids) if sp.stop_token_ids else None,
+                    ignore_eos=sp.ignore_eos, seed=sp.sampling_seed), rid=sub_rid, return_logprob=True)
+                attempt += 1
+                self._inflight[rid] = sub_rid
+                try:
+                    res = await self.engine.generate(req)
+                except QueueFullError:  # as a 503 over HTTP: wait and re-submit
+                    busy += 1
+                    await asyncio.sleep(self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3))
+                    continue
+                finally:
+                    self._inflight.pop(rid, None)
+                busy = 0
+                out += res.output_ids
+                logprobs += res.output_logprobs
+                versions += res.output_versions
+                finish = res.finish_reason
+                # Aborted by a pause or a weight update: re-submit what we have; it waits in the
+                # engine's queue until generation continues.
+                if finish.get("type") != "abort" or rid in self._cancelled or budget == 0:
+                    break
+            if len(out) >= budget and finish.get("type") == "abort":
+                finish = {"type": "length", "length": budget}
+        finally:
+            self._cancelled.discard(rid)
+        if finish.get("type") == "length":
+            finish = {"type": "length", "length": len(out)}
+        return GenerateResult(rid=rid, input_ids=prompt, output_ids=out, output_logprobs=logprobs,
+                              output_versions=versions, finish_reason=finish, resends=attempt - 1)
+
+    async def abort(self, rid: str) -> None:
+        """Stop one request for good: it returns what it has with an abort finish reason."""
+        self._cancelled.add(rid)
+        sub = self._inflight.get(rid)
+        if sub is not None:
+            await self.engine.abort(sub)
+
+    # -- control --
+
+    async def pause(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise RolloutError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        await self.engine.pause(mode)
+
+    async def continue_generation(self) -> None:
+        await self.engine.resume()
+
+    async def flush_cache(self) -> None:
+        if not await self.engine.flush_cache():
+            raise RolloutError("/flush_cache: requests are running; flush between runs or while paused and idle")
+
+    # -- weights and versions --
+
+    async def update_params(self, params: Any, *, version: int) -> HandoverMetrics:
+        """Serve the trainer's ``params`` (an ``nnx.State`` like the engine's) as ``version``,
+        handed over on device (see ``handover``). In the shared placement the engine may keep the
+        very arrays given: take them with ``Trainer.lend_params`` so no update donates them."""
+        t0 = time.perf_counter()
+        state, copied = await asyncio.to_thread(handover, params, self.engine.state)
+        await self.engine.set_state(state, version=version)
+        leaves = jax.tree.leaves(state)
+        self.last_handover = HandoverMetrics(version=version, bytes=sum(x.nbytes for x in leaves),
+                                             copied_bytes=copied, seconds=time.perf_counter() - t0,
+                                             tensors=len(leaves))
+        return self.last_handover
+
+    async def update_weights_from_tensors(self, tensors: dict[str, Any], *, version: int) -> list[dict[str, Any]]:
+        """HF-named host tensors (any subset) as ``version``: the path through host memory."""
+        await self.engine.update_weights(tensors, version=version)
+        return self._replies()
+
+    async def update_weights_from_disk(self, model_path: str, *, version: int,
+                                       abort_all_requests: bool = False) -> list[dict[str, Any]]:
+        if abort_all_requests:
+            await self.engine.abort(abort_all=True)
+        await self.engine.update_weights(model_dir=model_path, version=version)
+        return self._replies()
+
+    @property
+    def current_version(self) -> int:
+        return self.engine.version
+
+    def server_versions(self) -> dict[str, int]:
+        """``{"local": version}``: the one engine and the policy version it serves."""
+        return {LOCAL: self.engine.version}
+
+    async def versions(self) -> dict[str, int]:
+        return self.server_versions()
+
+    def in_rotation(self) -> list[str]:
+        return [LOCAL]
+
+    async def get_model_info(self) -> list[dict[str, Any]]:
+        """As ``HttpRolloutClient.get_model_info``: one reply whose ``weight_version`` is the
+        served policy version."""
+        return self._replies()
+
+    def _replies(self) -> list[dict[str, Any]]:
+        reply = {"success": True, "weight_version": str(self.engine.version)}
+        return [{"server": LOCAL, "status": 200, "reply": reply}]

@@ -1,0 +1,162 @@
+"""The in-process rollout client: donation-safe handover of the trainer's params to an engine in
+the same process, answers resumed across a handover with per-token versions, and the engine's
+logprobs equal to the trainer's forward after a handover."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import pytest
+
+from areal_jax.algo import AlgoConfig
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.models.hf_io import load_pretrained
+from areal_jax.trainer import TrainConfig, Trainer
+from areal_jax.trainer.run_config import load_run_config
+from rollout_bridge.client import GenerateResult, RolloutError
+from rollout_bridge.local import LocalRolloutClient, build_engine, split_devices
+from tests.trainer.helpers import random_trajectories, tiny_model
+
+DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
+TRAIN = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2)
+
+
+def _values(tree: object) -> list[np.ndarray]:
+    return [np.array(x) for x in jax.tree.leaves(tree)]  # raises on a deleted (donated) array
+
+
+def test_trainer_never_deletes_the_given_model_nor_lent_params() -> None:
+    model = tiny_model()  # an engine may be serving this very model
+    before = _values(model)
+    trainer = Trainer(model, AlgoConfig(), TRAIN)
+    trajs = random_trajectories(np.random.default_rng(0), 2, 4)
+    lent = trainer.lend_params()
+    trainer.train_batch(trajs, 0)
+    for a, b in zip(_values(model), before, strict=True):  # the given model: readable, unchanged
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(_values(lent), before, strict=True):  # the lent params outlive the update too
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(_values(trainer.params), before, strict=True))
+    unlent = jax.tree.leaves(trainer.params)
+    trainer.train_batch(trajs, 1)  # not lent: donated as before, so an update holds one copy
+    assert all(x.is_deleted() for x in unlent)
+
+
+# --- the client over an engine in this process (shared placement, one device) --------------------
+
+ENGINE_ARGS = ["--max-running-requests", "4", "--context-length", "64"]
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_dir: Path) -> tuple[Trainer, LocalRolloutClient]:
+    """A trainer one step past the checkpoint, and a client over an engine still serving it."""
+    trainer = Trainer(load_pretrained(tiny_dir), AlgoConfig(), TRAIN)
+    trainer.train_batch(random_trajectories(np.random.default_rng(2), 2, 4), 0)
+    return trainer, LocalRolloutClient(build_engine(tiny_dir, ENGINE_ARGS, seed=0))
+
+
+def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(
+        shared: tuple[Trainer, LocalRolloutClient]) -> None:
+    trainer, client = shared
+    prompt = [5, 9, 14, 3]
+    sp = {"max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7}
+
+    async def run() -> tuple[Any, ...]:
+        async with client:
+            metrics = await client.update_params(trainer.lend_params(), version=1)
+            first = await client.generate(prompt, sp)
+            traj = Trajectory.from_prompt_and_answer(np.array(prompt), np.array(first.output_ids),
+                                                     np.array(first.output_logprobs), 1, reward=0.0, group_id=0)
+            trainer_lp = trainer.compute_logprobs([traj])[0][len(prompt):]
+            # The next update must neither delete nor change what the engine serves now.
+            await asyncio.to_thread(trainer.train_batch, random_trajectories(np.random.default_rng(3), 2, 4), 1)
+            again = await client.generate(prompt, sp)
+            return metrics, first, trainer_lp, again
+
+    metrics, first, trainer_lp, again = asyncio.run(run())
+    assert metrics.copied_bytes == 0 and metrics.bytes > 0  # same dtype and layout: no copy
+    assert first.output_versions == [1] * 12 and client.server_versions() == {"local": 1}
+    np.testing.assert_allclose(first.output_logprobs, trainer_lp, atol=1e-5)
+    assert again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_handover_during_generation_resumes_answers_with_per_token_versions(
+        shared: tuple[Trainer, LocalRolloutClient], mode: str) -> None:
+    trainer, client = shared
+    engine = client.engine
+    budget = 40
+
+    async def run() -> list[GenerateResult]:
+        async with client:
+            await client.update_params(trainer.lend_params(), version=1)
+            tasks = [asyncio.create_task(client.generate([7, 8, 9 + i], {"max_new_tokens": budget, "ignore_eos": True}))
+                     for i in range(3)]
+            start = engine.stats["generated_tokens"]
+            while engine.stats["generated_tokens"] - start < 8:  # every answer has started, none is done
+                await asyncio.sleep(0.005)
+            await client.pause(mode)
+            await client.update_params(trainer.lend_params(), version=2)
+            await client.continue_generation()
+            return await asyncio.gather(*tasks)
+
+    for r in asyncio.run(run()):
+        assert len(r.output_ids) == len(r.output_logprobs) == len(r.output_versions) == budget
+        assert r.finish_reason == {"type": "length", "length": budget}
+        k = r.output_versions.count(1)
+        assert 0 < k < budget and r.output_versions == [1] * k + [2] * (budget - k)
+        assert r.resends == (1 if mode == "abort" else 0)  # retract: the engine re-queues the request itself
+
+
+def test_requests_are_checked_as_over_http(shared: tuple[Trainer, LocalRolloutClient]) -> None:
+    _, client = shared
+
+    async def run(sp: dict[str, Any]) -> Any:
+        async with client:
+            return await client.generate([1, 2, 3], sp)
+
+    for bad, field in (({"top_p": 0.0}, "top_p"), ({"max_new_tokens": 100}, "context length"), ({"nope": 1}, "nope")):
+        with pytest.raises(RolloutError, match=field):
+            asyncio.run(run(bad))
+    assert asyncio.run(run({"max_new_tokens": 0})).output_ids == []
+
+
+def test_config_chooses_the_local_backend_and_its_placement() -> None:
+    cfg = load_run_config(DEMO, ["rollout.backend=local", "rollout.local.placement=split",
+                                 "rollout.local.engine_devices=4", "rollout.local.engine_mesh={tensor: 2, data: 2}"])
+    local = cfg.rollout.local
+    assert cfg.rollout.backend == "local" and local.placement == "split" and local.engine_devices == 4
+    assert local.engine_mesh.shape(4) == (2, 1, 2)
+    with pytest.raises(ValueError, match="shared placement"):
+        split_devices(jax.devices()[:1], None)
+    with pytest.raises(ValueError, match="placement"):
+        load_run_config(DEMO, ["rollout.local.placement=elsewhere"])
+
+
+@pytest.mark.slow
+def test_demo_learns_with_the_local_backend(tmp_path: Path) -> None:
+    """The demo (warm start, then asynchronous GRPO) on an in-process engine, as a user runs it on
+    a one-device machine (a subprocess: this one has 8 fake devices): held-out accuracy rises from
+    the warm start within 20 steps, and every step served the version just trained."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "areal_jax.cli", "train", "--config", str(DEMO), f"run_dir={tmp_path}",
+           "rollout.backend=local", "steps=20", "eval.every=10", "log.progress=false", "export=false"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["served_versions"] for m in metrics] == [[str(v)] for v in range(1, 21)]
+    assert all(m["staleness_max"] <= 2 for m in metrics)
+    assert max(m["staleness_max"] for m in metrics) >= 1  # rollout ran ahead of the trainer
+    before = float(re.search(r"accuracy before RL: ([\d.]+)%", proc.stdout + proc.stderr).group(1)) / 100
+    assert metrics[-1]["eval_accuracy"] > before, (before, [m.get("eval_accuracy") for m in metrics])
