@@ -141,8 +141,8 @@ def test_network_namespace_holds_even_past_the_hook(monkeypatch: pytest.MonkeyPa
         srv.bind(("127.0.0.1", 0))
         srv.listen()
         port = srv.getsockname()[1]
-        r = run_program("import socket\ntry:\n    socket.create_connection(('127.0.0.1', %d), timeout=2)\n"
-                        "    print('connected')\nexcept OSError as e:\n    print('refused', e)" % port)
+        r = run_program(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                        "    print('connected')\nexcept OSError as e:\n    print('refused', e)")
     assert r["returncode"] == 0 and r["stdout"].startswith("refused"), r
 
 
