@@ -132,6 +132,16 @@ async def update_weight_version(request: web.Request) -> web.Response:
                   "new_version": req.new_version})
 
 
+def _decode_bucket(body: bytes) -> dict[str, np.ndarray]:
+    """The bucket's tensors; a malformed buffer (truncated, a header of the wrong shape) is a 400."""
+    try:
+        return P.decode_tensor_bucket(body)
+    except P.ProtocolError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        raise P.ProtocolError("body", f"not a valid safetensors buffer ({type(e).__name__}: {e})") from None
+
+
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """One bucket of a bucketed push (see ``protocol``); the last bucket applies them all."""
     st = request.app[STATE]
@@ -143,7 +153,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     except msgspec.ValidationError as e:
         raise P.ProtocolError("query", str(e)) from None
     label = q.weight_version
-    tensors = P.decode_tensor_bucket(await request.read())
+    tensors = _decode_bucket(await request.read())
     async with st.weight_lock:
         staged = st.staged
         if q.bucket == 0:
