@@ -179,3 +179,16 @@ def test_an_unfinished_weight_transfer_is_dropped_after_the_timeout(tiny_dir: Pa
             assert st.engine.version == 0 and st.weight_version == "default"
 
     asyncio.run(main())
+
+
+def test_url_weight_roots_take_paths_under_them_only() -> None:
+    from rollout_bridge.server import ServerState, resolve_weight_roots
+    from rollout_bridge.weights_api import resolve_model_dir
+
+    st = ServerState(engine=None, tokenizer=None, api_key=None,
+                     weight_roots=resolve_weight_roots(["gs://bucket/run/", "/nonexistent-root"]))
+    assert st.weight_roots == ("gs://bucket/run", "/nonexistent-root")
+    assert resolve_model_dir(st, "gs://bucket/run/weights/v00000001") == "gs://bucket/run/weights/v00000001"
+    for path in ("gs://bucket/run", "gs://bucket/running/v1", "gs://bucket/run/../other", "gs://other/run/v1",
+                 "s3://bucket/run/v1", "/nonexistent-root/../etc", "", 5, None, "/nonexistent-root/x\x00"):
+        assert resolve_model_dir(st, path) is None, path
