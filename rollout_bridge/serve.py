@@ -132,6 +132,9 @@ def context_length(requested: int | None, model_max: int, allow_longer: bool) ->
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
     """The app and its engine for parsed ``args`` (the engine is not started)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("areal-jax serve: --api-key is empty (an unset variable?); give a key, or leave the flag out "
+                         "to serve without one")
     from areal_jax.inference.engine import Engine, EngineConfig
     from areal_jax.models import ModelConfig, load_pretrained, load_tokenizer
 
@@ -163,6 +166,9 @@ async def serve(args: argparse.Namespace) -> None:
     app, engine = build(args)
     cfg = engine.cfg
     runner, bound = await start_server(app, args.host, args.port)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who reaches this port can generate and replace "
+                    "the weights", args.host)
     log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)%s",
              args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
              cfg.max_seq_len, engine.seed,

@@ -192,3 +192,12 @@ def test_url_weight_roots_take_paths_under_them_only() -> None:
     for path in ("gs://bucket/run", "gs://bucket/running/v1", "gs://bucket/run/../other", "gs://other/run/v1",
                  "s3://bucket/run/v1", "/nonexistent-root/../etc", "", 5, None, "/nonexistent-root/x\x00"):
         assert resolve_model_dir(st, path) is None, path
+
+
+def test_an_empty_api_key_is_refused_not_ignored(tmp_path: Path) -> None:
+    """``--api-key "$KEY"`` with KEY unset would otherwise serve every endpoint without a key."""
+    from rollout_bridge.serve import build
+
+    for key in ("", "  "):
+        with pytest.raises(SystemExit, match="--api-key is empty"):
+            build(parser().parse_args(["--model-path", str(tmp_path / "m"), "--api-key", key]))
