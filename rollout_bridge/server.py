@@ -125,8 +125,7 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         if not hmac.compare_digest(got, f"Bearer {st.api_key}".encode()):
             return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     try:
-        await _check_body_size(st, request)
-        return await handler(request)
+        return await handler(_bounded(st, request))
     except web.HTTPRequestEntityTooLarge as e:
         return _error(413, f"request body too large: {e.text}")
     except P.ProtocolError as e:
@@ -147,20 +146,16 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         return _error(500, f"{type(e).__name__}: {e}")
 
 
-async def _check_body_size(st: ServerState, request: web.Request) -> None:
-    """413 for a body past its endpoint's bound, from ``Content-Length`` before reading it; a
-    chunked body is read here (aiohttp stops at ``client_max_size``) and measured."""
+def _bounded(st: ServerState, request: web.Request) -> web.Request:
+    """``request`` with its endpoint's body bound: 413 at once from ``Content-Length``, else
+    (a chunked body) when reading passes it, so no more than the bound is ever held."""
     if not request.body_exists:
-        return
-    bucket = request.path in BUCKET_PATHS
-    limit = st.max_body_bytes if bucket else st.max_request_bytes
+        return request
+    limit = st.max_body_bytes if request.path in BUCKET_PATHS else st.max_request_bytes
     n = request.content_length
-    if n is None:
-        if bucket:
-            return  # aiohttp's client_max_size (max_body_bytes) stops it as the handler reads it
-        n = len(await request.read())  # cached: the handler's read() gets the same bytes
-    if n > limit:
+    if n is not None and n > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=n)
+    return request.clone(client_max_size=limit)
 
 
 # --- /generate ---------------------------------------------------------------------------------

@@ -201,3 +201,40 @@ def test_an_empty_api_key_is_refused_not_ignored(tmp_path: Path) -> None:
     for key in ("", "  "):
         with pytest.raises(SystemExit, match="--api-key is empty"):
             build(parser().parse_args(["--model-path", str(tmp_path / "m"), "--api-key", key]))
+
+
+def test_an_endless_chunked_body_is_cut_at_the_bound(tiny_dir: Path) -> None:
+    """A chunked body has no Content-Length: the server stops reading at the endpoint's bound
+    (here 4 KiB for /generate) and answers 413, rather than holding up to the bucket bound."""
+    import select
+    import socket
+
+    def flood(port: int) -> tuple[int, bytes]:
+        """Send chunks until the server answers; (bytes sent by then, the answer)."""
+        sent, reply = 0, b""
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n")
+            chunk = b"10000\r\n" + b"a" * 0x10000 + b"\r\n"
+            while sent < 256 << 20 and not reply:
+                try:
+                    s.sendall(chunk)
+                    sent += len(chunk)
+                except OSError:
+                    break
+                if select.select([s], [], [], 0)[0]:
+                    reply = s.recv(4096)
+            if not reply:
+                reply = s.recv(4096)
+        return sent, reply
+
+    async def main() -> None:
+        async with _server(tiny_dir, max_request_bytes=4096, max_body_bytes=512 << 20) as (url, _):
+            port = int(url.rsplit(":", 1)[1])
+            sent, reply = await asyncio.to_thread(flood, port)
+            assert sent < 64 << 20, sent  # answered long before the 512 MiB bucket bound
+            assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url + "/health") as r:
+                assert r.status == 200
+
+    asyncio.run(main())
