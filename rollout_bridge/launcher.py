@@ -4,6 +4,8 @@
 ``/health`` with a timeout (on failure the error carries the child's last log lines), watches
 them while the run lasts (``check()`` raises naming a child that died), and stops all it
 started on exit, on Ctrl-C, and when the parent itself fails. Logs go to one file per server.
+The servers load weights from disk only under ``weight_roots`` (default: the directory holding
+the model and the run directory, the parent of ``log_dir``, where a run's weight pushes go).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class ServerFleet:
 
     def __init__(self, model_path: str | Path, num_servers: int, log_dir: str | Path, *,
                  extra_args: list[str] | None = None, seed: int = 0, startup_timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, weight_roots: list[str | Path] | None = None):
         if num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {num_servers}")
         self.model_path = str(model_path)
@@ -62,6 +64,9 @@ class ServerFleet:
         self.seed = seed
         self.startup_timeout_s = startup_timeout_s
         self.env = env
+        if weight_roots is None:
+            weight_roots = [Path(self.model_path).absolute().parent, self.log_dir.absolute().parent]
+        self.weight_roots = [str(r) for r in weight_roots]
         self.children: list[_Child] = []
 
     @property
@@ -78,7 +83,7 @@ class ServerFleet:
                 log = self.log_dir / f"server-{i}.log"
                 cmd = [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", self.model_path,
                        "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(self.seed + i),
-                       *self._warmup_args(), *self.extra_args]
+                       "--weight-roots", *self.weight_roots, *self._warmup_args(), *self.extra_args]
                 with log.open("w") as f:
                     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
                                             env={**os.environ, **(self.env or {})})

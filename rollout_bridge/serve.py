@@ -6,6 +6,11 @@ it only when asked to explicitly.
 
 With ``--tp-size`` / ``--dp-size`` above 1 the model is sharded over that many of the host's
 devices (tensor axis: heads and MLP columns; data axis: the KV slots).
+
+It listens on 127.0.0.1 unless ``--host`` says otherwise. ``--api-key`` guards every endpoint but
+the health checks; ``--weight-roots`` bounds where ``/update_weights_from_disk`` may load from;
+``--max-request-bytes`` / ``--max-weight-bucket-bytes`` bound request bodies (413 past them) and
+``--weight-transfer-timeout`` drops a bucketed weight push that stops half-way.
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from rollout_bridge.server import DEFAULT_WEIGHT_VERSION, build_app, start_server
+from rollout_bridge.server import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
+    DEFAULT_WEIGHT_VERSION,
+    build_app,
+    start_server,
+)
 
 log = logging.getLogger("rollout_bridge.serve")
 
@@ -36,7 +48,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default="", help="model name in replies (default: the model path)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=30000, help="port to listen on")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all but /health)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /health_generate")
+    p.add_argument("--weight-roots", nargs="+", action="extend", default=None, metavar="DIR",
+                   help="directories (or URL prefixes) /update_weights_from_disk may load from, symlinks resolved "
+                        "(default: the directory that holds --model-path)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest JSON request body (/generate, /v1/..., control); bigger ones get 413")
+    p.add_argument("--max-weight-bucket-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest /update_weights_from_tensor bucket (a tensor bigger than the pusher's bucket size "
+                        "travels alone, so this must hold the largest tensor); bigger ones get 413")
+    p.add_argument("--weight-transfer-timeout", type=float, default=DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
+                   help="seconds an unfinished bucketed weight push may go without a bucket before it is dropped")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="parameter and compute dtype (default: the checkpoint's config)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices (heads and MLP columns split)")
@@ -109,6 +132,9 @@ def context_length(requested: int | None, model_max: int, allow_longer: bool) ->
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
     """The app and its engine for parsed ``args`` (the engine is not started)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("areal-jax serve: --api-key is empty (an unset variable?); give a key, or leave the flag out "
+                         "to serve without one")
     from areal_jax.inference.engine import Engine, EngineConfig
     from areal_jax.models import ModelConfig, load_pretrained, load_tokenizer
 
@@ -129,7 +155,9 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
                     info={"tp_size": args.tp_size, "dp_size": args.dp_size},
                     incremental_streaming_output=args.incremental_streaming_output,
-                    warmup=not args.skip_server_warmup)
+                    warmup=not args.skip_server_warmup, weight_roots=args.weight_roots,
+                    max_request_bytes=args.max_request_bytes, max_body_bytes=args.max_weight_bucket_bytes,
+                    weight_transfer_timeout_s=args.weight_transfer_timeout)
     return app, engine
 
 
@@ -138,6 +166,9 @@ async def serve(args: argparse.Namespace) -> None:
     app, engine = build(args)
     cfg = engine.cfg
     runner, bound = await start_server(app, args.host, args.port)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without --api-key: anyone who reaches this port can generate and replace "
+                    "the weights", args.host)
     log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)%s",
              args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
              cfg.max_seq_len, engine.seed,

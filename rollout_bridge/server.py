@@ -9,7 +9,10 @@ old weights keep serving. A client that goes away aborts its
 request. On shutdown, requests in flight are answered with an abort and their tokens so far
 before the connections close. ``weight_version`` is a free-form label, as in SGLang ("default" until a weight update
 names one); the engine's integer version is internal bookkeeping. With an API key, every endpoint
-but ``/health`` and ``/health_generate`` wants ``Authorization: Bearer KEY``.
+but ``/health`` and ``/health_generate`` wants ``Authorization: Bearer KEY`` (compared in constant
+time). A request body past its bound is a 413: ``max_request_bytes`` for the JSON endpoints,
+``max_body_bytes`` for a weight bucket (``/update_weights_from_tensor``). ``/update_weights_from_disk``
+loads only from directories under ``weight_roots`` (see ``weights_api``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +43,11 @@ SERVER_VERSION = "areal-jax-0.1"
 DEFAULT_WEIGHT_VERSION = "default"
 """SGLang's label for the weights a server started with (its ``--weight-version`` default)."""
 RETRY_AFTER_S = 1
+BUCKET_PATHS = frozenset({"/update_weights_from_tensor"})
+"""Endpoints whose body is a weight bucket, bounded by ``max_body_bytes`` rather than ``max_request_bytes``."""
+DEFAULT_MAX_REQUEST_BYTES = 32 * 1024**2
+DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
+DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -68,6 +78,14 @@ class ServerState:
     """False while the engine compiles its steps at start-up: /health answers 503 until then."""
     warmup: dict[str, Any] = field(default_factory=dict)
     """How the start-up compilation went (``shapes``, ``seconds``, or ``error``)."""
+    weight_roots: tuple[str, ...] = ()
+    """Resolved directories (or URL prefixes) ``/update_weights_from_disk`` may load from."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Bound on a JSON request body (413 past it)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Bound on one weight bucket's body (413 past it)."""
+    weight_transfer_timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S
+    """A staged weight transfer with no bucket for this long is dropped, freeing its tensors."""
     incremental_streaming_output: bool = False
     """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
     ``--incremental-streaming-output``); without it every event repeats the answer so far, as
@@ -107,7 +125,9 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         if not hmac.compare_digest(got, f"Bearer {st.api_key}".encode()):
             return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     try:
-        return await handler(request)
+        return await handler(_bounded(st, request))
+    except web.HTTPRequestEntityTooLarge as e:
+        return _error(413, f"request body too large: {e.text}")
     except P.ProtocolError as e:
         return _error(400, str(e))
     except DuplicateRequestError as e:
@@ -124,6 +144,18 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
     except Exception as e:  # a bug, not a bad request: say so, keep serving
         log.exception("%s %s failed", request.method, request.path)
         return _error(500, f"{type(e).__name__}: {e}")
+
+
+def _bounded(st: ServerState, request: web.Request) -> web.Request:
+    """``request`` with its endpoint's body bound: 413 at once from ``Content-Length``, else
+    (a chunked body) when reading passes it, so no more than the bound is ever held."""
+    if not request.body_exists:
+        return request
+    limit = st.max_body_bytes if request.path in BUCKET_PATHS else st.max_request_bytes
+    n = request.content_length
+    if n is not None and n > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=n)
+    return request.clone(client_max_size=limit)
 
 
 # --- /generate ---------------------------------------------------------------------------------
@@ -424,9 +456,15 @@ async def continue_generation(request: web.Request) -> web.Response:
 def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *, model_path: str = "",
               tokenizer_path: str | None = None, served_model_name: str = "",
               weight_version: str = DEFAULT_WEIGHT_VERSION, info: dict[str, Any] | None = None,
-              max_body_bytes: int = 4 * 1024**3, manage_engine: bool = True,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              weight_roots: Sequence[str | os.PathLike] | None = None,
+              weight_transfer_timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S, manage_engine: bool = True,
               incremental_streaming_output: bool = False, warmup: bool = False) -> web.Application:
     """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine.
+    ``weight_roots``: where ``/update_weights_from_disk`` may load from (default: the parent
+    directory of ``model_path``; none without a model path). ``max_request_bytes`` bounds a JSON
+    body, ``max_body_bytes`` a weight bucket; ``weight_transfer_timeout_s`` drops an unfinished
+    bucketed transfer that went quiet.
     ``incremental_streaming_output``: see ``ServerState``. With ``warmup``, the engine compiles
     every step shape (``Engine.warmup``) after the server starts listening and before it starts
     the engine; until then /health is a 503 and requests get a 503."""
@@ -434,10 +472,15 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
         raise ValueError("warmup needs manage_engine: the engine compiles before it starts")
     from rollout_bridge import openai_api, weights_api
 
-    app = web.Application(middlewares=[_auth_and_errors], client_max_size=max_body_bytes)
+    if weight_roots is None:
+        weight_roots = [default_weight_root(model_path)] if model_path else []
+    app = web.Application(middlewares=[_auth_and_errors], client_max_size=max(max_body_bytes, max_request_bytes))
     st = ServerState(engine=engine, tokenizer=tokenizer, api_key=api_key, model_path=model_path,
                      tokenizer_path=tokenizer_path or model_path, served_model_name=served_model_name,
-                     info=dict(info or {}), incremental_streaming_output=incremental_streaming_output)
+                     info=dict(info or {}), incremental_streaming_output=incremental_streaming_output,
+                     weight_roots=resolve_weight_roots(weight_roots), max_request_bytes=max_request_bytes,
+                     max_body_bytes=max_body_bytes,
+                     weight_transfer_timeout_s=weight_transfer_timeout_s)
     st.relabel(weight_version)
     app[STATE] = st
     r = app.router
@@ -457,6 +500,7 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     weights_api.add_routes(app)
     openai_api.add_routes(app)
     app.on_shutdown.append(_answer_in_flight)
+    app.on_cleanup.append(weights_api.drop_staged)
     if manage_engine:
         tasks: list[asyncio.Task] = []
 
@@ -490,6 +534,24 @@ async def _warm_then_start(st: ServerState) -> None:
     await st.engine.start()
     st.ready = True
     log.info("compiled %d step shapes in %.1f s: ready", shapes, st.warmup["seconds"])
+
+
+def default_weight_root(model_path: str | os.PathLike) -> str:
+    """The directory that holds the served model: a run's ``base``, ``warm_start`` and ``weights``
+    directories are siblings, so a run's own weight pushes load by default."""
+    path = os.fspath(model_path).rstrip("/")
+    if "://" in path:
+        return path.rsplit("/", 1)[0]
+    return os.path.dirname(os.path.abspath(path))
+
+
+def resolve_weight_roots(roots: Sequence[str | os.PathLike]) -> tuple[str, ...]:
+    """``roots`` resolved (symlinks and ``..``), URLs kept as written without a trailing slash."""
+    out = []
+    for r in roots:
+        r = os.fspath(r)
+        out.append(r.rstrip("/") if "://" in r else os.path.realpath(r))
+    return tuple(dict.fromkeys(out))
 
 
 SHUTDOWN_MESSAGE = "server shutting down"

@@ -5,12 +5,22 @@ A new version is read and converted while the engine keeps generating and swappe
 steps; it is served under the label the request names (any string, as in SGLang; none keeps the
 current label) while the engine counts updates in its own integer version. A load that fails
 answers ``success: false`` with HTTP 400 and the old weights keep serving.
+
+``/update_weights_from_disk`` loads only from a directory under the server's weight roots
+(``--weight-roots``; by default the directory holding the served model), checked after symlinks
+and ``..`` are resolved, and the resolved path is what is loaded. A path outside the roots and a
+path that does not exist get the same answer, so a caller learns nothing about the filesystem
+outside them. A bucketed transfer that gets no bucket for ``weight_transfer_timeout_s`` is
+dropped with its tensors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -30,6 +40,52 @@ class _Staged:
     label: str
     next_bucket: int = 0
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    timer: Any = None
+    """The pending ``loop.call_later`` that drops this transfer if no bucket follows in time."""
+
+
+def _drop(st: ServerState, staged: _Staged | None, why: str) -> None:
+    if staged is None:
+        return
+    if staged.timer is not None:
+        staged.timer.cancel()
+    if st.staged is staged:
+        st.staged = None
+    if why:
+        log.warning("dropping unfinished weight transfer %s (%d tensors): %s", staged.transfer_id,
+                    len(staged.tensors), why)
+    staged.tensors = {}
+
+
+def _arm_timeout(st: ServerState, staged: _Staged) -> None:
+    if staged.timer is not None:
+        staged.timer.cancel()
+    staged.timer = asyncio.get_running_loop().call_later(
+        st.weight_transfer_timeout_s, _drop, st, staged,
+        f"no bucket for {st.weight_transfer_timeout_s:g}s")
+
+
+async def drop_staged(app: web.Application) -> None:
+    """On cleanup: an unfinished transfer and its timer go."""
+    st = app[STATE]
+    _drop(st, st.staged, "server stopping")
+
+
+def resolve_model_dir(st: ServerState, path: Any) -> str | None:
+    """``path`` resolved, if it is an existing directory under one of the weight roots (a URL:
+    under a URL root, without ``..``); else None, whether it is outside them or missing."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        return None
+    if "://" in path:
+        if ".." in path.split("://", 1)[1].split("/"):
+            return None
+        url_roots = [r for r in st.weight_roots if "://" in r]
+        return path if any(path.rstrip("/").startswith(r + "/") for r in url_roots) else None
+    real = os.path.realpath(path)
+    local_roots = [r for r in st.weight_roots if "://" not in r]
+    if not any(real == r or real.startswith(r.rstrip(os.sep) + os.sep) for r in local_roots):
+        return None
+    return real if os.path.isdir(real) else None
 
 
 async def _apply(st: ServerState, label: str | None, *, tensors: dict[str, np.ndarray] | None = None,
@@ -56,7 +112,12 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     async with st.weight_lock:
         if req.abort_all_requests:
             await st.engine.abort(abort_all=True)
-        return await _apply(st, req.weight_version, model_dir=req.model_path, flush=req.flush_cache)
+        model_dir = resolve_model_dir(st, req.model_path)
+        if model_dir is None:
+            return json_response(P.UpdateWeightsResult(
+                success=False, message=f"model_path {req.model_path!r} is not a model directory under this "
+                "server's weight roots (--weight-roots)", weight_version=st.weight_version), 400)
+        return await _apply(st, req.weight_version, model_dir=model_dir, flush=req.flush_cache)
 
 
 async def update_weight_version(request: web.Request) -> web.Response:
@@ -71,6 +132,16 @@ async def update_weight_version(request: web.Request) -> web.Response:
                   "new_version": req.new_version})
 
 
+def _decode_bucket(body: bytes) -> dict[str, np.ndarray]:
+    """The bucket's tensors; a malformed buffer (truncated, a header of the wrong shape) is a 400."""
+    try:
+        return P.decode_tensor_bucket(body)
+    except P.ProtocolError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        raise P.ProtocolError("body", f"not a valid safetensors buffer ({type(e).__name__}: {e})") from None
+
+
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """One bucket of a bucketed push (see ``protocol``); the last bucket applies them all."""
     st = request.app[STATE]
@@ -82,32 +153,34 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     except msgspec.ValidationError as e:
         raise P.ProtocolError("query", str(e)) from None
     label = q.weight_version
-    tensors = P.decode_tensor_bucket(await request.read())
+    tensors = _decode_bucket(await request.read())
     async with st.weight_lock:
         staged = st.staged
         if q.bucket == 0:
-            if staged is not None:
-                log.warning("dropping unfinished weight transfer %s", staged.transfer_id)
+            _drop(st, staged, f"transfer {q.transfer_id} started")
             staged = st.staged = _Staged(q.transfer_id, label)
         elif staged is None or staged.transfer_id != q.transfer_id:
-            raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress; start at bucket 0")
+            raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress (an unfinished "
+                                  "transfer is dropped when it goes quiet); start at bucket 0")
+        _arm_timeout(st, staged)
         if q.bucket != staged.next_bucket or label != staged.label:
-            st.staged = None
+            _drop(st, staged, "bucket out of order")
             raise P.ProtocolError("bucket", f"expected bucket {staged.next_bucket} of version {staged.label!r}, "
                                   f"got bucket {q.bucket} of version {label!r}; transfer dropped")
         dup = sorted(set(tensors) & set(staged.tensors))
         if dup:
-            st.staged = None
+            _drop(st, staged, "tensor sent twice")
             raise P.ProtocolError("body", f"tensors {dup[:3]} sent twice in one transfer; transfer dropped")
         staged.tensors.update(tensors)
         staged.next_bucket += 1
         if not q.last:
             return json_response(P.UpdateWeightsResult(success=True, message=f"staged bucket {q.bucket}",
                                                weight_version=st.weight_version))
-        st.staged = None
+        tensors_all = staged.tensors
+        _drop(st, staged, "")  # finished: the timer goes, the tensors are applied below
         if q.abort_all_requests:
             await st.engine.abort(abort_all=True)
-        return await _apply(st, label, tensors=staged.tensors, flush=q.flush_cache)
+        return await _apply(st, label, tensors=tensors_all, flush=q.flush_cache)
 
 
 # --- app -----------------------------------------------------------------------------------------

@@ -6,15 +6,29 @@ Protections, and where they hold:
 * Limits (``resource.setrlimit``, Linux and macOS): CPU seconds, address space, file size, open
   files, and process count (not enforced for root by the kernel; the audit layer covers it).
 * Timeout: the run is a new session and its whole process group is killed at the deadline, so
-  nothing it started survives (all POSIX systems).
-* No network: a new network namespace (``unshare --net``, Linux, where the user may create one)
-  and, everywhere, socket creation refused at the Python layer.
+  nothing it started survives (all POSIX systems). On Linux, where the user may create one, the
+  run also gets its own PID namespace (``unshare --pid --fork --kill-child``): when it ends, the
+  kernel kills every process in it, including one that left the process group (``setsid``).
+* No network: a new network namespace (``unshare --net``, Linux, where the user may create one:
+  root, or an unprivileged user namespace) with only a downed loopback, and, everywhere, socket
+  creation refused at the Python layer.
+* Environment: only ``PATH``, ``HOME`` and ``TMPDIR`` (both the run's directory), ``LANG`` and
+  ``PYTHONIOENCODING``; the parent's variables (API keys...) are not passed. ``python -I``
+  ignores ``PYTHON*`` variables and the user's site-packages.
 * Files: an audit hook (``sys.addaudithook``, Python >= 3.8, every OS) installed before the
   program runs refuses opening any file outside the run's directory except reading the Python
   installation itself (the standard library the program imports), refuses writes, renames and
   deletes outside it, and refuses ``fork``/``exec``/``subprocess``/``os.system``, ``ctypes`` and
-  changing directory. An audit hook cannot be removed from Python code; native extensions could
-  bypass it, which is why ``ctypes`` and ``_ctypes`` cannot be imported.
+  changing directory or the resource limits. An audit hook cannot be removed from Python code;
+  native code could bypass it, which is why modules that reach files or processes without an
+  audit event cannot be imported: ``ctypes``, ``_posixsubprocess`` (its ``fork_exec`` starts a
+  program), ``sqlite3``/``dbm`` (they open database files in C), ``readline``, ``_posixshmem``.
+
+Not enforced: the file rules are Python-level only. There is no mount namespace, chroot or
+seccomp filter, so a program that ran native code (a bug in an importable C extension) would see
+the filesystem with the parent's user's rights. The process-count limit does not hold for root
+(outside a user namespace); there, a fork that got past the hook is bounded only by the timeout
+(and, with the PID namespace, cleaned up at its end).
 """
 
 from __future__ import annotations
@@ -49,10 +63,13 @@ def _inside(path, roots):
 
 _BANNED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
            "os.chdir", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "sys.setprofile", "sys.settrace",
-           "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto"}
+           "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
+           "resource.setrlimit", "resource.prlimit"}
 _PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.symlink", "os.link", "os.chmod",
                 "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
 _LIST_EVENTS = {"os.listdir", "os.scandir"}
+# native modules that call C libraries or the kernel with paths or processes the hook never sees
+_NATIVE = {"ctypes", "_ctypes", "_posixsubprocess", "_sqlite3", "_dbm", "_gdbm", "readline", "_posixshmem"}
 
 def _hook(event, args):
     if event == "open":
@@ -72,8 +89,8 @@ def _hook(event, args):
     if event in _LIST_EVENTS and args and isinstance(args[0], (str, bytes, os.PathLike)):
         if not _inside(args[0], (_ROOT,) + _READ_OK):
             raise PermissionError(f"sandbox: listing {args[0]!r} outside the run directory is refused")
-    if event == "import" and args[0] in ("ctypes", "_ctypes"):
-        raise PermissionError("sandbox: ctypes is refused")
+    if event == "import" and args[0] in _NATIVE:
+        raise PermissionError(f"sandbox: {args[0]} is refused")
 
 sys.addaudithook(_hook)
 del sys.argv[:4]
@@ -87,17 +104,27 @@ exec(_code, {"__name__": "__main__", "__file__": _main, "__builtins__": __builti
 
 @functools.cache
 def _netns_prefix() -> tuple[str, ...]:
-    """``unshare`` arguments that give a child its own empty network namespace, if allowed here."""
+    """``unshare`` arguments that give a child its own empty network namespace and, where
+    allowed, its own PID namespace (all its processes die with it); () where neither is allowed."""
     exe = shutil.which("unshare")
     if exe is None or not sys.platform.startswith("linux"):
         return ()
-    for args in ((exe, "--net", "--"), (exe, "--user", "--map-root-user", "--net", "--")):
+    pid = ("--pid", "--fork", "--kill-child")
+    for args in ((exe, "--net", *pid, "--"), (exe, "--user", "--map-root-user", "--net", *pid, "--"),
+                 (exe, "--net", "--"), (exe, "--user", "--map-root-user", "--net", "--")):
         try:
             if subprocess.run([*args, "true"], capture_output=True, timeout=10).returncode == 0:
                 return args
         except (OSError, subprocess.TimeoutExpired):
             continue
     return ()
+
+
+def isolation() -> dict[str, bool]:
+    """Which kernel isolation the runs get on this machine: ``net`` (own network namespace) and
+    ``pid`` (own PID namespace)."""
+    prefix = _netns_prefix()
+    return {"net": "--net" in prefix, "pid": "--pid" in prefix}
 
 
 def _read_roots() -> str:

@@ -1,5 +1,6 @@
 """The code sandbox refuses what model-written code must not do, and leaves nothing behind."""
 
+import json
 import os
 import time
 from pathlib import Path
@@ -98,3 +99,86 @@ def _live_in_group(pgid: int) -> list[int]:
 def test_directory_is_removed() -> None:
     r = run_program("import os; print(os.getcwd())")
     assert r["returncode"] == 0 and not Path(r["stdout"].strip()).exists()
+
+
+# --- issue 15: what the kernel enforces, and native routes around the audit hook ---------------------
+
+def test_native_routes_around_the_hook_are_refused(tmp_path: Path) -> None:
+    """``_posixsubprocess.fork_exec`` starts a program (here: ``cat`` of a file outside) without an
+    audit event, and sqlite opens its database file in C: both are refused at import."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    spawn = ("import _posixsubprocess, os, time\nr, w = os.pipe()\n"
+             f"_posixsubprocess.fork_exec([b'/bin/cat', {str(secret).encode()!r}], [b'/bin/cat'], True, (), None, "
+             "None, -1, -1, -1, -1, -1, -1, r, w, False, True, -1, None, None, -1, -1, None, False)\ntime.sleep(0.5)")
+    r = run_program(spawn)
+    _refused(r, "_posixsubprocess is refused")
+    assert "hunter2" not in r["stdout"]
+    db = tmp_path / "planted.db"
+    _refused(run_program(f"import sqlite3\nsqlite3.connect({str(db)!r}).execute('create table t(x)')"),
+             "_sqlite3 is refused")
+    assert not db.exists()
+    _refused(run_program("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))"), "refused")
+
+
+def test_environment_and_home_are_the_runs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AREAL_TEST_SECRET_KEY", "s3cr3t")
+    r = run_program("import os, json\nprint(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))")
+    assert r["returncode"] == 0, r
+    out = json.loads(r["stdout"])
+    assert "s3cr3t" not in r["stdout"] and set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONIOENCODING"}
+    assert out["env"]["HOME"] == out["cwd"] and Path(out["cwd"]).name.startswith("areal-sandbox-")
+
+
+@pytest.mark.skipif(not sandbox.isolation()["net"], reason="no network namespace can be created on this machine")
+def test_network_namespace_holds_even_past_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the hook gone (as if native code bypassed it), a socket cannot reach a server that
+    listens on this machine's loopback: the run has its own network namespace."""
+    import socket
+
+    monkeypatch.setattr(sandbox, "_GUARD", sandbox._GUARD.replace("sys.addaudithook(_hook)", ""))
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        r = run_program(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                        "    print('connected')\nexcept OSError as e:\n    print('refused', e)")
+    assert r["returncode"] == 0 and r["stdout"].startswith("refused"), r
+
+
+@pytest.mark.skipif(not sandbox.isolation()["pid"], reason="no PID namespace can be created on this machine")
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
+def test_a_process_that_left_the_group_dies_with_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child in a new session escapes a process-group kill (and holds the output pipes open, so
+    the run would not return before it ends); the PID namespace ends it with the run."""
+    monkeypatch.setattr(sandbox, "_GUARD", sandbox._GUARD.replace("sys.addaudithook(_hook)", ""))
+    marker = f"{60 + os.getpid() % 1000 / 1000:.3f}"  # sleep's argument names our process
+    code = (f"import subprocess, time\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+            "print('started', flush=True)\ntime.sleep(60)")
+    t0 = time.monotonic()
+    r = run_program(code, timeout_s=1.5)
+    elapsed = time.monotonic() - t0
+    assert r["timed_out"] and "started" in r["stdout"]
+    survivors = []
+    for _ in range(20):
+        time.sleep(0.1)
+        survivors = _sleepers(marker)
+        if not survivors:
+            break
+    for pid in survivors:  # leave nothing behind even when the test fails
+        os.kill(pid, 9)
+    assert survivors == [] and elapsed < 10, (survivors, elapsed)
+
+
+def _sleepers(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if cmd == b"sleep\0" + marker.encode() + b"\0" and stat.rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry))
+    return found

@@ -24,6 +24,11 @@ from tests.rollout_bridge.bridge_helpers import running_server
 SP = {"max_new_tokens": 8, "temperature": 0.8, "ignore_eos": True}
 
 
+def _roots(tmp_path: Path) -> dict:
+    """The servers load pushed checkpoints from under the test's directory."""
+    return {"weight_roots": [tmp_path]}
+
+
 def _trained(tiny_dir: Path, scale: float) -> object:
     model = load_pretrained(tiny_dir)
     nnx.update(model, jax.tree.map(lambda x: x * scale, nnx.state(model, nnx.Param)))
@@ -40,7 +45,7 @@ def test_every_dtype_through_both_sinks(tiny_dir: Path, tmp_path: Path, dtype: s
     prompt = [5, 17, 3, 42]
 
     async def main() -> None:
-        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
+        async with running_server(tiny_dir, max_seq_len=64, app_kw=_roots(tmp_path)) as (addr, engine), \
                 HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=30)) as client:
             url = f"http://{addr}"
             sinks = [HttpBucketSink(client, bucket_bytes=16 * 1024),
@@ -72,12 +77,14 @@ def test_restarted_server_is_out_of_rotation_until_it_holds_the_current_version(
         raise AssertionError("condition not reached")
 
     async def main() -> None:
-        async with running_server(tiny_dir, max_seq_len=64) as (a, _), contextlib.AsyncExitStack() as stack:
+        async with running_server(tiny_dir, max_seq_len=64, app_kw=_roots(tmp_path)) as (a, _), \
+                contextlib.AsyncExitStack() as stack:
             url_a, url_b = f"http://{a}", f"http://127.0.0.1:{port_b}"
 
             async def start_b() -> tuple[contextlib.AsyncExitStack, object]:
                 b_stack = contextlib.AsyncExitStack()
-                _, engine_b = await b_stack.enter_async_context(running_server(tiny_dir, max_seq_len=64, port=port_b))
+                _, engine_b = await b_stack.enter_async_context(
+                    running_server(tiny_dir, max_seq_len=64, app_kw=_roots(tmp_path), port=port_b))
                 return b_stack, engine_b
 
             b_stack, _ = await start_b()
