@@ -65,7 +65,7 @@ class GenerateResult:
 
 
 class RolloutClient(abc.ABC):
-    """What the controller needs from rollout; HTTP here, a colocated in-process engine later."""
+    """What the controller needs from rollout: over HTTP here, in-process in ``rollout_bridge/local.py``."""
 
     @abc.abstractmethod
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
