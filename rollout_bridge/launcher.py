@@ -60,7 +60,10 @@ class ServerFleet:
         self.model_path = str(model_path)
         self.num_servers = num_servers
         self.log_dir = Path(log_dir)
-        self.extra_args = list(extra_args or [])
+        extra_args = list(extra_args or [])
+        # ``--server-warmup`` is the fleet's own flag (``serve`` warms up unless told to skip).
+        self.server_warmup = "--server-warmup" in extra_args
+        self.extra_args = [a for a in extra_args if a != "--server-warmup"]
         self.seed = seed
         self.startup_timeout_s = startup_timeout_s
         self.env = env
@@ -99,10 +102,7 @@ class ServerFleet:
         """A run's fleet skips the start-up compile of every step shape unless ``server_args`` ask
         for it (``--server-warmup``): the run compiles only the shapes its requests use, while the
         trainer waits for its first batch anyway."""
-        if "--server-warmup" in self.extra_args:
-            self.extra_args = [a for a in self.extra_args if a != "--server-warmup"]
-            return []
-        return ["--skip-server-warmup"]
+        return [] if self.server_warmup else ["--skip-server-warmup"]
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
