@@ -1,6 +1,8 @@
-"""Starting embedded rollout servers as child processes, and stopping every one of them.
+"""Starting rollout servers as child processes, and stopping every one of them.
 
-``ServerFleet`` starts ``areal-jax serve`` processes on free loopback ports, waits for each
+``ServerFleet`` starts ``areal-jax serve`` processes (or, given a ``command``, any server that
+speaks the protocol: real SGLang) on free loopback ports, each confined to its ``Placement``
+(devices through its environment, CPU cores through its affinity), waits for each
 ``/health`` with a timeout (on failure the error carries the child's last log lines), watches
 them while the run lasts (``check()`` raises naming a child that died), and stops all it
 started on exit, on Ctrl-C, and when the parent itself fails. Logs go to one file per server.
@@ -13,14 +15,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from rollout_bridge.placement import Placement
 
 
 class LaunchError(RuntimeError):
@@ -41,6 +47,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _pinned(cmd: list[str], cores: frozenset[int] | None) -> list[str]:
+    """``cmd`` started on ``cores`` only: a small Python trampoline sets its affinity, then
+    becomes ``cmd`` (every thread the server starts inherits it). No ``preexec_fn``: forking a
+    multithreaded parent and running Python in the child can deadlock."""
+    if cores is None:
+        return cmd
+    pin = "import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); " \
+          "os.execvp(sys.argv[2], sys.argv[2:])"
+    return [sys.executable, "-c", pin, ",".join(str(c) for c in sorted(cores)), *cmd]
+
+
+def _shown(cmd: list[str]) -> str:
+    """The command line as a log shows it, with the value of ``--api-key`` hidden."""
+    shown = ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]
+    return shlex.join(shown)
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -50,13 +73,19 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 class ServerFleet:
-    """``num_servers`` embedded servers for one model directory."""
+    """``num_servers`` servers for one model directory: embedded ones, or those ``command(i, port)``
+    starts (its argv for server ``i`` on ``port``; ``extra_args`` and ``weight_roots`` are then
+    the command's business). ``placements[i]`` confines server ``i``."""
 
     def __init__(self, model_path: str | Path, num_servers: int, log_dir: str | Path, *,
                  extra_args: list[str] | None = None, seed: int = 0, startup_timeout_s: float = 300.0,
-                 env: dict[str, str] | None = None, weight_roots: list[str | Path] | None = None):
+                 env: dict[str, str] | None = None, weight_roots: list[str | Path] | None = None,
+                 command: Callable[[int, int], list[str]] | None = None,
+                 placements: list[Placement] | None = None):
         if num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {num_servers}")
+        if placements is not None and len(placements) != num_servers:
+            raise ValueError(f"{len(placements)} placements for {num_servers} servers")
         self.model_path = str(model_path)
         self.num_servers = num_servers
         self.log_dir = Path(log_dir)
@@ -70,6 +99,8 @@ class ServerFleet:
         if weight_roots is None:
             weight_roots = [Path(self.model_path).absolute().parent, self.log_dir.absolute().parent]
         self.weight_roots = [str(r) for r in weight_roots]
+        self.command = command
+        self.placements = placements
         self.children: list[_Child] = []
 
     @property
@@ -84,12 +115,17 @@ class ServerFleet:
             for i in range(self.num_servers):
                 port = _free_port()
                 log = self.log_dir / f"server-{i}.log"
-                cmd = [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", self.model_path,
-                       "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(self.seed + i),
-                       "--weight-roots", *self.weight_roots, *self._warmup_args(), *self.extra_args]
+                cmd = self.command(i, port) if self.command is not None else [
+                    sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", self.model_path,
+                    "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(self.seed + i),
+                    "--weight-roots", *self.weight_roots, *self._warmup_args(), *self.extra_args]
+                place = self.placements[i] if self.placements is not None else Placement(())
                 with log.open("w") as f:
-                    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                            env={**os.environ, **(self.env or {})})
+                    f.write("$ " + _shown(cmd) + "\n")
+                    f.flush()
+                    proc = subprocess.Popen(_pinned(cmd, place.cpu_affinity), stdout=f, stderr=subprocess.STDOUT,
+                                            start_new_session=True,
+                                            env={**os.environ, **(self.env or {}), **place.env})
                 self.children.append(_Child(f"rollout server {i} (pid {proc.pid}, port {port})", proc,
                                             f"127.0.0.1:{port}", log))
             self._wait_healthy()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from rollout_bridge.sglang_launch import SGLangOptions
 from sharding import MeshConfig
 
 
@@ -29,13 +30,23 @@ class LocalRolloutConfig:
 class RolloutConfig:
     """Rollout servers, sampling, the workflow and the staleness bound."""
 
-    backend: Literal["embedded", "servers", "local"] = "embedded"
-    """``embedded``: start ``num_servers`` of our JAX servers as child processes; ``servers``:
-    use the running servers (ours or SGLang) at ``servers``; ``local``: one engine inside the
-    trainer's process (a TPU host, a notebook), no HTTP, weights handed over on device; sized by
-    ``server_args`` and placed by ``local``."""
+    backend: Literal["embedded", "sglang", "servers", "local"] = "embedded"
+    """``embedded``: start ``num_servers`` of our JAX servers as child processes; ``sglang``:
+    start ``num_servers`` real SGLang servers (``areal-jax[sglang]``, GPU; options in ``sglang``;
+    weights go over disk); ``servers``: use the running servers (ours or SGLang) at
+    ``servers``; ``local``: one engine inside the trainer's process (a TPU host, a notebook), no
+    HTTP, weights handed over on device; sized by ``server_args`` and placed by ``local``."""
     num_servers: int = 1
-    """Embedded servers to start."""
+    """Servers to start (``embedded`` and ``sglang``)."""
+    server_devices: list[int] = field(default_factory=list)
+    """The devices of this host that the started servers get, shared equally among them; the
+    trainer keeps the others (GPU ordinals, TPU chips, or CPU cores for embedded servers on
+    CPU). Empty: no split, every process sees every device."""
+    device_platform: Literal["auto", "cpu", "gpu", "tpu"] = "auto"
+    """What ``server_devices`` numbers; ``auto``: GPU for ``sglang``, else this host's
+    accelerator (CPU when it has none)."""
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    """How each server of ``backend: sglang`` starts (tensor parallelism, memory, dtype)."""
     servers: list[str] = field(default_factory=list)
     """``host:port`` or URLs of running servers, with ``backend: servers``."""
     api_key: str | None = None
@@ -75,6 +86,9 @@ class RolloutConfig:
     """``http``: stream buckets to our servers; ``disk``: write a versioned HF checkpoint and call
     ``/update_weights_from_disk`` (SGLang, or any server on a shared filesystem). ``backend:
     local`` ignores it: its weights go device to device."""
+    weights_dir: str | None = None
+    """With ``weight_sync: disk``: where each version is written, a path or URL every server can
+    read (NFS, ``gs://bucket/run/weights`` with ``areal-jax[gcs]``); None: ``<run dir>/weights``."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How servers pause for a weight update; ``abort`` ends in-flight requests and the client
     resumes them under the new weights (interruptible rollout)."""
@@ -86,6 +100,27 @@ class RolloutConfig:
             raise ValueError("rollout.backend=servers needs rollout.servers=[host:port, ...]")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if self.backend == "sglang" and self.weight_sync != "disk":
+            raise ValueError("rollout.backend=sglang moves weights through disk: set rollout.weight_sync=disk "
+                             "(SGLang reads a versioned HF checkpoint with /update_weights_from_disk)")
+        if self.server_devices and self.backend not in ("embedded", "sglang"):
+            raise ValueError(f"rollout.server_devices splits a host between the trainer and the servers it starts; "
+                             f"rollout.backend={self.backend} starts none (use embedded or sglang, or clear it)")
+        if (self.backend == "sglang" and self.server_devices
+                and len(self.server_devices) != self.num_servers * self.sglang.tp_size):
+            raise ValueError(f"rollout.server_devices has {len(self.server_devices)} GPUs for {self.num_servers} "
+                             f"SGLang server(s) of rollout.sglang.tp_size={self.sglang.tp_size}: give "
+                             f"num_servers x tp_size = {self.num_servers * self.sglang.tp_size}")
+
+    def platform(self) -> str:
+        """What ``server_devices`` numbers (``device_platform`` with ``auto`` resolved)."""
+        if self.device_platform != "auto":
+            return self.device_platform
+        if self.backend == "sglang":
+            return "gpu"
+        from rollout_bridge.placement import detect_platform
+
+        return detect_platform()
 
     @property
     def effective_max_staleness(self) -> int:

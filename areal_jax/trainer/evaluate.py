@@ -93,9 +93,20 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
         return
     fleet = None
     try:
-        if rollout.backend == "embedded":
+        if rollout.backend in ("embedded", "sglang"):
+            split = device_split(cfg)
+            command = None
+            if rollout.backend == "sglang":
+                from rollout_bridge.sglang_launch import sglang_command
+
+                def command(i: int, port: int) -> list[str]:
+                    return sglang_command(rollout.sglang, str(serve_dir), port, seed=cfg.seed + i,
+                                          api_key=rollout.api_key)
             fleet = ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
-                                seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s)
+                                seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
+                                weight_roots=[Path(serve_dir).absolute().parent, Path(cfg.run_dir).absolute(),
+                                              *([rollout.weights_dir] if rollout.weights_dir else [])],
+                                placements=split[1] if split else None)
             addresses = await asyncio.to_thread(fleet.start)
         else:
             addresses = list(rollout.servers)
@@ -104,6 +115,17 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
     finally:
         if fleet is not None:
             fleet.stop()
+
+
+def device_split(cfg: RunConfig) -> tuple[Any, list[Any]] | None:
+    """``(trainer placement, server placements)`` from ``rollout.server_devices``, or None when
+    the config splits nothing."""
+    from rollout_bridge.placement import split_devices
+
+    rollout = cfg.rollout
+    if not rollout.server_devices or rollout.backend not in ("embedded", "sglang"):
+        return None
+    return split_devices(rollout.platform(), rollout.server_devices, rollout.num_servers)  # type: ignore[arg-type]
 
 
 def evaluate_checkpoint(cfg: RunConfig, model_path: str | Path) -> dict[str, Any]:

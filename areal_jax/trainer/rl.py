@@ -28,7 +28,7 @@ import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.data.trajectory import Trajectory
-from areal_jax.trainer.evaluate import evaluate, local_devices, open_rollout
+from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.run_config import RunConfig, load_run_config
 
@@ -123,6 +123,11 @@ async def _train(cfg: RunConfig) -> RunResult:
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
     workflow = get_workflow(rollout.workflow)  # a bad name fails before anything starts
+    split = device_split(cfg)  # before this process's JAX starts: the trainer keeps its share only
+    if split is not None:
+        from rollout_bridge.placement import confine_this_process
+
+        confine_this_process(split[0])
 
     base = prepare_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
@@ -152,7 +157,8 @@ async def _train(cfg: RunConfig) -> RunResult:
             if rollout.backend == "servers" and cfg.warm_start is not None:
                 await client.update_weights_from_disk(str(serve_dir), version=0)
             sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
-                    DiskSink(run_dir / "weights", model.config.to_hf_dict(), client=client, tokenizer_dir=base))
+                    DiskSink(rollout.weights_dir or run_dir / "weights", model.config.to_hf_dict(), client=client,
+                             tokenizer_dir=base))
             with RewardPool(cfg.reward) as pool:
                 episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
                                                rollout.group_size, dict(rollout.workflow_options))
