@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save as st_save
 
-from areal_jax.models.hf_io import is_url, write_hf_dir
+from areal_jax.models.hf_write import is_url, write_hf_dir
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -84,7 +84,7 @@ class DiskSink(WeightSink):
     def __init__(self, root: str | os.PathLike, hf_config: dict[str, Any], *, client: Any = None,
                  tokenizer_dir: str | os.PathLike | None = None, keep_last: int = 2,
                  max_shard_bytes: int = 2 * 1024**3, abort_all_requests: bool = False):
-        """``root`` is a local directory or a URL (``gs://...``; see ``hf_io.is_url``).
+        """``root`` is a local directory or a URL (``gs://...``; see ``hf_write.is_url``).
         ``hf_config`` is the config.json content (``ModelConfig.to_hf_dict(dtype)``); ``client`` a
         ``RolloutClient`` (None: only write). ``keep_last`` versions stay on disk, older ones go."""
         self.root: Path | str = os.fspath(root).rstrip("/") if is_url(root) else Path(root)

@@ -11,8 +11,8 @@ from areal_jax.models.hf_io import (
     hf_tensor_specs,
     iter_hf_tensors,
     load_pretrained,
-    save_pretrained,
 )
+from areal_jax.models.hf_write import save_pretrained
 from areal_jax.models.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
 from areal_jax.models.tokenizer import encode_chat, load_tokenizer
 

@@ -5,8 +5,9 @@ The correspondence between our parameter paths and HF tensor names is a table pe
 Decoder layers are stacked (a leading ``layers`` axis): one of our parameters is the HF tensors
 of every layer, ``{layer}`` in the template, stacked on read and sliced on write.
 Loading reads each tensor straight onto its devices, one tensor at a time, and each device reads
-only its own slice from the memory-mapped safetensors file. Saving writes unfused names, exact
-HF shapes, no ``lm_head`` when embeddings are tied, in size-bounded shards with an index.
+only its own slice from the memory-mapped safetensors file. ``iter_hf_tensors`` yields the model
+back as HF tensors (unfused names, exact HF shapes, no ``lm_head`` when embeddings are tied),
+one at a time; ``hf_write`` puts them on disk.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -29,7 +28,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from areal_jax.models.config import ModelConfig, dtype_name
 from areal_jax.models.decoder import Decoder
@@ -256,29 +254,43 @@ def _hf_params(model: Decoder) -> list[tuple[list[HFParam], nnx.Variable]]:
 
 # --- writing ----------------------------------------------------------------------------------
 
-def _gather(x: jax.Array) -> np.ndarray:
-    """The full value of a (possibly multi-host sharded) array on this process."""
-    if not x.is_fully_addressable:
+def _gather(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
+    """The full value of a (possibly multi-host sharded) array on this process. Across
+    processes the all-gather is collective, so every process calls this for every tensor; one
+    that passes ``fetch=False`` takes part without copying the result to its host (None)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x)) if fetch else None
+    if not isinstance(x.sharding, NamedSharding):
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+        full_host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return full_host if fetch else None
+    from jax.sharding import PartitionSpec
+
+    full = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+    return np.asarray(full.addressable_data(0)) if fetch else None
 
 
-def iter_hf_tensors(model: Decoder, dtype: Any = None) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(model: Decoder, dtype: Any = None,
+                    owned: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype`` (a name or
     a JAX/NumPy dtype; default the parameters' own).
 
     Only one full tensor is held on the host at a time; this is what the weight streamer and
-    ``save_pretrained`` build on.
+    ``save_pretrained`` build on. In a multi-process run every process must run the whole
+    iteration (the gathers are collective); with ``owned``, a tensor it rejects is gathered on
+    device but never copied to this host, and not yielded.
     """
     cfg: ModelConfig = model.config
     np_dtype = _NP_DTYPES[dtype_name(dtype if dtype is not None else cfg.param_dtype)]
     for group, var in _hf_params(model):
         value = var.get_value()
         for param in group:
+            fetch = owned is None or owned(param.hf_name)
             # A stacked parameter is sliced on device first, so the host holds one layer's tensor.
-            arr = _gather(value if param.layer is None else value[param.layer])
+            arr = _gather(value if param.layer is None else value[param.layer], fetch)
+            if arr is None:
+                continue
             arr = arr.T if param.transpose else arr
             yield param.hf_name, np.ascontiguousarray(arr.astype(np_dtype, copy=False))
 
@@ -286,176 +298,6 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None) -> Iterator[tuple[str, np
 def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
     """HF name -> HF shape for every tensor the model writes (no data moved)."""
     return {p.hf_name: p.hf_shape(var.get_value().shape) for group, var in _hf_params(model) for p in group}
-
-
-def write_safetensors_shards(
-    tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, max_shard_bytes: int,
-    on_written: Callable[[str], None] | None = None,
-) -> list[str]:
-    """Write tensors into ``model-XXXXX-of-YYYYY.safetensors`` files and, for several, the index.
-    ``on_written(file_name)`` is called after each file is complete (a remote export uploads it
-    and deletes the local copy, so local disk holds one shard at a time)."""
-    on_written = on_written or (lambda _: None)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, arr in tensors:
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
-    n = len(shards)
-    if n == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        on_written("model.safetensors")
-        return ["model.safetensors"]
-    names, weight_map, total = [], {}, 0
-    for i in range(n):
-        shard, shards[i] = shards[i], {}  # the host lets go of each shard once it is on disk
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        on_written(fname)
-        names.append(fname)
-        weight_map.update({k: fname for k in shard})
-        total += sum(a.nbytes for a in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    on_written("model.safetensors.index.json")
-    return names
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a ``scheme://`` address (``gs://``, ``s3://``, ``memory://``,
-    ``file://``...), written and read through fsspec; anything else is a local path."""
-    return "://" in os.fspath(path)
-
-
-def _url_fs(url: str | os.PathLike) -> tuple[Any, str]:
-    """The fsspec filesystem of ``url`` and the path inside it. Cloud schemes need their fsspec
-    package (``gcsfs`` for gs://, ``s3fs`` for s3://); fsspec's error names the one missing."""
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(os.fspath(url))
-    return fs, path.rstrip("/")
-
-
-def _tokenizer_files(tokenizer_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """``(name, source)`` of each tokenizer file present in a local directory or at a URL;
-    ``source`` is a local ``Path`` or a ``(fs, path)`` pair."""
-    if is_url(tokenizer_dir):
-        fs, root = _url_fs(tokenizer_dir)
-        for name in TOKENIZER_FILES:
-            if fs.isfile(f"{root}/{name}"):
-                yield name, (fs, f"{root}/{name}")
-    else:
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).exists():
-                yield name, Path(tokenizer_dir) / name
-
-
-def _read_bytes(source: Any) -> bytes:
-    if isinstance(source, Path):
-        return source.read_bytes()
-    fs, path = source
-    return fs.cat_file(path)
-
-
-def _write_hf_url(
-    tensors: Iterator[tuple[str, np.ndarray]], url: str, hf_config: dict[str, Any],
-    tokenizer_dir: str | os.PathLike | None, max_shard_bytes: int,
-) -> str:
-    """``write_hf_dir`` for a URL. Object stores cannot rename a directory atomically, so the
-    files go straight to ``url``, config.json last: a reader that finds config.json finds a
-    complete checkpoint. Shards are written to a local temp dir and uploaded one at a time."""
-    fs, root = _url_fs(url)
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-    fs.makedirs(root, exist_ok=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
-
-            def upload(name: str) -> None:
-                fs.put_file(os.path.join(tmp, name), f"{root}/{name}")
-                os.remove(os.path.join(tmp, name))
-
-            write_safetensors_shards(tensors, Path(tmp), max_shard_bytes, on_written=upload)
-        if tokenizer_dir is not None:
-            for name, source in _tokenizer_files(tokenizer_dir):
-                fs.pipe_file(f"{root}/{name}", _read_bytes(source))
-        fs.pipe_file(f"{root}/config.json", json.dumps(hf_config, indent=2).encode())
-    except BaseException:
-        try:
-            fs.rm(root, recursive=True)
-        except OSError:
-            pass
-        raise
-    return os.fspath(url).rstrip("/")
-
-
-def write_hf_dir(
-    tensors: Iterator[tuple[str, np.ndarray]],
-    out_dir: str | os.PathLike,
-    hf_config: dict[str, Any],
-    *,
-    tokenizer_dir: str | os.PathLike | None = None,
-    max_shard_bytes: int = 2 * 1024**3,
-) -> Path | str:
-    """Write a HF model directory (safetensors shards, config.json, tokenizer files).
-
-    A local directory is assembled in a temporary sibling and renamed into place, atomically, so
-    a reader (an SGLang server told to load it, say) never sees a half-written checkpoint; on
-    error nothing is left behind. A URL (``gs://bucket/run/v3``, any fsspec scheme; see
-    ``is_url``) is written file by file, config.json last, and removed on error; the URL is
-    returned. ``tokenizer_dir`` may be a local directory or a URL too.
-    """
-    if is_url(out_dir):
-        return _write_hf_url(tensors, os.fspath(out_dir), hf_config, tokenizer_dir, max_shard_bytes)
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        write_safetensors_shards(tensors, tmp, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        if tokenizer_dir is not None:
-            for name, source in _tokenizer_files(tokenizer_dir):
-                if isinstance(source, Path):
-                    shutil.copy2(source, tmp / name)
-                else:
-                    (tmp / name).write_bytes(_read_bytes(source))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def save_pretrained(
-    model: Decoder,
-    out_dir: str | os.PathLike,
-    *,
-    dtype: Any = None,
-    max_shard_bytes: int = 2 * 1024**3,
-    tokenizer_dir: str | os.PathLike | None = None,
-) -> Path | str:
-    """Write ``model`` as a HF model directory loadable by ``transformers`` and SGLang.
-
-    ``out_dir`` is a local directory (returned as a ``Path``) or a URL such as
-    ``gs://bucket/run/final`` (any fsspec scheme with its package installed, e.g. ``gcsfs``;
-    returned as given). ``dtype`` (a name or JAX/NumPy dtype; default the parameters' own) is
-    the tensors' dtype on disk. Tokenizer files are copied from ``tokenizer_dir`` (default: the
-    directory the model was loaded from). In a multi-process run every process must call this
-    (the gather is collective); only process 0 writes.
-    """
-    tensors = iter_hf_tensors(model, dtype)
-    if jax.process_index() != 0:
-        for _ in tensors:  # take part in the collective gathers
-            pass
-        return os.fspath(out_dir) if is_url(out_dir) else Path(out_dir)
-    return write_hf_dir(tensors, out_dir, model.config.to_hf_dict(dtype),
-                        tokenizer_dir=tokenizer_dir or getattr(model, "source_dir", None),
-                        max_shard_bytes=max_shard_bytes)
 
 
 def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[str]:

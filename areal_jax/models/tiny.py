@@ -16,7 +16,7 @@ from flax import nnx
 
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import save_pretrained
+from areal_jax.models.hf_write import save_pretrained
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 CHARS = string.digits + string.ascii_letters + " \n+-*/=()<>.,:;?!'\"#%&[]{}_^|~$@\\`"

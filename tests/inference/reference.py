@@ -14,7 +14,8 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import load_pretrained, save_pretrained
+from areal_jax.models.hf_io import load_pretrained
+from areal_jax.models.hf_write import save_pretrained
 from areal_jax.models.tiny import make_tiny_checkpoint
 
 T = TypeVar("T")

@@ -189,7 +189,8 @@ def test_save_pretrained_to_url_matches_local_save(tmp_path: Path, scheme: str) 
 def test_save_to_url_replaces_old_files_and_leaves_nothing_on_error(tmp_path: Path) -> None:
     import fsspec
 
-    from areal_jax.models.hf_io import iter_hf_tensors, write_hf_dir
+    from areal_jax.models.hf_io import iter_hf_tensors
+    from areal_jax.models.hf_write import write_hf_dir
 
     model = load_pretrained(FIXTURES / "hf_qwen2")
     url = _memory_url("v1")

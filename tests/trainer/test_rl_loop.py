@@ -46,14 +46,14 @@ def test_sync_mode_trains_only_on_current_policy(tmp_path: Path) -> None:
     """Also: weights over disk into a directory outside the run (a shared filesystem's)."""
     shared = tmp_path / "shared" / "weights"
     cfg = load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path / 'run'}", "steps=4", "rollout.mode=sync",
-                                 "export=false", "rollout.workflow=multi_turn", "rollout.workflow_options={max_turns: 2}",
-                                 "rollout.weight_sync=disk", f"rollout.weights_dir={shared}"])
+                                 "export=false", "rollout.workflow=multi_turn",
+                                 "rollout.workflow_options={max_turns: 2}", "rollout.weight_sync=disk",
+                                 f"rollout.weights_dir={shared}"])
     train(cfg)
     metrics = _metrics(tmp_path / "run")
     assert len(metrics) == 4 and all(m["staleness_max"] == 0 for m in metrics)
     assert [m["served_versions"] for m in metrics] == [[str(v)] for v in range(1, 5)]  # the server loaded them
-    assert (shared / "v00000004" / "model.safetensors.index.json").exists() or list((shared / "v00000004").glob(
-        "*.safetensors"))
+    assert list((shared / "v00000004").glob("*.safetensors"))
     assert not (tmp_path / "run" / "weights").exists()
 
 

@@ -1,0 +1,280 @@
+"""Writing Hugging Face model directories: size-bounded safetensors shards with their index,
+config.json and tokenizer files, to a local directory (assembled aside and renamed into place)
+or a URL (any fsspec scheme, config.json last); and ``save_pretrained``, which in a multi-process
+run spreads the tensors over the processes, each writing whole tensors into its own shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from safetensors.numpy import save_file
+
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import _NP_DTYPES, TOKENIZER_FILES, hf_tensor_specs, iter_hf_tensors
+
+
+def write_safetensors_shards(
+    tensors: Iterator[tuple[str, np.ndarray]], out_dir: Path, max_shard_bytes: int,
+    on_written: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Write tensors into ``model-XXXXX-of-YYYYY.safetensors`` files and, for several, the index.
+    ``on_written(file_name)`` is called after each file is complete (a remote export uploads it
+    and deletes the local copy, so local disk holds one shard at a time)."""
+    on_written = on_written or (lambda _: None)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors:
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    n = len(shards)
+    if n == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        on_written("model.safetensors")
+        return ["model.safetensors"]
+    names, weight_map, total = [], {}, 0
+    for i in range(n):
+        shard, shards[i] = shards[i], {}  # the host lets go of each shard once it is on disk
+        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        on_written(fname)
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+        total += sum(a.nbytes for a in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    on_written("model.safetensors.index.json")
+    return names
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``scheme://`` address (``gs://``, ``s3://``, ``memory://``,
+    ``file://``...), written and read through fsspec; anything else is a local path."""
+    return "://" in os.fspath(path)
+
+
+def _url_fs(url: str | os.PathLike) -> tuple[Any, str]:
+    """The fsspec filesystem of ``url`` and the path inside it. Cloud schemes need their fsspec
+    package (``gcsfs`` for gs://, ``s3fs`` for s3://); fsspec's error names the one missing."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(os.fspath(url))
+    return fs, path.rstrip("/")
+
+
+def _tokenizer_files(tokenizer_dir: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    """``(name, source)`` of each tokenizer file present in a local directory or at a URL;
+    ``source`` is a local ``Path`` or a ``(fs, path)`` pair."""
+    if is_url(tokenizer_dir):
+        fs, root = _url_fs(tokenizer_dir)
+        for name in TOKENIZER_FILES:
+            if fs.isfile(f"{root}/{name}"):
+                yield name, (fs, f"{root}/{name}")
+    else:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                yield name, Path(tokenizer_dir) / name
+
+
+def _read_bytes(source: Any) -> bytes:
+    if isinstance(source, Path):
+        return source.read_bytes()
+    fs, path = source
+    return fs.cat_file(path)
+
+
+def _write_hf_url(
+    tensors: Iterator[tuple[str, np.ndarray]], url: str, hf_config: dict[str, Any],
+    tokenizer_dir: str | os.PathLike | None, max_shard_bytes: int,
+) -> str:
+    """``write_hf_dir`` for a URL. Object stores cannot rename a directory atomically, so the
+    files go straight to ``url``, config.json last: a reader that finds config.json finds a
+    complete checkpoint. Shards are written to a local temp dir and uploaded one at a time."""
+    fs, root = _url_fs(url)
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+    fs.makedirs(root, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
+
+            def upload(name: str) -> None:
+                fs.put_file(os.path.join(tmp, name), f"{root}/{name}")
+                os.remove(os.path.join(tmp, name))
+
+            write_safetensors_shards(tensors, Path(tmp), max_shard_bytes, on_written=upload)
+        if tokenizer_dir is not None:
+            for name, source in _tokenizer_files(tokenizer_dir):
+                fs.pipe_file(f"{root}/{name}", _read_bytes(source))
+        fs.pipe_file(f"{root}/config.json", json.dumps(hf_config, indent=2).encode())
+    except BaseException:
+        try:
+            fs.rm(root, recursive=True)
+        except OSError:
+            pass
+        raise
+    return os.fspath(url).rstrip("/")
+
+
+def write_hf_dir(
+    tensors: Iterator[tuple[str, np.ndarray]],
+    out_dir: str | os.PathLike,
+    hf_config: dict[str, Any],
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> Path | str:
+    """Write a HF model directory (safetensors shards, config.json, tokenizer files).
+
+    A local directory is assembled in a temporary sibling and renamed into place, atomically, so
+    a reader (an SGLang server told to load it, say) never sees a half-written checkpoint; on
+    error nothing is left behind. A URL (``gs://bucket/run/v3``, any fsspec scheme; see
+    ``is_url``) is written file by file, config.json last, and removed on error; the URL is
+    returned. ``tokenizer_dir`` may be a local directory or a URL too.
+    """
+    if is_url(out_dir):
+        return _write_hf_url(tensors, os.fspath(out_dir), hf_config, tokenizer_dir, max_shard_bytes)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        write_safetensors_shards(tensors, tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        if tokenizer_dir is not None:
+            for name, source in _tokenizer_files(tokenizer_dir):
+                if isinstance(source, Path):
+                    shutil.copy2(source, tmp / name)
+                else:
+                    (tmp / name).write_bytes(_read_bytes(source))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def save_pretrained(
+    model: Decoder,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: Any = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    tokenizer_dir: str | os.PathLike | None = None,
+) -> Path | str:
+    """Write ``model`` as a HF model directory loadable by ``transformers`` and SGLang.
+
+    ``out_dir`` is a local directory (returned as a ``Path``) or a URL such as
+    ``gs://bucket/run/final`` (any fsspec scheme with its package installed, e.g. ``gcsfs``;
+    returned as given). ``dtype`` (a name or JAX/NumPy dtype; default the parameters' own) is
+    the tensors' dtype on disk. Tokenizer files are copied from ``tokenizer_dir`` (default: the
+    directory the model was loaded from). In a multi-process run every process must call this
+    (the gathers are collective) and ``out_dir`` must be one place they all reach (a shared
+    filesystem or a bucket): the tensors are spread over the processes by size, each tensor
+    gathered to and written whole by one of them, into that process's own shards.
+    """
+    tokenizer_dir = tokenizer_dir or getattr(model, "source_dir", None)
+    hf_config = model.config.to_hf_dict(dtype)
+    if jax.process_count() > 1:
+        return _save_spread(model, out_dir, dtype, hf_config, tokenizer_dir, max_shard_bytes)
+    return write_hf_dir(iter_hf_tensors(model, dtype), out_dir, hf_config, tokenizer_dir=tokenizer_dir,
+                        max_shard_bytes=max_shard_bytes)
+
+
+def spread_plan(sizes: list[tuple[str, int]], processes: int, max_shard_bytes: int) -> list[tuple[int, list[str]]]:
+    """The files of a multi-process export, in order, as ``(writing process, tensor names)``:
+    tensors go largest first to the process with the fewest bytes so far; each process's
+    tensors, in the model's order (``sizes`` is ``(name, bytes)`` in that order), are cut into
+    files of at most ``max_shard_bytes`` (or one tensor, if larger)."""
+    load, owner = [0] * processes, {}
+    for name, nbytes in sorted(sizes, key=lambda t: -t[1]):
+        p = min(range(processes), key=lambda i: load[i])
+        owner[name] = p
+        load[p] += nbytes
+    files: list[tuple[int, list[str]]] = []
+    for p in range(processes):
+        names, size = [], 0
+        for name, nbytes in sizes:
+            if owner[name] != p:
+                continue
+            if names and size + nbytes > max_shard_bytes:
+                files.append((p, names))
+                names, size = [], 0
+            names.append(name)
+            size += nbytes
+        if names:
+            files.append((p, names))
+    return files
+
+
+def _save_spread(model: Decoder, out_dir: str | os.PathLike, dtype: Any, hf_config: dict[str, Any],
+                 tokenizer_dir: str | os.PathLike | None, max_shard_bytes: int) -> Path | str:
+    """``save_pretrained`` across processes. A local ``out_dir`` is assembled in a sibling
+    staging directory and renamed into place by process 0; a URL is written in place, config.json
+    last. Processes meet at three barriers: staging ready, every shard written, export done."""
+    from jax.experimental.multihost_utils import sync_global_devices
+
+    from areal_jax.models.config import dtype_name
+
+    me = jax.process_index()
+    itemsize = np.dtype(_NP_DTYPES[dtype_name(dtype if dtype is not None else model.config.param_dtype)]).itemsize
+    sizes = [(name, int(np.prod(shape)) * itemsize) for name, shape in hf_tensor_specs(model).items()]
+    files = spread_plan(sizes, jax.process_count(), max_shard_bytes)
+    fnames = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    file_of = {name: i for i, (_, names) in enumerate(files) for name in names}
+    if is_url(out_dir):
+        fs, root = _url_fs(out_dir)
+        result: Path | str = os.fspath(out_dir).rstrip("/")
+        if me == 0:
+            if fs.exists(root):
+                fs.rm(root, recursive=True)
+            fs.makedirs(root, exist_ok=True)
+    else:
+        out, fs, result = Path(out_dir), None, Path(out_dir)
+        root = str(out.parent / f".{out.name}.tmp-export")
+        if me == 0:
+            shutil.rmtree(root, ignore_errors=True)
+            Path(root).mkdir(parents=True)
+    sync_global_devices(f"hf export {out_dir}: staging ready")
+
+    def put(name: str, write: Callable[[str], None]) -> None:
+        if fs is None:
+            write(os.path.join(root, name))
+            return
+        with tempfile.TemporaryDirectory(prefix="hf-export-") as tmp:
+            write(os.path.join(tmp, name))
+            fs.put_file(os.path.join(tmp, name), f"{root}/{name}")
+
+    pending: dict[int, dict[str, np.ndarray]] = {i: {} for i, (p, _) in enumerate(files) if p == me}
+    for name, arr in iter_hf_tensors(model, dtype, owned=lambda n: file_of[n] in pending):
+        shard = pending[file_of[name]]
+        shard[name] = arr
+        if len(shard) == len(files[file_of[name]][1]):  # the file is complete: write it, let it go
+            put(fnames[file_of[name]], lambda path, shard=shard: save_file(
+                shard, path, metadata={"format": "pt", "written_by_process": str(me)}))
+            del pending[file_of[name]]
+    sync_global_devices(f"hf export {out_dir}: shards written")
+    if me == 0:
+        index = {"metadata": {"total_size": sum(n for _, n in sizes)},
+                 "weight_map": {name: fnames[file_of[name]] for name, _ in sizes}}
+        put("model.safetensors.index.json", lambda path: Path(path).write_text(json.dumps(index, indent=2)))
+        for name, source in _tokenizer_files(tokenizer_dir) if tokenizer_dir is not None else ():
+            put(name, lambda path, source=source: Path(path).write_bytes(_read_bytes(source)))
+        put("config.json", lambda path: Path(path).write_text(json.dumps(hf_config, indent=2)))
+        if fs is None:
+            if Path(out_dir).exists():
+                shutil.rmtree(out_dir)
+            os.replace(root, out_dir)
+    sync_global_devices(f"hf export {out_dir}: done")
+    return result
