@@ -62,9 +62,11 @@ class MetricsLogger:
                     old.unlink()
             from tensorboardX import SummaryWriter
 
-            # Events of steps >= purge_step written before this writer started are hidden.
+            # Events of steps >= purge_step written before this writer started are hidden. A file
+            # name of its own: event files are named by the second, and "wb" would wipe a twin.
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"),
-                                        purge_step=start_step + 1 if start_step else None)
+                                        purge_step=start_step + 1 if start_step else None,
+                                        filename_suffix=f".resumed-{start_step}" if start_step else "")
         if self.cfg.wandb_project and self.cfg.wandb_mode != "disabled":
             import wandb
 
