@@ -178,6 +178,12 @@ class RunCheckpoints:
             state=self._ocp.args.StandardRestore(abstract)))
         return out["state"]
 
+    def delete_all(self) -> None:
+        """Delete every checkpoint in the directory."""
+        for step in self.manager.all_steps():
+            self.manager.delete(step)
+        self.last_complete = None
+
     def close(self) -> None:
         """Wait for a background save (raising if it failed), then release the manager."""
         try:

@@ -127,10 +127,16 @@ def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any]
     latest = ckpts.latest_step()
     if not resume:
         if latest is not None:
-            ckpts.close()
-            raise CheckpointError(f"{ckpts.directory} holds checkpoints of an earlier run (newest: step {latest}): "
-                             "pass --resume (train(..., resume=True)) to continue it, or remove them or set "
-                             "checkpoint.dir to start afresh")
+            earlier = ckpts.read_meta(latest)
+            if latest < earlier.get("total_steps", latest + 1):  # an unfinished run: never thrown away unasked
+                ckpts.close()
+                raise CheckpointError(
+                    f"{ckpts.directory} holds checkpoints of an unfinished run (step {latest} of "
+                    f"{earlier.get('total_steps', '?')}): pass --resume (train(..., resume=True)) to continue it, "
+                    "or remove them or set checkpoint.dir to start afresh")
+            # A finished run's checkpoints go, as its metrics and exported policy are replaced.
+            log.warning("starting afresh: removing the checkpoints of a finished run in %s", ckpts.directory)
+            ckpts.delete_all()
         return ckpts, None
     if latest is None:
         log.warning("--resume: no complete checkpoint in %s; starting at step 0", ckpts.directory)
@@ -321,7 +327,8 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             from areal_jax.trainer.checkpoint import rng_state
 
             # Taken between awaits: the controller's state matches the trainer's (batches 1..step).
-            meta = {"step": step, "version": version, "trainer_step": trainer.step, "time": now - t_start,
+            meta = {"step": step, "total_steps": cfg.steps, "version": version, "trainer_step": trainer.step,
+                    "time": now - t_start,
                     "controller": controller.state_dict(), "rng": rng_state()}
             meta = json.loads(json.dumps(meta))  # a copy that later steps cannot change under a background save
             save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)

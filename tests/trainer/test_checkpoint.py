@@ -120,3 +120,32 @@ def test_a_full_disk_is_a_clear_error_and_the_last_checkpoint_survives(tmp_path:
     assert "File too large" in out["error"] and "step 1, is intact" in out["error"]
     assert out["latest"] == 1 and out["restored_sums"] == out["saved_sums"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1"]  # the half-written step 2 is gone
+
+
+def test_a_fresh_run_keeps_an_unfinished_runs_checkpoints_and_replaces_a_finished_ones(tmp_path: Path) -> None:
+    import jax.numpy as jnp
+
+    from areal_jax.trainer.checkpoint import CheckpointError
+    from areal_jax.trainer.rl import _open_checkpoints
+
+    cfg = load_run_config(DEMO, [f"run_dir={tmp_path}", "checkpoint.every_steps=1", "steps=4"])
+    directory = checkpoint_dir(cfg.checkpoint, cfg.run_dir)
+
+    def save(step: int) -> None:
+        ckpts = RunCheckpoints(cfg.checkpoint, directory)
+        ckpts.save(step, {"x": jnp.full(3, float(step))}, {"step": step, "total_steps": 4})
+        ckpts.close()
+
+    save(2)  # a run killed after step 2 of 4
+    with pytest.raises(CheckpointError, match=r"unfinished run \(step 2 of 4\): pass --resume"):
+        _open_checkpoints(cfg, resume=False)
+    ckpts, meta = _open_checkpoints(cfg, resume=True)
+    assert meta["step"] == 2 and ckpts.latest_step() == 2
+    ckpts.close()
+    save(4)  # the run finished: a new run in the same directory starts afresh, as its metrics do
+    ckpts, meta = _open_checkpoints(cfg, resume=False)
+    assert meta is None and ckpts.latest_step() is None and not list(Path(str(directory)).iterdir())
+    ckpts.close()
+    ckpts, meta = _open_checkpoints(cfg, resume=True)  # nothing to resume: start at step 0
+    assert meta is None
+    ckpts.close()
