@@ -38,7 +38,8 @@ class CheckpointConfig:
     """The ``checkpoint:`` section: when a run saves itself and where (``--resume`` continues it)."""
 
     dir: str | None = None
-    """Where checkpoints go: a directory or a ``gs://bucket/path`` URL; None: ``<run dir>/checkpoints``."""
+    """Where checkpoints go: a directory or a ``gs://bucket/path`` URL (needs ``gcsfs``); None:
+    ``<run dir>/checkpoints``."""
     every_steps: int = 0
     """Save every this many RL steps; 0: not by step count."""
     every_seconds: float = 1800.0
