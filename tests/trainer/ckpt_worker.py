@@ -59,6 +59,7 @@ def reshard(directory: str) -> dict:
     dst = _trainer(MeshConfig(data=1, fsdp=4, tensor=2))
     ckpts = RunCheckpoints(CheckpointConfig(every_steps=1), epath.Path(directory))
     like = dst.checkpoint_state()
+    assert set(like) == {"params", "opt_state", "critic_params", "critic_opt_state"}
     dst.load_checkpoint_state(ckpts.restore_state(1, like), ckpts.read_meta(1)["trainer_step"])
     got = dst.checkpoint_state()
     equal = all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(got),
