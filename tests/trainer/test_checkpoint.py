@@ -149,3 +149,18 @@ def test_a_fresh_run_keeps_an_unfinished_runs_checkpoints_and_replaces_a_finishe
     ckpts, meta = _open_checkpoints(cfg, resume=True)  # nothing to resume: start at step 0
     assert meta is None
     ckpts.close()
+
+
+def test_save_schedule(tmp_path: Path) -> None:
+    import time
+
+    by_steps = RunCheckpoints(CheckpointConfig(every_steps=3, every_seconds=0), epath.Path(tmp_path / "a"))
+    assert [s for s in range(1, 10) if by_steps.due(s)] == [3, 6, 9] and by_steps.due(4, last=True)
+    by_time = RunCheckpoints(CheckpointConfig(every_seconds=0.2), epath.Path(tmp_path / "b"))
+    assert not by_time.due(1)
+    time.sleep(0.25)
+    assert by_time.due(2)
+    off = RunCheckpoints(CheckpointConfig(every_seconds=0), epath.Path(tmp_path / "c"))
+    assert not off.due(3) and not off.due(4, last=True)
+    for c in (by_steps, by_time, off):
+        c.close()
