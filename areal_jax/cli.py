@@ -104,7 +104,7 @@ def _runs(versions: list[int]) -> str:
 
 
 COMMANDS = {
-    "train": "run RL from a YAML config: areal-jax train --config FILE [key=value ...]",
+    "train": "run RL from a YAML config: areal-jax train --config FILE [--resume] [key=value ...]",
     "eval": "held-out accuracy of a checkpoint: areal-jax eval --config FILE --model-path DIR",
     "serve": "run the embedded JAX inference server (SGLang's HTTP protocol)",
     "demo": "the rollout side alone: a tiny model served, answers generated, weights pushed mid-answer",
@@ -117,6 +117,9 @@ def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argpars
     p.add_argument("--config", required=True, help="YAML run config (see configs/)")
     if with_model:
         p.add_argument("--model-path", required=True, help="HF model directory to evaluate")
+    else:
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint in checkpoint.dir (afresh if none)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=20 rollout.max_staleness=4")
     return p.parse_args(argv)
 
@@ -133,7 +136,12 @@ def _train(argv: list[str]) -> None:
         sys.exit(f"areal-jax train: {e}")
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, final/); "
           f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
-    result = train(cfg)
+    from areal_jax.trainer.checkpoint import CheckpointError
+
+    try:
+        result = train(cfg, resume=args.resume)
+    except CheckpointError as e:
+        sys.exit(f"areal-jax train: {e}")
     print(run_summary(result))
 
 

@@ -8,6 +8,11 @@ failed. ``get_batch`` takes the oldest groups first and drops any that became st
 bound while they waited, so a batch never trains on a token more than ``max_staleness``
 versions old. Rollout is reached only through the workflow's client, so the controller cannot
 tell our embedded servers from SGLang or an in-process engine.
+
+For checkpoints, ``state_dict`` is the controller's part of a run's state: the prompt iterator's
+position, the counters, and the prompts submitted but not yet handed to the trainer (running or
+waiting in the queue). ``load_state_dict`` puts it back in a new controller, which submits those
+prompts again first, so a resumed run trains every prompt once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class Group:
     submit_version: int
     seconds: float
     """Wall time of the episode."""
+    serial: int = -1
+    """Submission order, unique within a run; pending prompts are tracked by it."""
 
     @property
     def oldest_version(self) -> int:
@@ -90,6 +97,13 @@ class RolloutController:
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._exhausted = False
+        self._serial = 0
+        self._pending: dict[int, Any] = {}
+        """Rows submitted and not yet handed out in a batch (running, or accepted and waiting)."""
+        self._resubmit: list[Any] = []
+        """Rows of a restored controller's ``pending``, submitted again before new ones."""
+        self._rows_state: Any = None
+        """The prompt iterator's state after the last row taken from it."""
 
     @property
     def version(self) -> int:
@@ -125,14 +139,19 @@ class RolloutController:
             while True:
                 while not self.rule.can_submit():
                     await self._wait_change()
-                row = await asyncio.to_thread(next, self.rows, None)
-                if row is None:
-                    self._exhausted = True
-                    self._notify()
-                    return
+                if self._resubmit:
+                    row = self._resubmit.pop(0)  # counted in ``submitted`` when first submitted
+                else:
+                    row, self._rows_state = await asyncio.to_thread(self._next_row)
+                    if row is None:
+                        self._exhausted = True
+                        self._notify()
+                        return
+                    self.counters.submitted += 1
                 self.rule.on_submit()
-                self.counters.submitted += 1
-                task = asyncio.create_task(self._run_episode(row, self.rule.version))
+                serial, self._serial = self._serial, self._serial + 1
+                self._pending[serial] = row
+                task = asyncio.create_task(self._run_episode(row, self.rule.version, serial))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         except asyncio.CancelledError:
@@ -141,14 +160,42 @@ class RolloutController:
             self._error = e
             self._notify()
 
-    async def _run_episode(self, row: Any, version: int) -> None:
+    def _next_row(self) -> tuple[Any, Any]:
+        """The next row and the iterator's state just after it, taken together in one thread."""
+        row = next(self.rows, None)
+        return row, (self.rows.get_state() if hasattr(self.rows, "get_state") else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON: the iterator's state after the last row taken, the pending rows' ids in submission
+        order, and the counters. Take it between batches, when it matches the trainer's state."""
+        return {"rows": self._rows_state, "counters": dict(vars(self.counters)),
+                "pending": [getattr(self._pending[k], "id", None) for k in sorted(self._pending)]}
+
+    def load_state_dict(self, state: dict[str, Any], rows_by_id: dict[str, Any]) -> None:
+        """Continue a saved controller: call before ``start``, on a controller made with the saved
+        version (``accepted`` is then ``version * batch_size``: each group accepted before the save
+        was trained or is pending again). ``rows_by_id`` maps the pending ids to their rows."""
+        if self._loop_task is not None:
+            raise RuntimeError("load_state_dict goes before start()")
+        missing = [i for i in state["pending"] if i not in rows_by_id]
+        if missing:
+            raise ValueError(f"the checkpoint's pending prompts {missing[:5]} are not in the dataset: did data change?")
+        if state["rows"] is not None:
+            if not hasattr(self.rows, "set_state"):
+                raise ValueError("the prompt iterator cannot be restored (it has no set_state)")
+            self.rows.set_state(state["rows"])
+        self._rows_state = state["rows"]
+        self._resubmit = [rows_by_id[i] for i in state["pending"]]
+        self.counters = ControllerCounters(**state["counters"])
+
+    async def _run_episode(self, row: Any, version: int, serial: int = -1) -> None:
         t0 = time.perf_counter()
         accepted = False
         try:
             trajs = await self.workflow(self.client, row)
             if not isinstance(trajs, list) or not all(isinstance(t, Trajectory) for t in trajs):
                 raise WorkflowError(f"the workflow returned {type(trajs).__name__}, not a list of Trajectory")
-            group = Group(getattr(row, "id", "?"), trajs, version, time.perf_counter() - t0)
+            group = Group(getattr(row, "id", "?"), trajs, version, time.perf_counter() - t0, serial)
             self.counters.generated_tokens += group.generated_tokens if trajs else 0
             if not trajs:
                 self._fail(row, "the episode produced no trajectory (every answer empty)")
@@ -167,6 +214,8 @@ class RolloutController:
             if isinstance(e, WorkflowError):
                 self._error = e  # a wrong workflow fails every episode: stop early, loudly
         finally:
+            if not accepted:
+                self._pending.pop(serial, None)
             self.rule.on_finish(accepted)
             self._notify()
 
@@ -186,6 +235,8 @@ class RolloutController:
             if len(self._ready) >= n:
                 self._ready.sort(key=lambda g: g.oldest_version)
                 batch, self._ready = self._ready[:n], self._ready[n:]
+                for g in batch:
+                    self._pending.pop(g.serial, None)
                 return batch
             if self._error is not None:
                 raise RuntimeError(f"rollout stopped: {self._error}") from self._error
@@ -214,6 +265,7 @@ class RolloutController:
             else:
                 self.rule.on_reject_accepted()
                 self.counters.stale_dropped += 1
+                self._pending.pop(g.serial, None)
         if len(keep) != len(self._ready):
             self._ready = keep
             self._notify()

@@ -1,6 +1,10 @@
 """Run metrics: one JSON line per train step in ``<run dir>/metrics.jsonl``, mirrored to
 TensorBoard and (when configured) wandb, a progress bar, and the end-of-run plots.
 
+A resumed run (``start_step`` > 0) keeps the lines of steps up to ``start_step`` and drops any
+later ones (written after the checkpoint it resumes from, or cut short by a kill), and
+TensorBoard hides its events from ``start_step + 1`` on, so no step appears twice.
+
 Only process 0 of a multi-host run writes. Non-numeric values stay in the JSONL line and are
 left out of TensorBoard and wandb.
 """
@@ -46,6 +50,11 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # A run that starts at step 0 replaces the metrics of an earlier run in the same directory.
+        if start_step and self.path.exists():
+            self.history = [m for m in _complete_lines(self.path) if int(m["step"]) <= start_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
+            tmp.replace(self.path)
         self._file = self.path.open("a" if start_step else "w")
         if self.cfg.tensorboard:
             if not start_step:
@@ -53,7 +62,11 @@ class MetricsLogger:
                     old.unlink()
             from tensorboardX import SummaryWriter
 
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+            # Events of steps >= purge_step written before this writer started are hidden. A file
+            # name of its own: event files are named by the second, and "wb" would wipe a twin.
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"),
+                                        purge_step=start_step + 1 if start_step else None,
+                                        filename_suffix=f".resumed-{start_step}" if start_step else "")
         if self.cfg.wandb_project and self.cfg.wandb_mode != "disabled":
             import wandb
 
@@ -117,6 +130,17 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
+def _complete_lines(path: Path) -> list[dict[str, Any]]:
+    """The lines of a ``metrics.jsonl`` that a kill did not cut short."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a ``metrics.jsonl``."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -135,7 +159,7 @@ def plot_metrics(history: list[dict[str, Any]], out: str | Path, *, eval_before:
     times = [m["time"] / 60 for m in history]
     rewards = [m.get("reward_mean") for m in history]
     evals = [(m["step"], m["time"] / 60, m["eval_accuracy"]) for m in history if m.get("eval_accuracy") is not None]
-    if eval_before is not None:
+    if eval_before and eval_before.get("eval_accuracy") is not None:  # an empty held-out split gives {}
         evals.insert(0, (0, eval_before.get("time", 0.0) / 60, eval_before["eval_accuracy"]))
     for ax, xs, xe, label in ((axes[0], steps, [e[0] for e in evals], "step"),
                               (axes[1], times, [e[1] for e in evals], "wall-clock minutes")):

@@ -8,11 +8,19 @@ worker thread so the event loop keeps serving rollout, bumps the version, pushes
 Evaluation runs on the held-out split after the warm start, every ``eval.every`` steps and at
 the end. The run directory gets ``metrics.jsonl``, TensorBoard events, ``curves.png``, server
 logs and the exported policy.
+
+With ``checkpoint`` on, the run saves itself after a step every ``every_steps`` steps or
+``every_seconds`` seconds and after the last one (see ``trainer/checkpoint.py``); ``resume=True``
+(``areal-jax train ... --resume``) continues from the newest complete checkpoint: the trainer's
+arrays, the version, the prompt iterator, the controller's counters and its pending prompts
+(submitted again first), the host RNGs, and the metrics from the next step on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import math
 import random
@@ -49,8 +57,10 @@ class RunResult:
     outputs: dict[str, str] = field(default_factory=dict)
 
 
-def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunResult:
-    """Run RL from a ``RunConfig``, a YAML path or a dict; works inside a notebook's event loop."""
+def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *,
+          resume: bool = False) -> RunResult:
+    """Run RL from a ``RunConfig``, a YAML path or a dict; works inside a notebook's event loop.
+    ``resume``: continue from the newest complete checkpoint (start afresh when there is none)."""
     if isinstance(config, dict):
         from areal_jax.config import from_dict, merge, parse_overrides
 
@@ -62,13 +72,13 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_train(config))
+        return asyncio.run(_train(config, resume))
     # A notebook already runs an event loop in this thread: run ours in another one.
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["result"] = asyncio.run(_train(config))
+            box["result"] = asyncio.run(_train(config, resume))
         except BaseException as e:
             box["error"] = e
 
@@ -107,7 +117,54 @@ def _flatten(groups: list[Any]) -> list[Trajectory]:
     return out
 
 
-async def _train(cfg: RunConfig) -> RunResult:
+def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any] | None]:
+    """``(RunCheckpoints or None, the meta of the checkpoint to resume from or None)``."""
+    if not (cfg.checkpoint.enabled or resume):
+        return None, None
+    from areal_jax.trainer.checkpoint import CheckpointError, RunCheckpoints, checkpoint_dir
+
+    ckpts = RunCheckpoints(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, cfg.run_dir))
+    latest = ckpts.latest_step()
+    if not resume:
+        if latest is not None:
+            earlier = ckpts.read_meta(latest)
+            if latest < earlier.get("total_steps", latest + 1):  # an unfinished run: never thrown away unasked
+                ckpts.close()
+                raise CheckpointError(
+                    f"{ckpts.directory} holds checkpoints of an unfinished run (step {latest} of "
+                    f"{earlier.get('total_steps', '?')}): pass --resume (train(..., resume=True)) to continue it, "
+                    "or remove them or set checkpoint.dir to start afresh")
+            # A finished run's checkpoints go, as its metrics and exported policy are replaced.
+            log.warning("starting afresh: removing the checkpoints of a finished run in %s", ckpts.directory)
+            ckpts.delete_all()
+        return ckpts, None
+    if latest is None:
+        log.warning("--resume: no complete checkpoint in %s; starting at step 0", ckpts.directory)
+        return ckpts, None
+    return ckpts, ckpts.read_meta(latest)
+
+
+def _resume_model_dir(cfg: RunConfig, run_dir: Path, base: Path) -> Path:
+    """Where a resumed run loads its model from before the checkpoint's params replace it: the
+    warm-started policy when there was a warm start (it is the KL reference), else ``base``."""
+    warm = run_dir / "warm_start"
+    if cfg.warm_start is None or (warm / "config.json").exists():
+        return warm if cfg.warm_start is not None else base
+    if cfg.algo.kl_coef > 0:
+        raise FileNotFoundError(f"resuming needs {warm}, the warm-started policy that is the KL reference "
+                                "(algo.kl_coef > 0); it is gone")
+    return base
+
+
+async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, iter_hf_tensors: Any) -> None:
+    if cfg.rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
+        shared = cfg.rollout.local.placement == "shared"
+        await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
+    else:
+        await sink.push(version, iter_hf_tensors(trainer.model()))
+
+
+async def _train(cfg: RunConfig, resume: bool = False) -> RunResult:
     from areal_jax.data import load_prompts
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.rewards import RewardPool
@@ -128,6 +185,8 @@ async def _train(cfg: RunConfig) -> RunResult:
         from rollout_bridge.placement import confine_this_process
 
         confine_this_process(split[0])
+    ckpts, meta = _open_checkpoints(cfg, resume)
+    start = meta["step"] if meta is not None else 0
 
     base = prepare_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
@@ -135,12 +194,12 @@ async def _train(cfg: RunConfig) -> RunResult:
     local = rollout.backend == "local"
     # The local split placement trains on part of this process's devices and generates on the rest.
     mesh = make_mesh(cfg.mesh, local_devices(cfg)[0] if local else None)
-    model = load_pretrained(base, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
-    serve_dir = base
-    logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict())
+    serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
+    model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
+    logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
     result = RunResult(run_dir=run_dir, metrics=logger.history)
     try:
-        if cfg.warm_start is not None:
+        if cfg.warm_start is not None and meta is None:
             from areal_jax.trainer.sft import warm_start
 
             t0 = time.perf_counter()
@@ -150,20 +209,33 @@ async def _train(cfg: RunConfig) -> RunResult:
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        if meta is not None:
+            from areal_jax.trainer.checkpoint import set_rng_state
+
+            trainer.load_checkpoint_state(ckpts.restore_state(start, trainer.checkpoint_state()), meta["trainer_step"])
+            set_rng_state(meta["rng"])
+            t_start -= meta["time"]  # the metrics' wall time goes on from the checkpoint's
+            logger.write(f"resuming from checkpoint step {start} in {ckpts.directory} (policy version "
+                         f"{meta['version']}, {len(meta['controller']['pending'])} prompts in flight submitted again)")
         async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
             where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                      else f"{len(client.servers)} server(s) ({rollout.backend})")
             logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
-            if rollout.backend == "servers" and cfg.warm_start is not None:
+            if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
                 await client.update_weights_from_disk(str(serve_dir), version=0)
             sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
                     DiskSink(rollout.weights_dir or run_dir / "weights", model.config.to_hf_dict(), client=client,
                              tokenizer_dir=base))
+            version = 0
+            if meta is not None:  # rollout serves the restored policy from the start
+                version = meta["version"]
+                await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
             with RewardPool(cfg.reward) as pool:
                 episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
                                                rollout.group_size, dict(rollout.workflow_options))
-                result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
-                                                    max_new_tokens=rollout.max_new_tokens)
+                if meta is None:
+                    result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
+                                                        max_new_tokens=rollout.max_new_tokens)
                 if result.eval_before:
                     result.eval_before["time"] = time.perf_counter() - t_start
                     logger.write(f"held-out accuracy before RL: {result.eval_before['eval_accuracy']:.1%} "
@@ -171,18 +243,26 @@ async def _train(cfg: RunConfig) -> RunResult:
                 controller = RolloutController(
                     episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
                     max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
-                    filter_uniform_reward=rollout.filter_uniform_reward)
+                    filter_uniform_reward=rollout.filter_uniform_reward, version=version)
+                if meta is not None:
+                    controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
                 controller.start()
                 try:
                     await _loop(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                                t_start, iter_hf_tensors, result)
+                                t_start, iter_hf_tensors, result, start=start, ckpts=ckpts)
                 finally:
                     await controller.stop()
+        if ckpts is not None:  # the last save completes (or its failure is raised) before the run ends
+            ckpts, closing = None, ckpts
+            closing.close()
         if cfg.export:  # every process takes part in the gathers; process 0 writes
             result.final_model = save_pretrained(trainer.model(), run_dir / "final", tokenizer_dir=base)
         if logger.history:
             result.plot = plot_metrics(logger.history, run_dir / "curves.png", eval_before=result.eval_before)
     finally:
+        if ckpts is not None:  # the run failed: let a save in progress finish, the first error stands
+            with contextlib.suppress(Exception):
+                ckpts.close()
         logger.close()
     result.outputs = {"run_dir": str(run_dir), "metrics": str(logger.path),
                       "tensorboard": str(run_dir / "tensorboard"), "plot": str(result.plot),
@@ -192,12 +272,13 @@ async def _train(cfg: RunConfig) -> RunResult:
 
 async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, client: Any, sink: Any,
                 episode_client: EpisodeClient, data: Any, logger: MetricsLogger, fleet: Any, t_start: float,
-                iter_hf_tensors: Any, result: RunResult) -> None:
+                iter_hf_tensors: Any, result: RunResult, *, start: int = 0, ckpts: Any = None) -> None:
     rollout = cfg.rollout
-    version = 0
+    version = controller.version
     gen_tokens = controller.counters.generated_tokens
     t_last = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    save_s = None
+    for step in range(start + 1, cfg.steps + 1):
         if fleet is not None:
             fleet.check()
         t0 = time.perf_counter()
@@ -213,11 +294,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         if rollout.mode == "async":
             await client.pause(rollout.pause_mode)
         try:
-            if rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
-                shared = rollout.local.placement == "shared"
-                await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
-            else:
-                await sink.push(version, iter_hf_tensors(trainer.model()))
+            await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
         finally:
             if rollout.mode == "async":
                 await client.continue_generation()
@@ -238,7 +315,10 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
             "reward_failures": episode_client.reward_failures,
             "served_versions": served,
+            "prompt_ids": [g.row_id for g in groups],
         }
+        if save_s is not None:
+            metrics["checkpoint_seconds"], save_s = save_s, None
         for k in ("loss", "clip_fraction", "dual_clip_fraction", "behavior_imp_weight_mean",
                   "behavior_imp_weight_max", "dropped_fraction", "behavior_kl", "entropy", "grad_norm", "lr",
                   "kl_ref_mean", "value_loss"):
@@ -249,6 +329,15 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             metrics.update(await evaluate(episode_client, data.eval_rows, cfg.eval,
                                           max_new_tokens=rollout.max_new_tokens))
         logger.log(metrics)
+        if ckpts is not None and ckpts.due(step, last=step == cfg.steps):
+            from areal_jax.trainer.checkpoint import rng_state
+
+            # Taken between awaits: the controller's state matches the trainer's (batches 1..step).
+            meta = {"step": step, "total_steps": cfg.steps, "version": version, "trainer_step": trainer.step,
+                    "time": now - t_start,
+                    "controller": controller.state_dict(), "rng": rng_state()}
+            meta = json.loads(json.dumps(meta))  # a copy that later steps cannot change under a background save
+            save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)
     if logger.history and logger.history[-1].get("eval_accuracy") is not None:
         result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
 

@@ -12,6 +12,7 @@ from areal_jax.config import load_config
 from areal_jax.controller.config import RolloutConfig
 from areal_jax.data import DatasetConfig
 from areal_jax.rewards import RewardConfig
+from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.metrics import LogConfig
 from areal_jax.trainer.sft import SFTConfig
@@ -85,6 +86,8 @@ class RunConfig:
     """A supervised warm start on the task's own examples before RL (None: none)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When the run saves itself for ``--resume`` (orbax), and where."""
     export: bool = True
     """Save the final policy as a HF model directory in ``<run dir>/final``."""
 

@@ -288,6 +288,26 @@ class Trainer:
             return None
         return nnx.merge(self._critic_source_graphdef, self.critic_params)
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The arrays a checkpoint holds: the policy's params and AdamW state, and with a critic its
+        params and AdamW state. The trainer's own buffers: save them before the next update."""
+        state = {"params": self.params, "opt_state": self.opt_state}
+        if self.critic_params is not None:
+            state.update(critic_params=self.critic_params, critic_opt_state=self.critic_opt_state)
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any], step: int) -> None:
+        """Take over ``state`` (the tree of ``checkpoint_state``, restored onto this trainer's
+        shardings) and the optimizer step count ``step``."""
+        if set(state) != set(self.checkpoint_state()):
+            raise ValueError(f"checkpoint holds {sorted(state)}, this trainer {sorted(self.checkpoint_state())}: "
+                             "was it saved with another algo.adv_estimator?")
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        if self.critic_params is not None:
+            self.critic_params, self.critic_opt_state = state["critic_params"], state["critic_opt_state"]
+        self.step = step
+        self._lent = False
+
     def compute_logprobs(self, trajectories: Sequence[Trajectory], *, reference: bool = False) -> list[np.ndarray]:
         """Logprobs of every token under the current (or reference) weights, index-``i`` convention
         (``out[i]`` is token ``i``'s, ``out[0] = 0``): the proximal recompute on its own."""

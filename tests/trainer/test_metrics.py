@@ -77,3 +77,44 @@ def test_a_new_run_replaces_an_old_runs_metrics(tmp_path: Path) -> None:
         logger.close()
     assert [m["step"] for m in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+
+
+def _tensorboard_view(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Scalars as TensorBoard shows them: events files in order, and a ``SessionLog.START`` at step
+    ``s`` hides the events of steps >= ``s`` read before it (TensorBoard's purge on restart)."""
+    from tensorboardX.event_file_writer import event_pb2
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for f in sorted(tb_dir.glob("events.out.tfevents.*")):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):
+            n = int.from_bytes(data[pos:pos + 8], "little")
+            ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 16 + n
+            if ev.HasField("session_log") and ev.session_log.status == event_pb2.SessionLog.START:
+                scalars = {k: [(s, v) for s, v in vs if s < ev.step] for k, vs in scalars.items()}
+            for v in ev.summary.value:
+                scalars.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    return scalars
+
+
+def test_a_resumed_run_continues_without_duplicate_steps(tmp_path: Path) -> None:
+    """Killed after step 5 (its last line cut short) and resumed from a step-3 checkpoint: the
+    JSONL keeps steps 1-3 and goes on from 4, and TensorBoard shows each step once."""
+    logger = MetricsLogger(tmp_path, LogConfig(progress=False))
+    for m in _steps(5):
+        logger.log(m)
+    logger.close()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 6, "rew')  # a kill mid-write
+    logger = MetricsLogger(tmp_path, LogConfig(progress=False), start_step=3)
+    assert [m["step"] for m in logger.history] == [1, 2, 3]
+    for m in _steps(7)[3:]:
+        logger.log({**m, "resumed": 1})
+    logger.close()
+    lines = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6, 7]
+    assert [m.get("resumed") for m in lines] == [None] * 3 + [1] * 4
+    shown = _tensorboard_view(tmp_path / "tensorboard")
+    assert [s for s, _ in shown["reward_mean"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert [s for s, _ in shown["resumed"]] == [4, 5, 6, 7]
