@@ -5,6 +5,8 @@ Each step takes a batch of groups from the controller (rollout keeps generating 
 runs the decoupled-PPO update (proximal logprobs recomputed, advantages, minibatch steps) in a
 worker thread so the event loop keeps serving rollout, bumps the version, pushes the weights
 (pause with abort, push, continue: answers in flight resume under the new weights), and logs.
+A batch whose every optimizer step was skipped for a NaN/inf loss or gradient changed no weight:
+its step is logged (``skipped_steps``) but the version is not bumped and nothing is pushed.
 Evaluation runs on the held-out split after the warm start, every ``eval.every`` steps and at
 the end. The run directory gets ``metrics.jsonl``, TensorBoard events, ``curves.png``, server
 logs and the exported policy.
@@ -202,19 +204,16 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         t1 = time.perf_counter()
         stats = await asyncio.to_thread(trainer.train_batch, trajectories, version)
         train_s = time.perf_counter() - t1
-        version += 1
         t2 = time.perf_counter()
-        if rollout.mode == "async":
-            await client.pause(rollout.pause_mode)
-        try:
-            if rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
-                shared = rollout.local.placement == "shared"
-                await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
-            else:
-                await sink.push(version, iter_hf_tensors(trainer.model()))
-        finally:
-            if rollout.mode == "async":
-                await client.continue_generation()
+        skipped = int(stats.get("skipped_steps", 0))
+        if skipped >= cfg.algo.ppo_n_minibatches:
+            # Every update of this batch had a NaN/inf and was skipped: the weights are the ones
+            # rollout already serves, so there is no new version to push.
+            logger.write(f"step {step}: every optimizer step had a non-finite loss or gradient and was "
+                         f"skipped; weights unchanged, version stays {version}, nothing pushed")
+        else:
+            version += 1
+            await _push(rollout, client, sink, trainer, version, iter_hf_tensors)
         sync_s = time.perf_counter() - t2
         controller.set_version(version)
         served = await _served_versions(client)
@@ -231,6 +230,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
             "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
             "reward_failures": episode_client.reward_failures,
+            "skipped_steps": skipped, "skipped_steps_total": trainer.skipped_steps,
             "served_versions": served,
         }
         for k in ("loss", "clip_fraction", "dual_clip_fraction", "behavior_imp_weight_mean",
@@ -245,6 +245,31 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         logger.log(metrics)
     if logger.history and logger.history[-1].get("eval_accuracy") is not None:
         result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
+
+
+async def _push(rollout: Any, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any) -> None:
+    """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
+    a continue, so answers in flight resume under them."""
+    from rollout_bridge.client import WeightUpdateError
+
+    if rollout.mode == "async":
+        await client.pause(rollout.pause_mode)
+    try:
+        if rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
+            shared = rollout.local.placement == "shared"
+            await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
+        else:
+            await sink.push(version, iter_hf_tensors(trainer.model()))
+    except WeightUpdateError as e:
+        # Servers that failed keep their old weights and stay out of rotation until a later push
+        # reaches them; the run goes on while at least one server holds this version.
+        if version not in client.server_versions().values():
+            raise
+        log.warning("weight push of version %d failed on some servers (out of rotation until they catch "
+                    "up): %s", version, e)
+    finally:
+        if rollout.mode == "async":
+            await client.continue_generation()
 
 
 async def _served_versions(client: Any) -> list[str] | None:
