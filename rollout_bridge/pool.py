@@ -408,12 +408,13 @@ class ServerPool:
         """Every healthy server loads ``model_path`` as ``version`` (labelled ``str(version)``);
         those that succeed are recorded as holding it. The path is kept to reload a server that
         restarts."""
-        replies = await self._broadcast("/update_weights_from_disk",
-                                        self._disk_body(model_path, version, abort_all_requests, flush_cache),
-                                        timeout=self.cfg.weight_timeout_s, version=version)
-        if version >= self._current:
-            self._last_disk = (model_path, version)
-        return replies
+        try:
+            return await self._broadcast("/update_weights_from_disk",
+                                         self._disk_body(model_path, version, abort_all_requests, flush_cache),
+                                         timeout=self.cfg.weight_timeout_s, version=version)
+        finally:  # also when some servers failed: those that loaded it reload a restarted one
+            if version >= self._current and any(s.version == version for s in self.servers):
+                self._last_disk = (model_path, version)
 
     async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> list[dict[str, Any]]:
         """Relabel what every server serves as ``version`` (no new weights) and record it."""
