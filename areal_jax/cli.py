@@ -123,6 +123,7 @@ def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argpars
 
 def _train(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
+    from areal_jax.data import DatasetError
     from areal_jax.trainer.rl import run_summary, train
     from areal_jax.trainer.run_config import load_run_config
 
@@ -133,7 +134,10 @@ def _train(argv: list[str]) -> None:
         sys.exit(f"areal-jax train: {e}")
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, final/); "
           f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (ConfigError, DatasetError) as e:  # bad input found before any work started
+        sys.exit(f"areal-jax train: {e}")
     print(run_summary(result))
 
 

@@ -3,6 +3,7 @@ workflow and an openai-style agent, each a short real run (servers as child proc
 reward pool, the trainer, weight pushes)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,33 @@ def test_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workflow"):
         train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "rollout.workflow=nope.nothing:here"]))
     assert not (tmp_path / "logs").exists()  # no server was started
+
+
+def test_bad_data_and_mesh_fail_before_any_model_or_server(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty or wholly malformed dataset, a held-out split that takes every row, and a mesh the
+    devices cannot fill each stop ``areal-jax train`` with one line naming the field and the fix,
+    before a server starts (no logs/) and, for the mesh, before any model is built (no base/)."""
+    from areal_jax.cli import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"question": 3}\nnot json\n')
+    cases = [
+        (["data.source=jsonl", f"data.path={tmp_path / 'empty.jsonl'}"],
+         r"data.path=\S*empty.jsonl: no usable rows \(the source is empty\); point data.path at rows"),
+        (["data.source=jsonl", "data.format=gsm8k", f"data.path={tmp_path / 'bad.jsonl'}"],
+         r"data.path=\S*bad.jsonl: no usable rows \(\{'malformed': 2\}\)"),
+        (["data.size=10", "data.eval_size=10"],
+         r"data.task='\w+' \(data.size=10\): holding out 10 of 10 rows .* lower data.eval_size"),
+        (["mesh.fsdp=3"], r"mesh.data/fsdp/tensor: mesh .* asks for 3 devices, but 8 exist .* set one axis to -1"),
+        (["mesh.tensor=3"], r"mesh.data/fsdp/tensor: .* the fixed axes need a multiple of 3 devices, but 8 exist"),
+    ]
+    for i, (overrides, message) in enumerate(cases):
+        run = tmp_path / f"run{i}"
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--config", str(DEMO), *QUICK, f"run_dir={run}", *overrides])
+        assert re.search(message, str(e.value.code)), (overrides, e.value.code)
+        assert str(e.value.code).startswith("areal-jax train: ") and "\n" not in str(e.value.code)
+        assert not (run / "logs").exists()  # no server was started
+        if overrides[0].startswith("mesh"):
+            assert not (run / "base").exists()  # no model was built or loaded
