@@ -110,6 +110,7 @@ def _flatten(groups: list[Any]) -> list[Trajectory]:
 
 
 async def _train(cfg: RunConfig) -> RunResult:
+    from areal_jax.config import ConfigError
     from areal_jax.data import load_prompts
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.rewards import RewardPool
@@ -125,13 +126,18 @@ async def _train(cfg: RunConfig) -> RunResult:
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
     workflow = get_workflow(rollout.workflow)  # a bad name fails before anything starts
+    local = rollout.backend == "local"
+    # The local split placement trains on part of this process's devices and generates on the rest.
+    # A mesh that does not fit the devices fails here, like a bad dataset below: before any model.
+    devices = local_devices(cfg)[0] if local else None
+    try:
+        mesh = make_mesh(cfg.mesh, devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from None
 
     base = prepare_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     data = load_prompts(cfg.data, tokenizer)
-    local = rollout.backend == "local"
-    # The local split placement trains on part of this process's devices and generates on the rest.
-    mesh = make_mesh(cfg.mesh, local_devices(cfg)[0] if local else None)
     model = load_pretrained(base, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     serve_dir = base
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict())
