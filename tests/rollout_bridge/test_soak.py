@@ -1,7 +1,8 @@
 """Soak: an embedded server process under 256 concurrent requests for ``SOAK_SECONDS`` (default
-30, after 10 s of warm-up under the same load), with a weight update (pause with abort, load from disk, continue) every 10 s and a few
-requests aborted by rid. Every request completes or comes back aborted, the server's RSS stays
-flat after warm-up, every KV slot is free at the end, and /health answers throughout.
+30, after 10 s of warm-up under the same load), with a weight update (pause with abort, load from
+disk, continue) every 10 s and a few requests aborted by rid. Every request completes or comes
+back aborted, the server's RSS stays flat after warm-up, every KV slot is free at the end, and
+/health answers throughout.
 
 ``SOAK_SECONDS=120 pytest -s tests/rollout_bridge/test_soak.py`` prints the figures."""
 
@@ -144,7 +145,7 @@ def test_server_soak(tiny_dir: Path) -> None:
             await asyncio.sleep(1.0)
 
     async def main() -> dict:
-        await _wait_healthy(f"127.0.0.1:{port}", proc)
+        await _wait_healthy(f"127.0.0.1:{port}", proc, timeout=600)  # compiles every step shape first
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=TIMEOUT, connector=conn) as s:
             start = await _info(s, url)
@@ -173,7 +174,8 @@ def test_server_soak(tiny_dir: Path) -> None:
     start, end = out["start"], out["end"]
     rss = [m for _, m in tally.rss]
     warm = [m for t, m in tally.rss if t >= max(warmup, tally.first_push_done_s or 0.0)] or rss
-    print(f"\nsoak {seconds:.0f}s after {warmup:.0f}s of warm-up: {sum(tally.finished.values())} requests answered {tally.finished}, "
+    print(f"\nsoak {seconds:.0f}s after {warmup:.0f}s of warm-up: {sum(tally.finished.values())} requests "
+          f"answered {tally.finished}, "
           f"{tally.refused} refusals (503), {len(tally.bad)} bad; {tally.pushes} weight updates; "
           f"RSS MiB start {rss[0]:.0f}, after warm-up {warm[0]:.0f}, end {rss[-1]:.0f}, max {max(rss):.0f}; "
           f"health: {tally.health_checks} checks, max latency {tally.health_max_s * 1e3:.0f} ms; "
