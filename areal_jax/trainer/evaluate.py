@@ -95,7 +95,8 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
     try:
         if rollout.backend == "embedded":
             fleet = ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
-                                seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s)
+                                seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s,
+                                max_restarts=rollout.max_server_restarts)
             addresses = await asyncio.to_thread(fleet.start)
         else:
             addresses = list(rollout.servers)
