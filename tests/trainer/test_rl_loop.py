@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_jax.trainer.rl import train
@@ -109,3 +110,22 @@ def test_bad_data_and_mesh_fail_before_any_model_or_server(tmp_path: Path,
         assert not (run / "logs").exists()  # no server was started
         if overrides[0].startswith("mesh"):
             assert not (run / "base").exists()  # no model was built or loaded
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_and_never_pushed(tmp_path: Path) -> None:
+    """Every reward NaN: each step's update is skipped on device, counted, and the servers keep
+    serving version 0 (nothing pushed); the exported policy is the initial one."""
+    from safetensors.numpy import load_file
+
+    train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "steps=2",
+                                 "rollout.workflow=tests.trainer.flows:nan_reward_episode"]))
+    m = _metrics(tmp_path)
+    assert [x["skipped_steps"] for x in m] == [1, 1] and m[-1]["skipped_steps_total"] == 2
+    # the servers still report the label they started with: no push reached them
+    assert [x["version"] for x in m] == [0, 0] and [x["served_versions"] for x in m] == [["default"]] * 2
+    assert "grad_norm" not in m[0]  # no finite step to report
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    assert final.keys() == base.keys()
+    assert all(np.array_equal(final[k].astype(np.float32), base[k].astype(np.float32)) for k in base)
