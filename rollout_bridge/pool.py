@@ -35,7 +35,11 @@ class AllServersDownError(RolloutError):
 
 
 class WeightUpdateError(RolloutError):
-    pass
+    """A weight update some servers refused; ``failed`` maps each one's URL to its answer."""
+
+    def __init__(self, message: str, failed: dict[str, str] | None = None):
+        super().__init__(message)
+        self.failed = dict(failed or {})
 
 
 
@@ -423,12 +427,13 @@ class ServerPool:
                                      version=version)
 
     async def push_tensor_bucket(self, payload: bytes, *, version: int, transfer_id: str, bucket: int, last: bool,
-                                 flush_cache: bool = True) -> list[dict[str, Any]]:
-        """One safetensors bucket of a version to every embedded server (see ``protocol``); after
-        the ``last`` one, the servers that applied it are recorded as holding ``version``."""
+                                 flush_cache: bool = True, skip: Any = ()) -> list[dict[str, Any]]:
+        """One safetensors bucket of a version to every embedded server but those in ``skip`` (URLs
+        that failed an earlier bucket of this transfer, see ``HttpBucketSink``); after the ``last``
+        one, the servers that applied it are recorded as holding ``version``."""
         params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
                   "last": "true" if last else "false", "flush_cache": "true" if flush_cache else "false"}
-        targets = [s for s in self.servers if s.healthy]
+        targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/update_weights_from_tensor: no healthy server")
         if last:
@@ -451,7 +456,8 @@ class ServerPool:
         bad = [(s, st, r) for s, st, r in results if st not in (0, 200)]
         if bad:
             raise WeightUpdateError("/update_weights_from_tensor failed on "
-                                    + "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in bad))
+                                    + "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in bad),
+                                    {s.url: f"({st}) {reply_message(r)}" for s, st, r in bad})
         return [{"server": s.url, "status": st, "reply": r} for s, st, r in results if st == 200]
 
     async def get_model_info(self) -> list[dict[str, Any]]:

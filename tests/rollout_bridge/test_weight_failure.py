@@ -82,3 +82,26 @@ def test_failed_weight_update_keeps_old_weights_and_the_server_out_of_rotation(t
             assert all(r.output_versions == [3] * 6 and _matches(v1, r) for r in results)
 
     asyncio.run(main())
+
+
+def test_bucket_refused_by_one_server_still_reaches_the_others(tiny_dir: Path, tmp_path: Path) -> None:
+    """A multi-bucket HTTP push that one server refuses (its body bound is too small): the other
+    gets every bucket and the version, the refusing one keeps its old weights and leaves rotation,
+    and the push reports it. Before, the first refused bucket stopped the transfer for everyone."""
+    v1 = load_pretrained(make_tiny_checkpoint(tmp_path / "v1", model_type="qwen2", size="tiny", seed=1))
+
+    async def main() -> None:
+        async with running_server(tiny_dir) as (a, ea), \
+                running_server(tiny_dir, app_kw={"max_body_bytes": 64 * 1024}) as (b, eb), \
+                HttpRolloutClient([a, b], config=CFG) as client:
+            url_a, url_b = f"http://{a}", f"http://{b}"
+            sink = HttpBucketSink(client, bucket_bytes=96 * 1024)  # four buckets, each past b's bound
+            with pytest.raises(WeightUpdateError, match=rf"version 1 failed on {url_b} \(413\)") as e:
+                await sink.push(1, iter_hf_tensors(v1))
+            assert set(e.value.failed) == {url_b}
+            assert (ea.version, eb.version) == (1, 0)
+            assert client.server_versions() == {url_a: 1, url_b: 0} and client.in_rotation() == [url_a]
+            results = await asyncio.wait_for(asyncio.gather(*(client.generate([5, 6, i], SP) for i in range(4))), 60)
+            assert all(r.output_versions == [1] * 6 and _matches(v1, r) for r in results)
+
+    asyncio.run(main())
