@@ -126,6 +126,7 @@ def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argpars
 
 def _train(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
+    from areal_jax.data import DatasetError
     from areal_jax.trainer.rl import run_summary, train
     from areal_jax.trainer.run_config import load_run_config
 
@@ -140,7 +141,7 @@ def _train(argv: list[str]) -> None:
 
     try:
         result = train(cfg, resume=args.resume)
-    except CheckpointError as e:
+    except (ConfigError, DatasetError, CheckpointError) as e:  # bad input found before any work started
         sys.exit(f"areal-jax train: {e}")
     print(run_summary(result))
 

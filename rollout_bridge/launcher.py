@@ -4,16 +4,20 @@
 speaks the protocol: real SGLang) on free loopback ports, each confined to its ``Placement``
 (devices through its environment, CPU cores through its affinity), waits for each
 ``/health`` with a timeout (on failure the error carries the child's last log lines), watches
-them while the run lasts (``check()`` raises naming a child that died), and stops all it
-started on exit, on Ctrl-C, and when the parent itself fails. Logs go to one file per server.
-The servers load weights from disk only under ``weight_roots`` (default: the directory holding
-the model and the run directory, the parent of ``log_dir``, where a run's weight pushes go).
+them while the run lasts (``check()`` starts a child that died again on its own port, up to
+``max_restarts`` times in all, then raises naming it), and stops all it started on exit, on
+Ctrl-C, and when the parent itself fails. A restarted server comes back with the weights it was
+launched with; the rollout client keeps it out of rotation until it holds the current version.
+Logs go to one file per server. The servers load weights from disk only under ``weight_roots``
+(default: the directory holding the model and the run directory, the parent of ``log_dir``,
+where a run's weight pushes go).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import shlex
 import signal
@@ -28,6 +32,8 @@ from pathlib import Path
 
 from rollout_bridge.placement import Placement
 
+logger = logging.getLogger(__name__)
+
 
 class LaunchError(RuntimeError):
     """A server that did not come up, or died; the message names it and quotes its log."""
@@ -39,6 +45,7 @@ class _Child:
     proc: subprocess.Popen
     address: str
     log: Path
+    cmd: list[str]
 
 
 def _free_port() -> int:
@@ -81,7 +88,7 @@ class ServerFleet:
                  extra_args: list[str] | None = None, seed: int = 0, startup_timeout_s: float = 300.0,
                  env: dict[str, str] | None = None, weight_roots: list[str | Path] | None = None,
                  command: Callable[[int, int], list[str]] | None = None,
-                 placements: list[Placement] | None = None):
+                 placements: list[Placement] | None = None, max_restarts: int = 0):
         if num_servers < 1:
             raise ValueError(f"rollout.num_servers must be >= 1, got {num_servers}")
         if placements is not None and len(placements) != num_servers:
@@ -102,6 +109,9 @@ class ServerFleet:
         self.command = command
         self.placements = placements
         self.children: list[_Child] = []
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        """Children started again after they died, over the fleet's life."""
 
     @property
     def addresses(self) -> list[str]:
@@ -119,20 +129,23 @@ class ServerFleet:
                     sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", self.model_path,
                     "--host", "127.0.0.1", "--port", str(port), "--random-seed", str(self.seed + i),
                     "--weight-roots", *self.weight_roots, *self._warmup_args(), *self.extra_args]
-                place = self.placements[i] if self.placements is not None else Placement(())
                 with log.open("w") as f:
                     f.write("$ " + _shown(cmd) + "\n")
-                    f.flush()
-                    proc = subprocess.Popen(_pinned(cmd, place.cpu_affinity), stdout=f, stderr=subprocess.STDOUT,
-                                            start_new_session=True,
-                                            env={**os.environ, **(self.env or {}), **place.env})
+                proc = self._spawn(cmd, log, "a", i)
                 self.children.append(_Child(f"rollout server {i} (pid {proc.pid}, port {port})", proc,
-                                            f"127.0.0.1:{port}", log))
+                                            f"127.0.0.1:{port}", log, cmd))
             self._wait_healthy()
         except BaseException:
             self.stop()
             raise
         return self.addresses
+
+    def _spawn(self, cmd: list[str], log: Path, mode: str, index: int) -> subprocess.Popen:
+        """Start server ``index``'s ``cmd`` in its placement, its output appended to ``log``."""
+        place = self.placements[index] if self.placements is not None else Placement(())
+        with log.open(mode) as f:
+            return subprocess.Popen(_pinned(cmd, place.cpu_affinity), stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**os.environ, **(self.env or {}), **place.env})
 
     def _warmup_args(self) -> list[str]:
         """A run's fleet skips the start-up compile of every step shape unless ``server_args`` ask
@@ -144,7 +157,7 @@ class ServerFleet:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = list(self.children)
         while pending:
-            self.check()
+            self.check(restart=False)  # a server that cannot start would only fail again
             pending = [c for c in pending if not _healthy(c.address)]
             if pending and time.monotonic() > deadline:
                 c = pending[0]
@@ -153,12 +166,25 @@ class ServerFleet:
             if pending:
                 time.sleep(0.25)
 
-    def check(self) -> None:
-        """Raise ``LaunchError`` naming the first child that has exited."""
-        for c in self.children:
+    def check(self, restart: bool = True) -> None:
+        """Start a child that has exited again on its port (without waiting for it: the client
+        takes it back once it answers), or once ``max_restarts`` are used up (or with
+        ``restart=False``, as while the fleet starts), raise ``LaunchError`` naming it."""
+        for i, c in enumerate(self.children):
             code = c.proc.poll()
-            if code is not None:
-                raise LaunchError(f"{c.name} exited with code {code}; last lines of {c.log}:\n{_tail(c.log)}")
+            if code is None:
+                continue
+            if not restart or self.restarts >= self.max_restarts:
+                used = f" (after {self.restarts} restarts)" if self.restarts else ""
+                raise LaunchError(f"{c.name} exited with code {code}{used}; last lines of {c.log}:\n{_tail(c.log)}")
+            self.restarts += 1
+            logger.warning("%s exited with code %d; starting it again (restart %d of %d); last lines of %s:\n%s",
+                           c.name, code, self.restarts, self.max_restarts, c.log, _tail(c.log, 5))
+            with c.log.open("a") as f:
+                f.write(f"\n--- exited with code {code}; restarted by the fleet ---\n")
+            proc = self._spawn(c.cmd, c.log, "a", i)
+            port = c.address.rsplit(":", 1)[1]
+            c.proc, c.name = proc, f"rollout server {i} (pid {proc.pid}, port {port})"
 
     def stop(self, timeout: float = 10.0) -> None:
         """Terminate every child (their whole process groups), killing those that linger."""

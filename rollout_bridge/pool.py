@@ -35,7 +35,11 @@ class AllServersDownError(RolloutError):
 
 
 class WeightUpdateError(RolloutError):
-    pass
+    """A weight update some servers refused; ``failed`` maps each one's URL to its answer."""
+
+    def __init__(self, message: str, failed: dict[str, str] | None = None):
+        super().__init__(message)
+        self.failed = dict(failed or {})
 
 
 
@@ -408,12 +412,13 @@ class ServerPool:
         """Every healthy server loads ``model_path`` as ``version`` (labelled ``str(version)``);
         those that succeed are recorded as holding it. The path is kept to reload a server that
         restarts."""
-        replies = await self._broadcast("/update_weights_from_disk",
-                                        self._disk_body(model_path, version, abort_all_requests, flush_cache),
-                                        timeout=self.cfg.weight_timeout_s, version=version)
-        if version >= self._current:
-            self._last_disk = (model_path, version)
-        return replies
+        try:
+            return await self._broadcast("/update_weights_from_disk",
+                                         self._disk_body(model_path, version, abort_all_requests, flush_cache),
+                                         timeout=self.cfg.weight_timeout_s, version=version)
+        finally:  # also when some servers failed: those that loaded it reload a restarted one
+            if version >= self._current and any(s.version == version for s in self.servers):
+                self._last_disk = (model_path, version)
 
     async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> list[dict[str, Any]]:
         """Relabel what every server serves as ``version`` (no new weights) and record it."""
@@ -422,12 +427,13 @@ class ServerPool:
                                      version=version)
 
     async def push_tensor_bucket(self, payload: bytes, *, version: int, transfer_id: str, bucket: int, last: bool,
-                                 flush_cache: bool = True) -> list[dict[str, Any]]:
-        """One safetensors bucket of a version to every embedded server (see ``protocol``); after
-        the ``last`` one, the servers that applied it are recorded as holding ``version``."""
+                                 flush_cache: bool = True, skip: Any = ()) -> list[dict[str, Any]]:
+        """One safetensors bucket of a version to every embedded server but those in ``skip`` (URLs
+        that failed an earlier bucket of this transfer, see ``HttpBucketSink``); after the ``last``
+        one, the servers that applied it are recorded as holding ``version``."""
         params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
                   "last": "true" if last else "false", "flush_cache": "true" if flush_cache else "false"}
-        targets = [s for s in self.servers if s.healthy]
+        targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/update_weights_from_tensor: no healthy server")
         if last:
@@ -450,7 +456,8 @@ class ServerPool:
         bad = [(s, st, r) for s, st, r in results if st not in (0, 200)]
         if bad:
             raise WeightUpdateError("/update_weights_from_tensor failed on "
-                                    + "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in bad))
+                                    + "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in bad),
+                                    {s.url: f"({st}) {reply_message(r)}" for s, st, r in bad})
         return [{"server": s.url, "status": st, "reply": r} for s, st, r in results if st == 200]
 
     async def get_model_info(self) -> list[dict[str, Any]]:

@@ -385,6 +385,8 @@ async def get_server_info(request: web.Request) -> web.Response:
         version=SERVER_VERSION, host=st.host, port=st.port,
         incremental_streaming_output=st.incremental_streaming_output,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
+                          "num_slots": e.lane_slots * e.num_lanes, "free_slots": e.num_free_slots,
+                          "live_requests": e.num_live,
                           "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
                           "ready": st.ready, "warmup": st.warmup,
                           "lanes": e.num_lanes, "random_seed": e.seed,

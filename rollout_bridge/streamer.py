@@ -36,6 +36,7 @@ import numpy as np
 from safetensors.numpy import save as st_save
 
 from areal_jax.models.hf_write import is_url, write_hf_dir
+from rollout_bridge.pool import WeightUpdateError
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -159,20 +160,32 @@ class HttpBucketSink(WeightSink):
         t0 = time.perf_counter()
         transfer_id = uuid.uuid4().hex
         nbytes = n = sent = servers = 0
+        failed: dict[str, str] = {}
         groups = buckets(tensors, self.bucket_bytes)
         # One bucket of look-ahead tells whether the current one is the last.
         cur = await asyncio.to_thread(next, groups, None)
         while cur is not None:
             payload = await asyncio.to_thread(st_save, dict(cur))
             nxt = await asyncio.to_thread(next, groups, None)
-            replies = await self.client.push_tensor_bucket(
-                payload, version=version, transfer_id=transfer_id, bucket=sent, last=nxt is None,
-                flush_cache=self.flush_cache)
+            try:
+                replies = await self.client.push_tensor_bucket(
+                    payload, version=version, transfer_id=transfer_id, bucket=sent, last=nxt is None,
+                    flush_cache=self.flush_cache, skip=failed)
+            except WeightUpdateError as e:
+                # A server that refused a bucket gets no more of this transfer (it keeps its old
+                # weights and drops the part it staged); the others still get the whole version.
+                failed.update(e.failed)
+                if not any(s.healthy and s.url not in failed for s in self.client.servers):
+                    raise
+                replies = []
             servers = len(replies)
             nbytes += sum(a.nbytes for _, a in cur)
             n += len(cur)
             sent += 1
             cur = nxt
+        if failed:
+            raise WeightUpdateError(f"/update_weights_from_tensor of version {version} failed on "
+                                    + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
                                buckets=sent, tensors=n, servers=servers)
 

@@ -60,6 +60,11 @@ class RolloutConfig:
     """Placement of the in-process engine, with ``backend: local``."""
     startup_timeout_s: float = 300.0
     """How long to wait for embedded servers to answer ``/health``."""
+    max_server_restarts: int = 3
+    """Embedded servers that die are started again, this many times over the run in all; their
+    requests move to the others meanwhile, and the client takes a restarted server back once it
+    holds the current weights (at once after a disk push, else at the next push). One more death
+    stops the run. 0: the first death stops it."""
     workflow: str = "single_turn"
     """``single_turn``, ``multi_turn``, ``agentic``, or a user's ``async def episode(client, row)``
     by import path (``my_pkg.flows:episode``)."""
@@ -100,6 +105,8 @@ class RolloutConfig:
             raise ValueError("rollout.backend=servers needs rollout.servers=[host:port, ...]")
         if self.temperature < 0:
             raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if self.max_server_restarts < 0:
+            raise ValueError(f"rollout.max_server_restarts must be >= 0, got {self.max_server_restarts}")
         if self.backend == "sglang" and self.weight_sync != "disk":
             raise ValueError("rollout.backend=sglang moves weights through disk: set rollout.weight_sync=disk "
                              "(SGLang reads a versioned HF checkpoint with /update_weights_from_disk)")

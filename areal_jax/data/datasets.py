@@ -342,9 +342,11 @@ def load_prompts(cfg: DatasetConfig, tokenizer: Any) -> PromptData:
     starts on a missing file, an unknown task or a dataset with no usable row."""
     stats: Counter = Counter()
     rows = _load_rows(cfg, tokenizer, cfg.path, stats)
-    where = cfg.path or f"reasoning-gym task {cfg.task!r}"
+    where = f"data.path={cfg.path}" if cfg.path else f"data.task={cfg.task!r} (data.size={cfg.size})"
     if not rows:
-        raise DatasetError(f"{where}: no usable rows ({dict(stats) or 'the source is empty'})")
+        fix = ("point data.path at rows in the data.format it reads (malformed rows are logged with file and "
+               "line)" if cfg.path else "raise data.size or loosen data.max_prompt_tokens")
+        raise DatasetError(f"{where}: no usable rows ({dict(stats) or 'the source is empty'}); {fix}")
     if cfg.eval_path:
         eval_rows = _load_rows(cfg, tokenizer, cfg.eval_path, stats)
         train_rows = rows
@@ -353,7 +355,8 @@ def load_prompts(cfg: DatasetConfig, tokenizer: Any) -> PromptData:
 
         n_eval = cfg.eval_size if cfg.eval_size is not None else int(round(cfg.eval_fraction * len(rows)))
         if n_eval >= len(rows):
-            raise DatasetError(f"{where}: holding out {n_eval} of {len(rows)} rows leaves none to train on")
+            raise DatasetError(f"{where}: holding out {n_eval} of {len(rows)} rows leaves none to train on; "
+                               "lower data.eval_size or data.eval_fraction, or give data.eval_path")
         order = np.random.default_rng(cfg.shuffle_seed).permutation(len(rows))
         held = set(order[:n_eval].tolist())
         eval_rows = [r for i, r in enumerate(rows) if i in held]

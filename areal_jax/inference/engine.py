@@ -138,6 +138,16 @@ class Engine:
         return len(self._waiting)
 
     @property
+    def num_free_slots(self) -> int:
+        """KV slots no request holds; equal to ``num_slots`` when the engine is idle."""
+        return sum(len(lane.free) for lane in self._lanes)
+
+    @property
+    def num_live(self) -> int:
+        """Requests the engine still tracks (waiting or running); 0 when idle."""
+        return len(self._live)
+
+    @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 

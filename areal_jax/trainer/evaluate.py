@@ -106,7 +106,7 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
                                 seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
                                 weight_roots=[Path(serve_dir).absolute().parent, Path(cfg.run_dir).absolute(),
                                               *([rollout.weights_dir] if rollout.weights_dir else [])],
-                                placements=split[1] if split else None)
+                                placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
             addresses = await asyncio.to_thread(fleet.start)
         else:
             addresses = list(rollout.servers)

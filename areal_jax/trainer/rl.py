@@ -5,6 +5,8 @@ Each step takes a batch of groups from the controller (rollout keeps generating 
 runs the decoupled-PPO update (proximal logprobs recomputed, advantages, minibatch steps) in a
 worker thread so the event loop keeps serving rollout, bumps the version, pushes the weights
 (pause with abort, push, continue: answers in flight resume under the new weights), and logs.
+A batch whose every optimizer step was skipped for a NaN/inf loss or gradient changed no weight:
+its step is logged (``skipped_steps``) but the version is not bumped and nothing is pushed.
 Evaluation runs on the held-out split after the warm start, every ``eval.every`` steps and at
 the end. The run directory gets ``metrics.jsonl``, TensorBoard events, ``curves.png``, server
 logs and the exported policy.
@@ -165,6 +167,7 @@ async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, i
 
 
 async def _train(cfg: RunConfig, resume: bool = False) -> RunResult:
+    from areal_jax.config import ConfigError
     from areal_jax.data import load_prompts
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.rewards import RewardPool
@@ -185,15 +188,20 @@ async def _train(cfg: RunConfig, resume: bool = False) -> RunResult:
         from rollout_bridge.placement import confine_this_process
 
         confine_this_process(split[0])
+    local = rollout.backend == "local"
+    # The local split placement trains on part of this process's devices and generates on the rest.
+    # A mesh that does not fit the devices fails here, like a bad dataset below: before any model.
+    devices = local_devices(cfg)[0] if local else None
+    try:
+        mesh = make_mesh(cfg.mesh, devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from None
     ckpts, meta = _open_checkpoints(cfg, resume)
     start = meta["step"] if meta is not None else 0
 
     base = prepare_model_dir(cfg, run_dir)
     tokenizer = load_tokenizer(base)
     data = load_prompts(cfg.data, tokenizer)
-    local = rollout.backend == "local"
-    # The local split placement trains on part of this process's devices and generates on the rest.
-    mesh = make_mesh(cfg.mesh, local_devices(cfg)[0] if local else None)
     serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
     model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
@@ -289,15 +297,16 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         t1 = time.perf_counter()
         stats = await asyncio.to_thread(trainer.train_batch, trajectories, version)
         train_s = time.perf_counter() - t1
-        version += 1
         t2 = time.perf_counter()
-        if rollout.mode == "async":
-            await client.pause(rollout.pause_mode)
-        try:
-            await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
-        finally:
-            if rollout.mode == "async":
-                await client.continue_generation()
+        skipped = int(stats.get("skipped_steps", 0))
+        if skipped >= cfg.algo.ppo_n_minibatches:
+            # Every update of this batch had a NaN/inf and was skipped: the weights are the ones
+            # rollout already serves, so there is no new version to push.
+            logger.write(f"step {step}: every optimizer step had a non-finite loss or gradient and was "
+                         f"skipped; weights unchanged, version stays {version}, nothing pushed")
+        else:
+            version += 1
+            await _push(cfg, client, sink, trainer, version, iter_hf_tensors)
         sync_s = time.perf_counter() - t2
         controller.set_version(version)
         served = await _served_versions(client)
@@ -314,6 +323,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
             "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
             "reward_failures": episode_client.reward_failures,
+            "skipped_steps": skipped, "skipped_steps_total": trainer.skipped_steps,
             "served_versions": served,
             "prompt_ids": [g.row_id for g in groups],
         }
@@ -340,6 +350,28 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)
     if logger.history and logger.history[-1].get("eval_accuracy") is not None:
         result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
+
+
+async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any) -> None:
+    """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
+    a continue, so answers in flight resume under them."""
+    from rollout_bridge.client import WeightUpdateError
+
+    rollout = cfg.rollout
+    if rollout.mode == "async":
+        await client.pause(rollout.pause_mode)
+    try:
+        await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
+    except WeightUpdateError as e:
+        # Servers that failed keep their old weights and stay out of rotation until a later push
+        # reaches them; the run goes on while at least one server holds this version.
+        if version not in client.server_versions().values():
+            raise
+        log.warning("weight push of version %d failed on some servers (out of rotation until they catch "
+                    "up): %s", version, e)
+    finally:
+        if rollout.mode == "async":
+            await client.continue_generation()
 
 
 async def _served_versions(client: Any) -> list[str] | None:

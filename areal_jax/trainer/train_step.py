@@ -5,7 +5,8 @@ the batch is packed (see ``trainer/batching.py``), the proximal logprobs are rec
 pre-update weights on exactly those micro-batches (or approximated from versions inside the
 loss), reference logprobs feed a KL reward penalty when ``kl_coef > 0``, and advantages are
 computed group-wise. Each minibatch then accumulates gradients over its micro-batches and takes
-one AdamW step.
+one AdamW step. A step whose loss or gradient holds a NaN or inf is skipped inside the jitted
+apply (params and optimizer state stay as they were) and counted in the ``skipped_steps`` stat.
 
 PPO with a critic (``adv_estimator='gae'``) is the same step with one option switched on: the
 trainer also holds a ``Critic`` with its own AdamW. Before any update the critic scores the same
@@ -118,6 +119,8 @@ class Trainer:
         self.rules = rules
         self.dp_groups = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         self.step = 0
+        self.skipped_steps = 0
+        """Optimizer steps skipped so far because their gradient was not finite (see ``_apply_step``)."""
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.data_sharding = logical_to_sharding(("batch", "length"), self.mesh, rules)
         ds, rep = self.data_sharding, self.replicated
@@ -239,7 +242,10 @@ class Trainer:
 
         (scaled, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         aux["scaled_loss"] = scaled
-        return jax.tree.map(jnp.add, acc, grads), aux
+        # A non-finite loss poisons the accumulated gradient, so the apply step skips the update
+        # even where masking kept the gradient itself finite.
+        ok = jnp.isfinite(scaled)
+        return jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.nan), acc, grads), aux
 
     def _logprob_step(self, params: nnx.State, batch: dict) -> jax.Array:
         lp, _ = token_logprobs(nnx.merge(self.graphdef, params), batch, temperature=self.train.temperature,
@@ -249,9 +255,15 @@ class Trainer:
     @staticmethod
     def _apply_step(tx: optax.GradientTransformation, params: nnx.State, opt_state: Any,
                     grads: nnx.State) -> tuple[nnx.State, Any, dict]:
+        """One optimizer step, skipped on device when the gradient holds a NaN or inf (its norm
+        is then non-finite): params and optimizer state (moments, step count) come back as they
+        were, and ``skipped`` says so in the stats the step returns anyway (no extra sync)."""
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, {"grad_norm": grad_norm}
+        updates, new_state = tx.update(grads, opt_state, params)
+        finite = jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        return (keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state),
+                {"grad_norm": grad_norm, "skipped": jnp.logical_not(finite).astype(jnp.int32)})
 
     def _critic_grad_step(self, params: nnx.State, acc: nnx.State, batch: dict,
                           scalars: dict) -> tuple[nnx.State, dict]:
@@ -407,6 +419,9 @@ class Trainer:
                 critic_apply.append(c_out)
             self.step += 1
         stats = self._reduce_stats(prepared, jax.device_get(micro_aux), jax.device_get(apply_aux), lrs)
+        # Skipped steps (non-finite gradients) left the optimizer's step count where it was.
+        self.step -= int(stats["skipped_steps"])
+        self.skipped_steps += int(stats["skipped_steps"])
         if critic_aux:
             stats.update(self._reduce_critic_stats(jax.device_get(critic_aux), jax.device_get(critic_apply)))
             stats["critic_lr"] = float(self.critic_schedule(self.step - 1))
@@ -559,7 +574,9 @@ class Trainer:
         total = max(counts.sum(), 1.0)
         stats = {k: float((np.array([a[k] for a in micro], np.float64) * counts).sum() / total)
                  for k in ("value_loss", "value_clip_fraction")}
-        stats["critic_grad_norm"] = float(np.mean([float(a["grad_norm"]) for a in applied]))
+        stats["critic_skipped_steps"] = float(sum(int(a["skipped"]) for a in applied))
+        norms = [float(a["grad_norm"]) for a in applied if not a["skipped"]] or [float("nan")]
+        stats["critic_grad_norm"] = float(np.mean(norms))
         return stats
 
     def _reduce_stats(self, prepared: PreparedBatch, micro: list[dict], applied: list[dict],
@@ -576,7 +593,8 @@ class Trainer:
                           np.cumsum([len(mb) for mb in prepared.minibatches])[:-1])
         stats["loss"] = float(np.mean([s.sum() for s in per_mb]))
         stats["entropy"] = float(sum(a["entropy_sum"] for a in micro) / total)
-        norms = [float(a["grad_norm"]) for a in applied]
+        stats["skipped_steps"] = float(sum(int(a["skipped"]) for a in applied))
+        norms = [float(a["grad_norm"]) for a in applied if not a["skipped"]] or [float("nan")]
         stats["grad_norm"] = float(np.mean(norms))
         stats["grad_norm_max"] = float(np.max(norms))
         stats["lr"] = lrs[-1]

@@ -16,6 +16,7 @@ import pytest
 
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from rollout_bridge.launcher import LaunchError, ServerFleet
 from tests.inference.reference import reference_logprobs
 from tests.ports import free_port
 from tests.rollout_bridge.bridge_helpers import running_server
@@ -84,3 +85,80 @@ def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+async def _finished(address: str) -> int:
+    """Requests the server at ``address`` has finished (its ``/metrics`` counter)."""
+    async with aiohttp.ClientSession() as s, s.get(f"http://{address}/metrics") as r:
+        text = await r.text()
+    return int(float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith("sglang:num_requests_total{"))))
+
+
+@pytest.mark.slow
+def test_killed_server_is_restarted_and_taken_back_and_every_rid_answered_once(tiny_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """SIGKILL one of two servers mid-generation: every rid gets exactly one answer of full length,
+    each finished exactly once on the survivor; the fleet starts the dead one again on its port and
+    the client, after reloading it with the version pushed while it was down, sends to it again."""
+    fleet = ServerFleet(tiny_dir, 1, tmp_path / "logs", max_restarts=1, startup_timeout_s=180,
+                        extra_args=["--max-running-requests", "8", "--context-length", "512", "--log-level",
+                                    "warning"], env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+    fleet.start()
+
+    async def main() -> None:
+        async with running_server(tiny_dir, num_slots=16, max_seq_len=512) as (survivor, engine):
+            doomed = fleet.addresses[0]
+            cfg = ClientConfig(generate_timeout_s=120, control_timeout_s=30, all_down_wait_s=10, health_interval_s=0.5)
+            async with HttpRolloutClient([survivor, doomed], config=cfg) as client:
+                sp = {"max_new_tokens": 120, "ignore_eos": True, "temperature": 1.0}
+                rids = [f"req-{i}" for i in range(16)]
+                before = engine.stats["finished_requests"]
+                tasks = [asyncio.create_task(client.generate([3, 4, 5 + i], sp, rid=rid)) for i, rid in enumerate(rids)]
+                while not client.servers[1].inflight:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)
+                on_doomed = set(client.servers[1].inflight)
+                t_kill = time.monotonic()
+                os.kill(fleet.children[0].proc.pid, signal.SIGKILL)
+                while client.servers[1].healthy:  # noticed by the requests in flight, well within the timeout
+                    assert time.monotonic() - t_kill < cfg.generate_timeout_s
+                    await asyncio.sleep(0.01)
+                noticed = time.monotonic() - t_kill
+                results = await asyncio.wait_for(asyncio.gather(*tasks), cfg.generate_timeout_s)
+                took = time.monotonic() - t_kill
+                # request-id accounting: each rid submitted has one final answer, none lost, none twice
+                assert sorted(r.rid for r in results) == sorted(rids)
+                assert all(len(r.output_ids) == 120 and r.finish_reason["type"] == "length" for r in results)
+                moved = {r.rid for r in results if r.resends > 0}
+                assert moved and moved == {sub.split("-r")[0] for sub in on_doomed}
+                # the survivor finished each of them exactly once (the doomed one finished none)
+                assert engine.stats["finished_requests"] - before == len(rids)
+                print(f"\nkilled a server with {len(on_doomed)} requests in flight: noticed after {noticed:.2f}s, "
+                      f"all {len(rids)} answered {took:.1f}s after the kill, {len(moved)} re-sent")
+
+                # the run goes on: a version pushed while the dead server is away, then its restart
+                await client.update_weights_from_disk(str(tiny_dir), version=1)
+                assert client.in_rotation() == [f"http://{survivor}"]
+                await asyncio.to_thread(fleet.children[0].proc.wait, 10)
+                fleet.check()  # starts it again on its port instead of raising
+                assert fleet.restarts == 1
+                await _wait_healthy(doomed, fleet.children[0].proc)
+                deadline = time.monotonic() + 30
+                while len(client.in_rotation()) < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.2)
+                assert client.in_rotation() == [f"http://{survivor}", f"http://{doomed}"]
+                assert client.server_versions()[f"http://{doomed}"] == 1  # reloaded before it came back
+                later = await asyncio.gather(*(client.generate([9, 9, i], {"max_new_tokens": 4, "ignore_eos": True})
+                                               for i in range(8)))
+                assert all(len(r.output_ids) == 4 and r.output_versions == [1] * 4 for r in later)
+                assert await _finished(doomed) > 0  # the restarted server answers requests again
+
+    try:
+        asyncio.run(main())
+        fleet.children[0].proc.kill()
+        fleet.children[0].proc.wait(10)
+        with pytest.raises(LaunchError, match=r"rollout server 0 .* exited with code -9 \(after 1 restarts\)"):
+            fleet.check()
+    finally:
+        fleet.stop()

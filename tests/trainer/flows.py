@@ -23,3 +23,11 @@ async def calculator_agent(chat, row):
     assert first.usage.completion_tokens >= 1 and second.object == "chat.completion"
     chat.set_reward(first.id, 0.5)
     return 1.0 if second.choices[0].message.content.strip() == str(row.reward_fields["entry"]["answer"]) else 0.0
+
+
+async def nan_reward_episode(client, row):
+    """A reward function gone wrong: every answer scores NaN, so every update is non-finite."""
+    trajectories = await single_turn(client, row)
+    for t in trajectories:
+        t.reward = float("nan")
+    return trajectories

@@ -3,8 +3,10 @@ workflow and an openai-style agent, each a short real run (servers as child proc
 reward pool, the trainer, weight pushes)."""
 
 import json
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_jax.trainer.rl import train
@@ -85,3 +87,52 @@ def test_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workflow"):
         train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "rollout.workflow=nope.nothing:here"]))
     assert not (tmp_path / "logs").exists()  # no server was started
+
+
+def test_bad_data_and_mesh_fail_before_any_model_or_server(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty or wholly malformed dataset, a held-out split that takes every row, and a mesh the
+    devices cannot fill each stop ``areal-jax train`` with one line naming the field and the fix,
+    before a server starts (no logs/) and, for the mesh, before any model is built (no base/)."""
+    from areal_jax.cli import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"question": 3}\nnot json\n')
+    cases = [
+        (["data.source=jsonl", f"data.path={tmp_path / 'empty.jsonl'}"],
+         r"data.path=\S*empty.jsonl: no usable rows \(the source is empty\); point data.path at rows"),
+        (["data.source=jsonl", "data.format=gsm8k", f"data.path={tmp_path / 'bad.jsonl'}"],
+         r"data.path=\S*bad.jsonl: no usable rows \(\{'malformed': 2\}\)"),
+        (["data.size=10", "data.eval_size=10"],
+         r"data.task='\w+' \(data.size=10\): holding out 10 of 10 rows .* lower data.eval_size"),
+        (["mesh.fsdp=3"], r"mesh.data/fsdp/tensor: mesh .* asks for 3 devices, but 8 exist .* set one axis to -1"),
+        (["mesh.tensor=3"], r"mesh.data/fsdp/tensor: .* the fixed axes need a multiple of 3 devices, but 8 exist"),
+    ]
+    for i, (overrides, message) in enumerate(cases):
+        run = tmp_path / f"run{i}"
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--config", str(DEMO), *QUICK, f"run_dir={run}", *overrides])
+        assert re.search(message, str(e.value.code)), (overrides, e.value.code)
+        assert str(e.value.code).startswith("areal-jax train: ") and "\n" not in str(e.value.code)
+        assert not (run / "logs").exists()  # no server was started
+        if overrides[0].startswith("mesh"):
+            assert not (run / "base").exists()  # no model was built or loaded
+
+
+@pytest.mark.slow
+def test_nonfinite_steps_are_skipped_and_never_pushed(tmp_path: Path) -> None:
+    """Every reward NaN: each step's update is skipped on device, counted, and the servers keep
+    serving version 0 (nothing pushed); the exported policy is the initial one."""
+    from safetensors.numpy import load_file
+
+    train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "steps=2",
+                                 "rollout.workflow=tests.trainer.flows:nan_reward_episode"]))
+    m = _metrics(tmp_path)
+    assert [x["skipped_steps"] for x in m] == [1, 1] and m[-1]["skipped_steps_total"] == 2
+    # the servers still report the label they started with: no push reached them
+    assert [x["version"] for x in m] == [0, 0] and [x["served_versions"] for x in m] == [["default"]] * 2
+    assert "grad_norm" not in m[0]  # no finite step to report
+    final = load_file(tmp_path / "final" / "model.safetensors")
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    assert final.keys() == base.keys()
+    assert all(np.array_equal(final[k].astype(np.float32), base[k].astype(np.float32)) for k in base)
