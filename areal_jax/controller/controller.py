@@ -90,6 +90,7 @@ class RolloutController:
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
         self._exhausted = False
+        self._held = False
 
     @property
     def version(self) -> int:
@@ -113,6 +114,18 @@ class RolloutController:
         self.rule.set_version(version)
         self._notify()
 
+    async def drain(self) -> None:
+        """Stop starting episodes and wait until the running ones end (``resume`` starts again):
+        a weight update that waits for answers in flight instead of interrupting them."""
+        self._held = True
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def resume(self) -> None:
+        """Start episodes again after ``drain``."""
+        self._held = False
+        self._notify()
+
     def _notify(self) -> None:
         self._changed.set()
 
@@ -123,9 +136,11 @@ class RolloutController:
     async def _submit_loop(self) -> None:
         try:
             while True:
-                while not self.rule.can_submit():
+                while self._held or not self.rule.can_submit():
                     await self._wait_change()
                 row = await asyncio.to_thread(next, self.rows, None)
+                while self._held:  # a drain began while the row was read
+                    await self._wait_change()
                 if row is None:
                     self._exhausted = True
                     self._notify()

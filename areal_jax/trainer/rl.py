@@ -19,6 +19,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,10 @@ class RunResult:
     outputs: dict[str, str] = field(default_factory=dict)
 
 
-def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> RunResult:
-    """Run RL from a ``RunConfig``, a YAML path or a dict; works inside a notebook's event loop."""
+def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *,
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Run RL from a ``RunConfig``, a YAML path or a dict; works inside a notebook's event loop.
+    ``on_step`` is called with each step's metrics as soon as the step (evaluation included) ends."""
     if isinstance(config, dict):
         from areal_jax.config import from_dict, merge, parse_overrides
 
@@ -62,13 +65,13 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_train(config))
+        return asyncio.run(_train(config, on_step))
     # A notebook already runs an event loop in this thread: run ours in another one.
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["result"] = asyncio.run(_train(config))
+            box["result"] = asyncio.run(_train(config, on_step))
         except BaseException as e:
             box["error"] = e
 
@@ -107,7 +110,7 @@ def _flatten(groups: list[Any]) -> list[Trajectory]:
     return out
 
 
-async def _train(cfg: RunConfig) -> RunResult:
+async def _train(cfg: RunConfig, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     from areal_jax.data import load_prompts
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.rewards import RewardPool
@@ -169,7 +172,7 @@ async def _train(cfg: RunConfig) -> RunResult:
                 controller.start()
                 try:
                     await _loop(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                                t_start, iter_hf_tensors, result)
+                                t_start, iter_hf_tensors, result, on_step)
                 finally:
                     await controller.stop()
         if cfg.export:  # every process takes part in the gathers; process 0 writes
@@ -186,7 +189,8 @@ async def _train(cfg: RunConfig) -> RunResult:
 
 async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, client: Any, sink: Any,
                 episode_client: EpisodeClient, data: Any, logger: MetricsLogger, fleet: Any, t_start: float,
-                iter_hf_tensors: Any, result: RunResult) -> None:
+                iter_hf_tensors: Any, result: RunResult,
+                on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
     rollout = cfg.rollout
     version = 0
     gen_tokens = controller.counters.generated_tokens
@@ -205,6 +209,8 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         version += 1
         t2 = time.perf_counter()
         if rollout.mode == "async":
+            if not rollout.interruptible:
+                await controller.drain()
             await client.pause(rollout.pause_mode)
         try:
             if rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
@@ -215,6 +221,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         finally:
             if rollout.mode == "async":
                 await client.continue_generation()
+                controller.resume()
         sync_s = time.perf_counter() - t2
         controller.set_version(version)
         served = await _served_versions(client)
@@ -229,6 +236,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             "train_tokens_per_s": stats.get("real_tokens", 0.0) / max(train_s, 1e-9),
             "trajectories": len(trajectories),
             "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
+            "answer_len_max": int(max(t.answer_len for t in trajectories)),
             "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
             "reward_failures": episode_client.reward_failures,
             "served_versions": served,
@@ -243,6 +251,8 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             metrics.update(await evaluate(episode_client, data.eval_rows, cfg.eval,
                                           max_new_tokens=rollout.max_new_tokens))
         logger.log(metrics)
+        if on_step is not None:
+            on_step(metrics)
     if logger.history and logger.history[-1].get("eval_accuracy") is not None:
         result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
 
