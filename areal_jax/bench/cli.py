@@ -87,5 +87,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     summary = {"parts": args.parts, "quick": args.quick, "seconds": time.perf_counter() - t0,
                "conditions": report.conditions(), "files": sorted(str(p) for p in out.glob("*.json"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from areal_jax.bench.tables import markdown
+
+    (out / "results.md").write_text(markdown(out))
     print(f"done in {summary['seconds']:.0f}s; results in {out}/", flush=True)
     return results
