@@ -6,7 +6,9 @@ The task is the demo's one-digit addition with a scratch pad of long-tailed leng
 start teaches answers of the form ``"." * k + "\n" + sum`` with ``k`` drawn from a lognormal
 (median ``SCRATCH_MEDIAN``, clipped at ``SCRATCH_MAX``), and the reward reads the last line. The
 policy then samples its own scratch lengths, most short and a few long, as reasoning models do,
-so a synchronous step waits for its longest answer while most slots sit finished.
+so a synchronous step waits for its longest answer while most slots sit finished. Held-out
+accuracy samples at the policy's temperature (1): greedy decoding on this task writes dots
+to the token limit (every scratch position's likeliest next token is another dot).
 
 Figures are taken over the steps after ``warmup_steps`` (the first steps compile): wall-clock
 per step, generated tokens/s (the server's counter), trained answer tokens/s, the fraction of
@@ -47,7 +49,7 @@ TASK: dict[str, Any] = {
                 "server_args": ["--max-running-requests", "128", "--context-length", "160"]},
     "algo": {"adv_estimator": "grpo"},
     "train": {"lr": 0.0003, "micro_batch_tokens": 2048, "length_buckets": [2048], "max_seq_len": 160},
-    "eval": {"every": 0},
+    "eval": {"every": 0, "temperature": 1.0},
     "export": False,
 }
 """The benchmark's run config (a dict in ``RunConfig``'s shape) before ``model.path`` is set."""
