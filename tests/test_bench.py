@@ -52,6 +52,35 @@ def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
     assert max(lengths) <= runs.SCRATCH_MAX + 4
 
 
+def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    with runs.thread_affinity([core]):
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str([core])
+    assert os.sched_getaffinity(0) == before
+
+
+def test_summarize_takes_the_window_after_warmup() -> None:
+    """Three steps ending at 10, 12 and 15 s, one left out: a 5 s window of two steps; the server
+    polled idle in half of its samples there and generated 300 tokens."""
+    poller = runs.ServerPoller("127.0.0.1:1")
+    poller.samples = [(9.0, 5, 0.0), (10.0, 0, 100.0), (12.0, 3, 250.0), (13.0, 0, 300.0), (15.0, 2, 400.0),
+                      (16.0, 0, 999.0)]
+    step = {"trajectories": 4, "answer_len_mean": 10.0, "rollout_seconds": 0.5, "train_seconds": 1.0,
+            "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5}
+    metrics = [{**step, "time": t} for t in (4.0, 6.0, 9.0)]
+    out = runs.summarize(metrics, [10.0, 12.0, 15.0], poller, 1, {"eval_accuracy": 0.1}, {"eval_accuracy": 0.3})
+    assert out["timed_steps"] == 2 and out["wall_s_per_step"] == pytest.approx(2.5)
+    assert out["generated_tokens_per_s"] == pytest.approx(300 / 5)
+    assert out["trained_tokens_per_s"] == pytest.approx(2 * 40 / 5)
+    assert out["trainer_idle_fraction"] == pytest.approx(1.0 / 5)
+    assert out["rollout_idle_fraction"] == pytest.approx(0.5)
+    assert out["step_end_s"] == pytest.approx([4.0, 6.0, 9.0])
+    assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
+
+
 @pytest.mark.slow
 def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
