@@ -1,6 +1,7 @@
 """The ``areal-jax`` command: ``train`` (an RL run from a YAML config), ``eval`` (held-out
-accuracy of a checkpoint), ``serve`` (the embedded SGLang-protocol server) and ``demo`` (the
-rollout side on its own: generation through the client with a weight update mid-answer).
+accuracy of a checkpoint), ``serve`` (the embedded SGLang-protocol server), ``demo`` (the
+rollout side on its own: generation through the client with a weight update mid-answer) and
+``bench`` (the system benchmarks, ``areal_jax.bench``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ COMMANDS = {
     "eval": "held-out accuracy of a checkpoint: areal-jax eval --config FILE --model-path DIR",
     "serve": "run the embedded JAX inference server (SGLang's HTTP protocol)",
     "demo": "the rollout side alone: a tiny model served, answers generated, weights pushed mid-answer",
+    "bench": "system benchmarks: areal-jax bench [--parts async,staleness,interrupt,components] [--quick] [--out DIR]",
 }
 
 
@@ -181,6 +183,10 @@ def main(argv: list[str] | None = None) -> None:
         _train(rest)
     elif cmd == "eval":
         _eval(rest)
+    elif cmd == "bench":
+        from areal_jax.bench.cli import main as bench_main
+
+        bench_main(rest)
 
 
 if __name__ == "__main__":

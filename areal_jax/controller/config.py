@@ -97,6 +97,10 @@ class RolloutConfig:
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How servers pause for a weight update; ``abort`` ends in-flight requests and the client
     resumes them under the new weights (interruptible rollout)."""
+    interruptible: bool = True
+    """``True``: a weight update pauses the servers (``pause_mode``) at once. ``False``: rollout
+    stops starting episodes and the update waits for the ones in flight to finish (the baseline
+    that interruptible generation is measured against; async mode only)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 1:

@@ -104,6 +104,7 @@ class RolloutController:
         """Rows of a restored controller's ``pending``, submitted again before new ones."""
         self._rows_state: Any = None
         """The prompt iterator's state after the last row taken from it."""
+        self._held = False
 
     @property
     def version(self) -> int:
@@ -127,6 +128,18 @@ class RolloutController:
         self.rule.set_version(version)
         self._notify()
 
+    async def drain(self) -> None:
+        """Stop starting episodes and wait until the running ones end (``resume`` starts again):
+        a weight update that waits for answers in flight instead of interrupting them."""
+        self._held = True
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def resume(self) -> None:
+        """Start episodes again after ``drain``."""
+        self._held = False
+        self._notify()
+
     def _notify(self) -> None:
         self._changed.set()
 
@@ -137,7 +150,7 @@ class RolloutController:
     async def _submit_loop(self) -> None:
         try:
             while True:
-                while not self.rule.can_submit():
+                while self._held or not self.rule.can_submit():
                     await self._wait_change()
                 if self._resubmit:
                     row = self._resubmit.pop(0)  # counted in ``submitted`` when first submitted
@@ -148,6 +161,8 @@ class RolloutController:
                         self._notify()
                         return
                     self.counters.submitted += 1
+                while self._held:  # a drain began while the row was read
+                    await self._wait_change()
                 self.rule.on_submit()
                 serial, self._serial = self._serial, self._serial + 1
                 self._pending[serial] = row

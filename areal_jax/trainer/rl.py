@@ -29,6 +29,7 @@ import random
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,9 +61,10 @@ class RunResult:
 
 
 def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] | tuple[str, ...] = (), *,
-          resume: bool = False) -> RunResult:
+          resume: bool = False, on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     """Run RL from a ``RunConfig``, a YAML path or a dict; works inside a notebook's event loop.
-    ``resume``: continue from the newest complete checkpoint (start afresh when there is none)."""
+    ``resume``: continue from the newest complete checkpoint (start afresh when there is none).
+    ``on_step`` is called with each step's metrics as soon as the step (evaluation included) ends."""
     if isinstance(config, dict):
         from areal_jax.config import from_dict, merge, parse_overrides
 
@@ -74,13 +76,13 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(_train(config, resume))
+        return asyncio.run(_train(config, resume, on_step))
     # A notebook already runs an event loop in this thread: run ours in another one.
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["result"] = asyncio.run(_train(config, resume))
+            box["result"] = asyncio.run(_train(config, resume, on_step))
         except BaseException as e:
             box["error"] = e
 
@@ -166,7 +168,8 @@ async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, i
         await sink.push(version, iter_hf_tensors(trainer.model()))
 
 
-async def _train(cfg: RunConfig, resume: bool = False) -> RunResult:
+async def _train(cfg: RunConfig, resume: bool = False,
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     from areal_jax.config import ConfigError
     from areal_jax.data import load_prompts
     from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
@@ -257,7 +260,7 @@ async def _train(cfg: RunConfig, resume: bool = False) -> RunResult:
                 controller.start()
                 try:
                     await _loop(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                                t_start, iter_hf_tensors, result, start=start, ckpts=ckpts)
+                                t_start, iter_hf_tensors, result, start=start, ckpts=ckpts, on_step=on_step)
                 finally:
                     await controller.stop()
         if ckpts is not None:  # the last save completes (or its failure is raised) before the run ends
@@ -280,7 +283,8 @@ async def _train(cfg: RunConfig, resume: bool = False) -> RunResult:
 
 async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, client: Any, sink: Any,
                 episode_client: EpisodeClient, data: Any, logger: MetricsLogger, fleet: Any, t_start: float,
-                iter_hf_tensors: Any, result: RunResult, *, start: int = 0, ckpts: Any = None) -> None:
+                iter_hf_tensors: Any, result: RunResult, *, start: int = 0, ckpts: Any = None,
+                on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
     rollout = cfg.rollout
     version = controller.version
     gen_tokens = controller.counters.generated_tokens
@@ -306,7 +310,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
                          f"skipped; weights unchanged, version stays {version}, nothing pushed")
         else:
             version += 1
-            await _push(cfg, client, sink, trainer, version, iter_hf_tensors)
+            await _push(cfg, client, sink, trainer, version, iter_hf_tensors, controller)
         sync_s = time.perf_counter() - t2
         controller.set_version(version)
         served = await _served_versions(client)
@@ -321,6 +325,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             "train_tokens_per_s": stats.get("real_tokens", 0.0) / max(train_s, 1e-9),
             "trajectories": len(trajectories),
             "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
+            "answer_len_max": int(max(t.answer_len for t in trajectories)),
             "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
             "reward_failures": episode_client.reward_failures,
             "skipped_steps": skipped, "skipped_steps_total": trainer.skipped_steps,
@@ -348,17 +353,23 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
                     "controller": controller.state_dict(), "rng": rng_state()}
             meta = json.loads(json.dumps(meta))  # a copy that later steps cannot change under a background save
             save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)
+        if on_step is not None:
+            on_step(metrics)
     if logger.history and logger.history[-1].get("eval_accuracy") is not None:
         result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
 
 
-async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any) -> None:
+async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any,
+                controller: RolloutController) -> None:
     """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
-    a continue, so answers in flight resume under them."""
+    a continue, so answers in flight resume under them (with ``rollout.interruptible: false``,
+    after the episodes in flight have finished instead)."""
     from rollout_bridge.client import WeightUpdateError
 
     rollout = cfg.rollout
     if rollout.mode == "async":
+        if not rollout.interruptible:
+            await controller.drain()
         await client.pause(rollout.pause_mode)
     try:
         await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
@@ -372,6 +383,7 @@ async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: i
     finally:
         if rollout.mode == "async":
             await client.continue_generation()
+            controller.resume()
 
 
 async def _served_versions(client: Any) -> list[str] | None:

@@ -92,9 +92,11 @@ def sft_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
     return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
-def warm_start(model: Any, cfg: SFTConfig, tokenizer: Any, rows: Sequence[PromptRow]) -> dict[str, Any]:
-    """Train ``model`` in place on the rows' reference answers; returns loss and timing stats."""
-    examples = sft_examples(rows, tokenizer, cfg)
+def warm_start(model: Any, cfg: SFTConfig, tokenizer: Any, rows: Sequence[PromptRow],
+               examples: Sequence[tuple[list[int], list[int]]] | None = None) -> dict[str, Any]:
+    """Train ``model`` in place on the rows' reference answers (or on ``examples``, ``(prompt_ids,
+    answer_ids)`` pairs made elsewhere); returns loss and timing stats."""
+    examples = list(examples) if examples is not None else sft_examples(rows, tokenizer, cfg)
     schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)),
                                      optax.constant_schedule(cfg.lr)], [max(cfg.warmup_steps, 1)])
     tx = optax.adamw(schedule, weight_decay=cfg.weight_decay)

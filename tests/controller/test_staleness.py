@@ -120,3 +120,35 @@ def test_dynamic_filtering_drops_uniform_groups_and_gives_up_loudly() -> None:
         await ctl.stop()
 
     asyncio.run(run())
+
+
+def test_drain_waits_for_episodes_in_flight_and_starts_none_until_resume() -> None:
+    """The non-interruptible weight update: ``drain`` returns only when no episode runs, and no
+    episode starts between ``drain`` and ``resume``."""
+    log: list[tuple[str, str]] = []
+
+    async def episode(client, row):
+        log.append(("start", row.id))
+        await asyncio.sleep(0.02)
+        log.append(("end", row.id))
+        return [Trajectory.from_prompt_and_answer(np.arange(3), np.arange(2), -np.ones(2), 0, reward=1.0, group_id=0)]
+
+    async def run() -> None:
+        ctl = RolloutController(None, episode, iter(_Row(i) for i in range(10_000)), batch_size=2, max_staleness=1000,
+                                max_concurrent=3)
+        ctl.start()
+        await asyncio.sleep(0.005)
+        assert ctl.rule.running > 0  # episodes are in flight when the drain begins
+        await ctl.drain()
+        assert ctl.rule.running == 0 and not ctl._tasks
+        started, ended = ({r for k, r in log if k == what} for what in ("start", "end"))
+        assert started == ended  # every episode that started has finished
+        mark = len(log)
+        await asyncio.sleep(0.05)
+        assert len(log) == mark  # nothing started while drained, though capacity is free
+        ctl.resume()
+        await asyncio.sleep(0.01)
+        assert any(k == "start" for k, _ in log[mark:])
+        await ctl.stop()
+
+    asyncio.run(run())

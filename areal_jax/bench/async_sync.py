@@ -1,0 +1,84 @@
+"""Asynchronous RL against synchronous: the same config, seed, checkpoint and number of steps,
+run synchronously and then asynchronously at each ``max_staleness``, one after another in one
+process so machine drift hits them alike.
+
+Asynchronous runs split the cores the way a deployment would: the rollout server on the last
+core(s), the trainer process on the others. The synchronous baseline gets every core for each
+phase (generation, then training), since only one of them runs at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from areal_jax.bench import report, runs
+
+
+def modes(quick: bool) -> list[tuple[str, int]]:
+    """``(mode, max_staleness)`` pairs, the synchronous baseline first."""
+    return [("sync", 0), ("async", 4)] if quick else [("sync", 0), ("async", 1), ("async", 2), ("async", 4)]
+
+
+def split_cores() -> tuple[list[int], list[int]]:
+    """``(rollout cores, trainer cores)``: half each, rollout on the upper half."""
+    cores = runs.all_cores()
+    if len(cores) < 2:
+        raise RuntimeError("the async/sync comparison splits the cores between rollout and trainer: needs >= 2")
+    half = len(cores) // 2
+    return cores[half:], cores[:half]
+
+
+def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
+    steps, warmup = (4, 1) if quick else (20, 3)
+    rollout_cores, trainer_cores = split_cores()
+    rows = []
+    for mode, eta in modes(quick):
+        name = "sync" if mode == "sync" else f"async_eta{eta}"
+        cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=seed,
+                              **{"rollout.mode": mode, "rollout.max_staleness": eta})
+        split = mode == "async"
+        row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
+                                trainer_cores=trainer_cores if split else None, warmup_steps=warmup)
+        row.update(name=name, mode=mode, max_staleness=eta)
+        rows.append(row)
+        print(f"  {name:<12} {row['wall_s_per_step']:.2f} s/step, {row['generated_tokens_per_s']:.0f} gen tok/s, "
+              f"idle trainer {row['trainer_idle_fraction']:.0%} rollout {row['rollout_idle_fraction']:.0%}, "
+              f"accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}", flush=True)
+    sync = rows[0]["wall_s_per_step"]
+    for r in rows:
+        r["sync_over_this_wall"] = sync / r["wall_s_per_step"]
+    data = {"part": "async", "conditions": report.conditions(), "steps": steps, "warmup_steps": warmup,
+            "seed": seed, "rollout_cores": rollout_cores, "trainer_cores": trainer_cores,
+            "config": runs.run_config(task, checkpoint, out / "runs"), "modes": rows,
+            "plots": plot(rows, out)}
+    report.write_json(out, "async", data)
+    return data
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
+    plt = report.pyplot()
+    names = [r["name"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].bar(names, [r["wall_s_per_step"] for r in rows], color="tab:blue")
+    axes[0].set_ylabel("wall-clock s / step")
+    axes[1].bar(names, [r["generated_tokens_per_s"] for r in rows], color="tab:green")
+    axes[1].set_ylabel("generated tokens / s")
+    x = range(len(rows))
+    axes[2].bar([i - 0.2 for i in x], [r["trainer_idle_fraction"] for r in rows], 0.4, label="trainer")
+    axes[2].bar([i + 0.2 for i in x], [r["rollout_idle_fraction"] for r in rows], 0.4, label="rollout")
+    axes[2].set_xticks(list(x), names)
+    axes[2].set_ylabel("fraction of time idle")
+    axes[2].set_ylim(0, 1)
+    axes[2].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=20)
+    paths = [report.save(fig, out / "async_throughput.png")]
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for r in rows:
+        ax.plot(r["step_end_s"], r["reward_curve"], marker=".", label=r["name"])
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("mean reward of the step's batch")
+    ax.legend()
+    paths.append(report.save(fig, out / "async_reward_vs_time.png"))
+    return paths

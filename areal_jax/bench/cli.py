@@ -1,0 +1,94 @@
+"""``areal-jax bench [--parts async,staleness,interrupt,components] [--quick] [--out DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from areal_jax.bench import PARTS, report
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="areal-jax bench", description=(
+        "System benchmarks: async vs sync RL, the staleness ablation, interruptible weight updates and the "
+        "component benchmarks; each part writes <out>/<part>.json and PNG plots."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    p.add_argument("--quick", action="store_true", help="small settings: every part in a few minutes")
+    p.add_argument("--out", default="runs/bench", help="results folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile-cache", default=None,
+                   help="JAX persistent compilation cache shared by every run and server (default <out>/jax_cache); "
+                        "'none' turns it off")
+    args = p.parse_args(argv)
+    args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    unknown = [x for x in args.parts if x not in PARTS]
+    if unknown:
+        p.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    return args
+
+
+def use_compile_cache(path: Path) -> None:
+    """Every run compiles the same functions (in this process and in each rollout server): a
+    persistent cache leaves that to the first run. Compilation falls in the warm-up steps that
+    the figures leave out anyway; the cache only shortens the benchmark."""
+    path.mkdir(parents=True, exist_ok=True)
+    settings = {"jax_compilation_cache_dir": str(path.absolute()), "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": -1}
+    for key, value in settings.items():
+        os.environ[key.upper()] = str(value)  # the servers' processes read these at start
+    import jax
+
+    for key, value in settings.items():
+        jax.config.update(key, value)
+
+
+def main(argv: list[str]) -> dict[str, Any]:
+    """Run the selected parts in order; returns ``{part: its JSON data}`` (also in ``<out>/summary.json``)."""
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.compile_cache != "none":
+        use_compile_cache(Path(args.compile_cache or out / "jax_cache"))
+    results: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    rl_parts = [p for p in args.parts if p in ("async", "staleness", "interrupt")]
+    if rl_parts:
+        from areal_jax.bench import runs
+
+        task = runs.task_config(args.quick)
+        print(f"warm start of the benchmark task ({task['warm_start']['steps']} supervised steps) ...", flush=True)
+        checkpoint = runs.warm_checkpoint({**task, "seed": args.seed}, out / "checkpoint")
+    for part in args.parts:
+        t = time.perf_counter()
+        print(f"[{part}]", flush=True)
+        if part == "async":
+            from areal_jax.bench import async_sync
+
+            results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed)
+        elif part == "staleness":
+            from areal_jax.bench import staleness
+
+            results[part] = staleness.run(out, checkpoint, task, quick=args.quick, seed=args.seed)
+        elif part == "interrupt":
+            from areal_jax.bench import interrupt
+
+            results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed)
+        elif part == "components":
+            from areal_jax.bench import components
+
+            results[part] = components.run(out, quick=args.quick)
+        results[part]["seconds"] = time.perf_counter() - t
+        report.write_json(out, part, results[part])
+    summary = {"parts": args.parts, "quick": args.quick, "seconds": time.perf_counter() - t0,
+               "conditions": report.conditions(), "files": sorted(str(p) for p in out.glob("*.json"))}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    from areal_jax.bench.tables import markdown
+
+    (out / "results.md").write_text(markdown(out))
+    print(f"done in {summary['seconds']:.0f}s; results in {out}/", flush=True)
+    return results

@@ -1,0 +1,247 @@
+"""One measured RL run: the benchmark task, a warm-started checkpoint made once per invocation,
+a rollout server the benchmark starts itself (so it can pin it to CPU cores and watch it), and
+the figures of the run.
+
+The task is the demo's one-digit addition with a scratch pad of long-tailed length: the warm
+start teaches answers of the form ``"." * k + "\n" + sum`` with ``k`` drawn from a lognormal
+(median ``SCRATCH_MEDIAN``, clipped at ``SCRATCH_MAX``), and the reward reads the last line. The
+policy then samples its own scratch lengths, most short and a few long, as reasoning models do,
+so a synchronous step waits for its longest answer while most slots sit finished. Held-out
+accuracy samples at the policy's temperature (1): greedy decoding on this task writes dots
+to the token limit (every scratch position's likeliest next token is another dot).
+
+Figures are taken over the steps after ``warmup_steps`` (the first steps compile): wall-clock
+per step, generated tokens/s (the server's counter), trained answer tokens/s, the fraction of
+that window the trainer spent waiting for a batch, the fraction the server had no request
+running or queued (polled every ``POLL_S``), and held-out accuracy before and after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import re
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+POLL_S = 0.02
+SCRATCH_MEDIAN = 6
+SCRATCH_SIGMA = 1.0
+SCRATCH_MAX = 80
+
+TASK: dict[str, Any] = {
+    "batch_size": 8,
+    "data": {"source": "reasoning_gym", "task": "basic_arithmetic", "size": 4000, "seed": 0, "eval_size": 100,
+             "task_options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
+                              "allow_parentheses": False, "allow_negation": False}},
+    "model": {"tiny": "tiny", "tiny_options": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}},
+    "reward": {"name": "reasoning_gym", "num_workers": 1},
+    "warm_start": {"steps": 150, "batch_size": 32, "lr": 0.003, "max_len": 128},
+    "rollout": {"group_size": 8, "max_new_tokens": 96, "temperature": 1.0,
+                "server_args": ["--max-running-requests", "128", "--context-length", "160"]},
+    "algo": {"adv_estimator": "grpo"},
+    "train": {"lr": 0.0003, "micro_batch_tokens": 2048, "length_buckets": [2048], "max_seq_len": 160},
+    "eval": {"every": 0, "temperature": 1.0},
+    "export": False,
+}
+"""The benchmark's run config (a dict in ``RunConfig``'s shape) before ``model.path`` is set."""
+
+
+def task_config(quick: bool) -> dict[str, Any]:
+    """``TASK``, smaller with ``quick`` (shorter warm start, fewer held-out prompts, smaller batches)."""
+    cfg = copy.deepcopy(TASK)
+    if quick:
+        cfg["warm_start"].update(steps=10, batch_size=16)
+        cfg["data"].update(size=300, eval_size=16)
+        cfg["rollout"].update(group_size=4, max_new_tokens=32)
+        cfg["batch_size"] = 2
+    return cfg
+
+
+def scratch_examples(rows: list[Any], tokenizer: Any, seed: int) -> list[tuple[list[int], list[int]]]:
+    """Warm-start pairs ``(prompt_ids, "." * k + "\n" + answer + eos)``, ``k`` long-tailed."""
+    from areal_jax.trainer.sft import reference_answer
+
+    rng = np.random.default_rng(seed)
+    ks = np.minimum(rng.lognormal(np.log(SCRATCH_MEDIAN), SCRATCH_SIGMA, len(rows)).astype(int), SCRATCH_MAX)
+    return [(list(r.prompt_ids),
+             [*tokenizer.encode("." * int(k) + "\n" + reference_answer(r), add_special_tokens=False),
+              tokenizer.eos_token_id]) for r, k in zip(rows, ks, strict=True)]
+
+
+def warm_checkpoint(cfg: dict[str, Any], out_dir: Path) -> Path:
+    """Build the tiny model, run the warm start on ``scratch_examples`` once and save it; every
+    run of the invocation starts from this directory (``<out_dir>/warm_start``, reused when
+    present)."""
+    from areal_jax.config import from_dict
+    from areal_jax.data import load_prompts
+    from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
+    from areal_jax.trainer.rl import prepare_model_dir
+    from areal_jax.trainer.run_config import RunConfig
+    from areal_jax.trainer.sft import warm_start
+
+    target = out_dir / "warm_start"
+    if (target / "config.json").exists():
+        return target
+    run = from_dict(RunConfig, {**cfg, "run_dir": str(out_dir)})
+    base = prepare_model_dir(run, out_dir)
+    tokenizer = load_tokenizer(base)
+    model = load_pretrained(base)
+    rows = load_prompts(run.data, tokenizer).train_rows
+    examples = [e for e in scratch_examples(rows, tokenizer, run.seed)
+                if len(e[0]) + len(e[1]) <= run.warm_start.max_len]
+    warm_start(model, run.warm_start, tokenizer, rows, examples=examples)
+    return Path(save_pretrained(model, target, tokenizer_dir=base))
+
+
+def run_config(task: dict[str, Any], checkpoint: Path, run_dir: Path, **overrides: Any) -> dict[str, Any]:
+    """A run of ``task`` from ``checkpoint``; ``overrides`` are dotted keys (``rollout.mode``)."""
+    cfg = copy.deepcopy(task)
+    cfg.pop("warm_start", None)
+    cfg["model"] = {"path": str(checkpoint)}
+    cfg["run_dir"] = str(run_dir)
+    for key, value in overrides.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+def all_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def pin_process(cores: list[int], pid: int | None = None) -> None:
+    """Pin every thread of a process (this one by default) to ``cores``; threads started later
+    inherit the affinity of the thread that starts them."""
+    root = f"/proc/{pid or 'self'}/task"
+    for tid in os.listdir(root):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cores)
+
+
+@contextlib.contextmanager
+def thread_affinity(cores: list[int]) -> Iterator[None]:
+    """Run the block (and the processes it starts) on ``cores``; the calling thread's affinity
+    is restored afterwards."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+class ServerPoller:
+    """Polls a server's ``/metrics`` in a thread: ``(time, requests running + queued, generated
+    tokens so far)`` every ``POLL_S`` seconds."""
+
+    def __init__(self, address: str):
+        self.url = f"http://{address}/metrics"
+        self.samples: list[tuple[float, int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-poller", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=2.0) as r:
+                    text = r.read().decode()
+                vals = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+?)\{.*\} (\S+)$", text, re.M)}
+                busy = int(vals["sglang:num_running_reqs"] + vals["sglang:num_queue_reqs"])
+                self.samples.append((time.perf_counter(), busy, vals["sglang:generation_tokens_total"]))
+            except (OSError, KeyError, ValueError):
+                pass
+            self._stop.wait(POLL_S)
+
+    def __enter__(self) -> ServerPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def window(self, t0: float, t1: float) -> tuple[float, float]:
+        """``(fraction of samples in [t0, t1] with nothing running or queued, tokens generated
+        between the samples nearest t0 and t1)``."""
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            return float("nan"), float("nan")
+        idle = sum(1 for s in inside if s[1] == 0) / len(inside)
+        return idle, inside[-1][2] - inside[0][2]
+
+
+def measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, trainer_cores: list[int] | None,
+                 warmup_steps: int) -> dict[str, Any]:
+    """Start one rollout server (on ``rollout_cores``; None: all), train ``cfg`` against it with
+    this process on ``trainer_cores`` (None: all), and return the run's figures."""
+    from areal_jax.trainer.rl import train
+    from rollout_bridge.launcher import ServerFleet
+
+    run_dir = Path(cfg["run_dir"])
+    rollout = cfg.setdefault("rollout", {})
+    everything = all_cores()
+    with thread_affinity(rollout_cores or everything):
+        fleet = ServerFleet(cfg["model"]["path"], 1, run_dir / "logs", extra_args=rollout.get("server_args", []),
+                            seed=cfg.get("seed", 0))
+        addresses = fleet.start()
+    ends: list[float] = []
+    offset: list[float] = []
+
+    def on_step(m: dict[str, Any]) -> None:
+        if not offset:  # the first step ends without an evaluation: this fixes train's clock
+            offset.append(time.perf_counter() - m["time"])
+        ends.append(offset[0] + m["time"])
+
+    try:
+        pin_process(trainer_cores or everything)
+        with ServerPoller(addresses[0]) as poller:
+            result = train({**cfg, "rollout": {**rollout, "backend": "servers", "servers": addresses}},
+                           on_step=on_step)
+    finally:
+        pin_process(everything)
+        fleet.stop()
+    return summarize(result.metrics, ends, poller, warmup_steps, result.eval_before, result.eval_after,
+                     rollout_cores=rollout_cores, trainer_cores=trainer_cores)
+
+
+def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPoller, warmup_steps: int,
+              eval_before: dict[str, Any] | None, eval_after: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    """The figures of one run over the steps after ``warmup_steps``."""
+    n = len(metrics)
+    k = min(warmup_steps, n - 1)
+    t0, t1 = ends[k - 1] if k > 0 else ends[0] - metrics[0]["time"], ends[-1]
+    wall = t1 - t0
+    timed = metrics[k:]
+    rollout_idle, generated = poller.window(t0, t1)
+    trained = sum(m["trajectories"] * m["answer_len_mean"] for m in timed)
+    waiting = sum(m["rollout_seconds"] for m in timed)
+    return {
+        **extra,
+        "steps": n, "timed_steps": len(timed),
+        "wall_s_per_step": wall / len(timed),
+        "generated_tokens_per_s": generated / wall,
+        "trained_tokens_per_s": trained / wall,
+        "trainer_idle_fraction": min(1.0, waiting / wall),
+        "rollout_idle_fraction": rollout_idle,
+        "train_s_per_step": float(np.mean([m["train_seconds"] for m in timed])),
+        "weight_sync_s_per_step": float(np.mean([m["weight_sync_seconds"] for m in timed])),
+        "staleness_mean": float(np.mean([m["staleness_mean"] for m in timed])),
+        "answer_len_mean": float(np.mean([m["answer_len_mean"] for m in timed])),
+        "answer_len_max": int(max(m["answer_len_max"] for m in timed)),
+        "accuracy_before": (eval_before or {}).get("eval_accuracy"),
+        "accuracy_after": (eval_after or {}).get("eval_accuracy"),
+        "reward_curve": [m["reward_mean"] for m in metrics],
+        "step_end_s": [e - (ends[0] - metrics[0]["time"]) for e in ends],
+    }

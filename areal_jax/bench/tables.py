@@ -1,0 +1,93 @@
+"""Markdown tables of a results folder (``<out>/results.md``), written from the parts' JSON so
+that every figure in the report is one the benchmark measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def async_table(d: dict[str, Any]) -> list[str]:
+    lines = [f"Rollout on cores {d['rollout_cores']}, trainer on cores {d['trainer_cores']} (asynchronous runs); "
+             f"the synchronous run on every core. {d['steps']} steps each, the first {d['warmup_steps']} left out "
+             "of the timings.", "",
+             "| mode | s / step | generated tok/s | trained tok/s | trainer idle | rollout idle | mean staleness "
+             "| longest answer | accuracy before -> after | sync / this wall-clock |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in d["modes"]:
+        lines.append(f"| {m['name']} | {m['wall_s_per_step']:.2f} | {m['generated_tokens_per_s']:.0f} | "
+                     f"{m['trained_tokens_per_s']:.0f} | {_pct(m['trainer_idle_fraction'])} | "
+                     f"{_pct(m['rollout_idle_fraction'])} | {m['staleness_mean']:.2f} | {m['answer_len_max']} | "
+                     f"{_pct(m['accuracy_before'])} -> {_pct(m['accuracy_after'])} | {m['sync_over_this_wall']:.2f}x |")
+    return lines
+
+
+def staleness_table(d: dict[str, Any]) -> list[str]:
+    lines = [f"{d['steps']} steps each; held-out accuracy: one sample per prompt at temperature 1.", "",
+             "| max_staleness | naive PPO: accuracy | naive: mean staleness | decoupled PPO: accuracy "
+             "| decoupled: mean staleness |", "|---|---|---|---|---|"]
+    for eta in d["max_staleness"]:
+        n = next(r for r in d["runs"] if r["algorithm"] == "naive" and r["max_staleness"] == eta)
+        c = next(r for r in d["runs"] if r["algorithm"] == "decoupled" and r["max_staleness"] == eta)
+        lines.append(f"| {eta} | {_pct(n['accuracy_before'])} -> {_pct(n['accuracy_after'])} | "
+                     f"{n['staleness_mean']:.2f} | {_pct(c['accuracy_before'])} -> {_pct(c['accuracy_after'])} | "
+                     f"{c['staleness_mean']:.2f} |")
+    return lines
+
+
+def interrupt_table(d: dict[str, Any]) -> list[str]:
+    lines = [f"max_staleness {d['runs'][0]['max_staleness']}, {d['steps']} steps each (first {d['warmup_steps']} "
+             "left out), rollout and trainer on separate cores.", "",
+             "| weight update | s / step | generated tok/s | trained tok/s | update s / step (wait + push) "
+             "| rollout idle | trainer idle |", "|---|---|---|---|---|---|---|"]
+    for r in d["runs"]:
+        label = "interrupt (pause with abort, resume)" if r["interruptible"] else "wait for answers in flight"
+        lines.append(f"| {label} | {r['wall_s_per_step']:.2f} | {r['generated_tokens_per_s']:.0f} | "
+                     f"{r['trained_tokens_per_s']:.0f} | {r['weight_sync_s_per_step']:.2f} | "
+                     f"{_pct(r['rollout_idle_fraction'])} | {_pct(r['trainer_idle_fraction'])} |")
+    lines += ["", f"Trained tokens/s, interrupt / wait: {d['throughput_ratio']:.2f}x; "
+                  f"wall-clock per step, wait / interrupt: {d['wall_ratio']:.2f}x."]
+    return lines
+
+
+def components_table(d: dict[str, Any]) -> list[str]:
+    lines = ["| concurrency | decode tok/s (engine lanes) |", "|---|---|"]
+    lines += [f"| {r['concurrency']} | {r['tokens_per_s']:,.0f} ({r['lanes']}) |" for r in d["decode"]]
+    t = d["train_step"]
+    lines += ["", f"Float32 matmul peak measured in the same run: {t['matmul_peak_gflops']:.0f} GFLOP/s.", "",
+              "| model | params | train tok/s | of matmul peak |", "|---|---|---|---|"]
+    lines += [f"| {s['size']} | {s['params'] / 1e6:.2f}M | {s['tokens_per_s']:,.0f} | "
+              f"{100 * s['fraction_of_matmul_peak']:.1f}% |" for s in t["sizes"]]
+    lines += ["", "| model | size | disk path | HTTP buckets | raw safetensors write + read |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['mib']:.1f} MiB | {r['disk_s']:.2f} s | "
+              f"{r['http_s']:.2f} s | {r['raw_write_read_s']:.2f} s |" for r in d["weight_update"]]
+    lines += ["", "| reward | inline rewards/s | pool rewards/s (workers) |", "|---|---|---|"]
+    lines += [f"| {r['reward']} | {r['inline_per_s']:.1f} | {r['pool_per_s']:.1f} ({r['workers']}) |"
+              for r in d["rewards"]]
+    return lines
+
+
+SECTIONS = (("async", "Asynchronous against synchronous RL", async_table),
+            ("interrupt", "Interruptible weight updates", interrupt_table),
+            ("staleness", "Staleness ablation: naive against decoupled PPO", staleness_table),
+            ("components", "Components", components_table))
+
+
+def markdown(out: Path) -> str:
+    """Every part found in ``out`` as markdown, with the conditions each ran under."""
+    lines: list[str] = []
+    for name, title, table in SECTIONS:
+        path = out / f"{name}.json"
+        if not path.exists():
+            continue
+        d = json.loads(path.read_text())
+        c = d["conditions"]
+        lines += [f"## {title}", "", f"Measured {c['utc']} UTC on {c['cpu_cores']} cores ({c['cpu']}), load average "
+                  f"{c['load_average_1_5_15'][0]} at the end; the part took {d.get('seconds', float('nan')):.0f} s.",
+                  "", *table(d), "", *[f"![{name}]({Path(p).name})" for p in d.get("plots", [])], ""]
+    return "\n".join(lines)

@@ -1,0 +1,121 @@
+"""``areal-jax bench --quick``: every part runs end to end and writes JSON with every field, in
+range, and its plots."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from areal_jax.bench import runs
+from areal_jax.bench.cli import parse_args
+
+RUN_FIELDS = ("wall_s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "trainer_idle_fraction",
+              "rollout_idle_fraction", "accuracy_before", "accuracy_after", "staleness_mean", "answer_len_max")
+
+
+def _check_run(row: dict) -> None:
+    for key in RUN_FIELDS:
+        assert key in row and row[key] is not None and math.isfinite(row[key]), (key, row.get(key))
+    assert row["wall_s_per_step"] > 0 and row["generated_tokens_per_s"] > 0 and row["trained_tokens_per_s"] > 0
+    for key in ("trainer_idle_fraction", "rollout_idle_fraction", "accuracy_before", "accuracy_after"):
+        assert 0.0 <= row[key] <= 1.0, (key, row[key])
+    assert 0 <= row["staleness_mean"] <= row.get("max_staleness", 0)
+    assert len(row["reward_curve"]) == row["steps"] and all(0.0 <= r <= 1.0 for r in row["reward_curve"])
+
+
+def test_parse_args_rejects_unknown_parts() -> None:
+    assert parse_args(["--parts", "async,components"]).parts == ["async", "components"]
+    with pytest.raises(SystemExit):
+        parse_args(["--parts", "async,nope"])
+
+
+def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
+    class Tok:
+        eos_token_id = 0
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [ord(c) for c in text]
+
+    class Row:
+        prompt_ids = [1, 2]
+        reward_fields = {"answer": "12"}
+
+    ex = runs.scratch_examples([Row()] * 2000, Tok(), seed=0)
+    lengths = sorted(len(a) for _, a in ex)
+    assert all(a[-4:] == [ord("\n"), ord("1"), ord("2"), 0] for _, a in ex)
+    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert median <= runs.SCRATCH_MEDIAN + 5 and p99 >= 4 * median  # most short, a few long
+    assert max(lengths) <= runs.SCRATCH_MAX + 4
+
+
+def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    with runs.thread_affinity([core]):
+        child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                               capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str([core])
+    assert os.sched_getaffinity(0) == before
+
+
+def test_summarize_takes_the_window_after_warmup() -> None:
+    """Three steps ending at 10, 12 and 15 s, one left out: a 5 s window of two steps; the server
+    polled idle in half of its samples there and generated 300 tokens."""
+    poller = runs.ServerPoller("127.0.0.1:1")
+    poller.samples = [(9.0, 5, 0.0), (10.0, 0, 100.0), (12.0, 3, 250.0), (13.0, 0, 300.0), (15.0, 2, 400.0),
+                      (16.0, 0, 999.0)]
+    step = {"trajectories": 4, "answer_len_mean": 10.0, "rollout_seconds": 0.5, "train_seconds": 1.0,
+            "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5}
+    metrics = [{**step, "time": t} for t in (4.0, 6.0, 9.0)]
+    out = runs.summarize(metrics, [10.0, 12.0, 15.0], poller, 1, {"eval_accuracy": 0.1}, {"eval_accuracy": 0.3})
+    assert out["timed_steps"] == 2 and out["wall_s_per_step"] == pytest.approx(2.5)
+    assert out["generated_tokens_per_s"] == pytest.approx(300 / 5)
+    assert out["trained_tokens_per_s"] == pytest.approx(2 * 40 / 5)
+    assert out["trainer_idle_fraction"] == pytest.approx(1.0 / 5)
+    assert out["rollout_idle_fraction"] == pytest.approx(0.5)
+    assert out["step_end_s"] == pytest.approx([4.0, 6.0, 9.0])
+    assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
+
+
+@pytest.mark.slow
+def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "areal_jax.cli", "bench", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    load = lambda name: json.loads((tmp_path / f"{name}.json").read_text())  # noqa: E731
+
+    a = load("async")
+    assert [m["name"] for m in a["modes"]] == ["sync", "async_eta4"]
+    for m in a["modes"]:
+        _check_run(m)
+        assert m["sync_over_this_wall"] > 0
+    assert a["modes"][0]["sync_over_this_wall"] == 1.0
+    assert set(a["rollout_cores"]).isdisjoint(a["trainer_cores"])
+
+    s = load("staleness")
+    assert {(r["algorithm"], r["max_staleness"]) for r in s["runs"]} == {
+        (algo, eta) for algo in ("naive", "decoupled") for eta in s["max_staleness"]}
+    for r in s["runs"]:
+        _check_run(r)
+
+    i = load("interrupt")
+    assert [r["interruptible"] for r in i["runs"]] == [False, True]
+    for r in i["runs"]:
+        _check_run(r)
+    assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0
+
+    c = load("components")
+    assert all(r["tokens_per_s"] > 0 for r in c["decode"])
+    assert all(0 < s["fraction_of_matmul_peak"] <= 1 for s in c["train_step"]["sizes"])
+    assert all(r["disk_s"] > 0 and r["http_s"] > 0 and r["raw_write_read_s"] > 0 for r in c["weight_update"])
+    assert all(r["inline_per_s"] > 0 and r["pool_per_s"] > 0 for r in c["rewards"])
+
+    for data in (a, s, i, c):
+        assert data["conditions"]["cpu_cores"] >= 2
+        for plot in data["plots"]:
+            assert Path(plot).stat().st_size > 1000
