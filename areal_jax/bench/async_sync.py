@@ -48,10 +48,9 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
     sync = rows[0]["wall_s_per_step"]
     for r in rows:
         r["sync_over_this_wall"] = sync / r["wall_s_per_step"]
-    data = {"part": "async", "conditions": report.conditions(), "steps": steps, "warmup_steps": warmup,
-            "seed": seed, "rollout_cores": rollout_cores, "trainer_cores": trainer_cores,
-            "config": runs.run_config(task, checkpoint, out / "runs"), "modes": rows,
-            "plots": plot(rows, out)}
+    data = {**report.core_split_header("async", steps=steps, warmup=warmup, seed=seed,
+                                       rollout_cores=rollout_cores, trainer_cores=trainer_cores),
+            "config": runs.run_config(task, checkpoint, out / "runs"), "modes": rows, "plots": plot(rows, out)}
     report.write_json(out, "async", data)
     return data
 

@@ -28,8 +28,8 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
               f"{row['trained_tokens_per_s']:.0f} trained tok/s, update {row['weight_sync_s_per_step']:.2f} s",
               flush=True)
     wait, inter = rows
-    data = {"part": "interrupt", "conditions": report.conditions(), "steps": steps, "warmup_steps": warmup,
-            "seed": seed, "rollout_cores": rollout_cores, "trainer_cores": trainer_cores, "runs": rows,
+    data = {**report.core_split_header("interrupt", steps=steps, warmup=warmup, seed=seed,
+                                       rollout_cores=rollout_cores, trainer_cores=trainer_cores), "runs": rows,
             "throughput_ratio": inter["trained_tokens_per_s"] / wait["trained_tokens_per_s"],
             "wall_ratio": wait["wall_s_per_step"] / inter["wall_s_per_step"],
             "plots": plot(rows, out)}

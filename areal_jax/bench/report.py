@@ -21,6 +21,13 @@ def conditions() -> dict[str, Any]:
     }
 
 
+def core_split_header(part: str, *, steps: int, warmup: int, seed: int, rollout_cores: list[int],
+                      trainer_cores: list[int]) -> dict[str, Any]:
+    """The head of a part's JSON for runs with rollout and trainer on separate cores."""
+    return {"part": part, "conditions": conditions(), "steps": steps, "warmup_steps": warmup, "seed": seed,
+            "rollout_cores": rollout_cores, "trainer_cores": trainer_cores}
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
