@@ -10,5 +10,10 @@ echo "[setup] installing CPU torch (test-only reference for the model)"
 # SGLang's own API schema for the protocol contract test (one file from the sglang wheel).
 echo "[setup] fetching SGLang's API schema for the protocol contract test"
 PYTHON="$VPY" bash scripts/fetch_sglang_schema.sh >/dev/null || echo "note: could not fetch SGLang's schema; the contract test will skip"
-echo "[test] .venv/bin/python -m pytest -q $*"
-exec "$VPY" -m pytest -q "$@"
+# Two worker processes (pytest-xdist), one test file at a time each; tests marked `serial` run
+# alone. TEST_WORKERS=1 runs everything in this process, in order.
+WORKERS=${TEST_WORKERS:-2}
+ARGS=(-q)
+if [[ "$WORKERS" != 1 ]]; then ARGS+=(-n "$WORKERS" --dist loadfile); fi
+echo "[test] .venv/bin/python -m pytest ${ARGS[*]} $*"
+exec "$VPY" -m pytest "${ARGS[@]}" "$@"

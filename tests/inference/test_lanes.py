@@ -56,6 +56,7 @@ def test_two_lanes_equal_one_lane(engine: Engine, ckpt: Path) -> None:
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
 
 
+@pytest.mark.serial
 def test_lanes_fill_and_step_concurrently(engine: Engine) -> None:
     spans: list[tuple[str, float, float]] = []
     real = engine._run_step

@@ -77,6 +77,7 @@ def cancel_queued_seconds(engine: Engine, n: int) -> float:
     return run(go())
 
 
+@pytest.mark.serial
 def test_cancelling_queued_requests_costs_constant_time_each(engine: Engine) -> None:
     """Each cancel used to scan and rebuild the queue (10,000 took about 11 s of blocked event
     loop): quadratic, so 8x the requests took 64x the time. Linear now: compared side by side,
@@ -186,6 +187,7 @@ def test_16k_prompt_prefills_in_bounded_memory(ckpt: Path) -> None:
     assert chunked_mb < 300 and whole_mb > 10 * chunked_mb, (chunked_mb, whole_mb)
 
 
+@pytest.mark.serial
 def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Decoder) -> None:
     cfg = EngineConfig(num_slots=2, max_seq_len=64, max_prefill_batch=1, decode_steps=4, lanes=1,
                        chunked_prefill_size=16)

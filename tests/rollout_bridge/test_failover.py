@@ -41,6 +41,7 @@ async def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 1
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -96,6 +97,7 @@ async def _finished(address: str) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_killed_server_is_restarted_and_taken_back_and_every_rid_answered_once(tiny_dir: Path,
                                                                                tmp_path: Path) -> None:
     """SIGKILL one of two servers mid-generation: every rid gets exactly one answer of full length,

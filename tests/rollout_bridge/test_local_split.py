@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = r"""
 import asyncio, json, sys, time
 import jax, numpy as np
@@ -84,6 +86,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.serial
 def test_split_placement_hands_over_across_submeshes_and_generates_while_training(tiny_dir: Path) -> None:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from tests.rollout_bridge.bridge_helpers import running_server
@@ -20,6 +21,7 @@ async def _server_state(addr: str) -> dict:
         return (await r.json())["internal_states"][0]
 
 
+@pytest.mark.serial
 def test_server_that_missed_continue_and_push_is_updated_before_readmission(tiny_dir: Path) -> None:
     async def main() -> None:
         async with running_server(tiny_dir) as (a, _), running_server(tiny_dir) as (b, _), \
@@ -43,6 +45,7 @@ def test_server_that_missed_continue_and_push_is_updated_before_readmission(tiny
     asyncio.run(main())
 
 
+@pytest.mark.serial
 def test_paused_server_without_current_weights_stays_out(tiny_dir: Path) -> None:
     async def main() -> None:
         async with running_server(tiny_dir) as (a, _), running_server(tiny_dir) as (b, _), \
