@@ -24,7 +24,11 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The tests' programs are tiny and compiled once or a few times each: XLA's LLVM optimisation
+# passes cost more (about a third of a compile-heavy file's time) than they save. The HLO passes,
+# which decide the numerics, are the same as at the default level.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Child processes (servers, `areal-jax train` runs) inherit these through the environment.
@@ -79,3 +83,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         pass
     with _flock(d / "room", fcntl.LOCK_SH):
         yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with slow end-to-end tests first, the rest after in reverse path order (the many
+    small files of ``algo``, ``controller`` and ``data`` last): on several workers, one file at a
+    time each, long files started late would leave one worker finishing alone. Order within a
+    file is kept."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    files = sorted({item.path for item in items}, reverse=True)
+    files.sort(key=lambda p: p not in slow)
+    rank = {p: i for i, p in enumerate(files)}
+    items.sort(key=lambda item: rank[item.path])

@@ -95,6 +95,7 @@ def test_full_queue_answers_503_and_the_client_backs_off(tiny_dir: Path) -> None
     asyncio.run(main())
 
 
+@pytest.mark.serial  # a 0.5 s client timeout
 def test_disconnects_and_client_timeouts_abort_on_the_server(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
