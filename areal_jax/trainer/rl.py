@@ -223,7 +223,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if meta is not None:
             from areal_jax.trainer.checkpoint import set_rng_state
 
-            trainer.load_checkpoint_state(ckpts.restore_state(start, trainer.checkpoint_state()), meta["trainer_step"])
+            trainer.load_checkpoint_state(ckpts.restore_state(start, trainer.checkpoint_state()), meta["trainer_step"],
+                                          meta.get("critic_step"))
             set_rng_state(meta["rng"])
             t_start -= meta["time"]  # the metrics' wall time goes on from the checkpoint's
             logger.write(f"resuming from checkpoint step {start} in {ckpts.directory} (policy version "
@@ -349,7 +350,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
 
             # Taken between awaits: the controller's state matches the trainer's (batches 1..step).
             meta = {"step": step, "total_steps": cfg.steps, "version": version, "trainer_step": trainer.step,
-                    "time": now - t_start,
+                    "critic_step": trainer.critic_step, "time": now - t_start,
                     "controller": controller.state_dict(), "rng": rng_state()}
             meta = json.loads(json.dumps(meta))  # a copy that later steps cannot change under a background save
             save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)

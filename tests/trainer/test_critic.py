@@ -81,7 +81,7 @@ def test_ppo_preset_trains_policy_and_critic_and_the_critic_learns_returns() -> 
     losses = [h["value_loss"] for h in history]
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm", "loss", "grad_norm"):
         assert np.isfinite([h[key] for h in history]).all(), key
-    assert history[0]["critic_lr"] == 3e-3 and history[0]["lr"] == 1e-3
+    assert history[0]["critic_lr"] == pytest.approx(3e-3) and history[0]["lr"] == pytest.approx(1e-3)
     assert np.abs(_flat(trainer.params) - policy0).max() > 1e-3
     assert np.abs(_flat(trainer.critic_params) - critic0).max() > 1e-3
     assert np.mean(losses[-3:]) < 0.25 * losses[0], losses
@@ -134,9 +134,9 @@ def test_critic_compiles_one_shape_per_bucket() -> None:
         trajs = random_trajectories(rng, int(rng.integers(2, 5)), 2, prompt_len=(2, 20),
                                     answer_len=(1, int(rng.integers(3, 40))))
         assert np.isfinite(trainer.train_batch(trajs, step)["value_loss"])
-    assert 2 <= trainer._critic_grad_fn._cache_size() <= len(buckets)  # several buckets seen, one shape each
-    assert trainer._value_fn._cache_size() <= len(buckets)
-    assert trainer._critic_apply_fn._cache_size() == 1
+    assert 2 <= trainer.critic_learner.grad_fn._cache_size() <= len(buckets)  # several buckets seen, one shape each
+    assert trainer.critic_learner.forward_fn._cache_size() <= len(buckets)
+    assert trainer.critic_learner.apply_fn._cache_size() == 1
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in PRESETS.glob("*.yaml") if p.stem != "ppo"))
@@ -145,6 +145,6 @@ def test_critic_free_presets_build_no_critic(name: str) -> None:
     assert algo.adv_estimator != "gae"
     trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
     assert trainer.critic_params is None and trainer.critic() is None
-    assert not hasattr(trainer, "_critic_grad_fn") and not hasattr(trainer, "critic_opt_state")
+    assert trainer.critic_learner is None and set(trainer.checkpoint_state()) == {"params", "opt_state"}
     with pytest.raises(ValueError, match="keeps no critic"):
         trainer.critic_minibatch_grads([])

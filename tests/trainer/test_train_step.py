@@ -10,6 +10,7 @@ import pytest
 from areal_jax.algo import AlgoConfig
 from areal_jax.models import logprobs_from_logits
 from areal_jax.trainer import TrainConfig, Trainer, batching
+from areal_jax.trainer.prepare import unpack_key
 from tests.trainer.helpers import random_trajectories, tiny_model
 
 TEMPERATURE = 0.8
@@ -105,7 +106,7 @@ def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
         np.testing.assert_allclose(g[1:], e, atol=2e-5)
     # Inside train_batch, every minibatch uses logprobs from before the first update.
     prepared = trainer.prepare_batch(trajs, 0)
-    inside = trainer._unpack_device([m for mb in prepared.minibatches for m in mb], "proximal_logprobs",
+    inside = unpack_key([m for mb in prepared.minibatches for m in mb], "proximal_logprobs",
                                     [len(t) for t in trajs])
     trainer.train_prepared(prepared)
     for g, e in zip(inside, expected, strict=True):
@@ -121,9 +122,9 @@ def test_loglinear_proximal_needs_no_forward_and_interpolates() -> None:
     trainer = Trainer(tiny_model(seed=1), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
     trajs = random_trajectories(np.random.default_rng(3), 2, 3, version=3)
     current = trainer.compute_logprobs(trajs)
-    logged = trainer._logprob_fn._cache_size()
+    logged = trainer.policy.forward_fn._cache_size()
     stats = trainer.train_batch(trajs, version=5)
-    assert trainer._logprob_fn._cache_size() == logged  # train_batch ran no proximal forward pass
+    assert trainer.policy.forward_fn._cache_size() == logged  # train_batch ran no proximal forward pass
     w = np.concatenate([np.exp(2 / 3 * (c - t.behavior_logprobs))[t.loss_mask > 0]
                         for c, t in zip(current, trajs, strict=True)])
     np.testing.assert_allclose(stats["behavior_imp_weight_mean"], w.mean(), rtol=1e-4)
@@ -145,7 +146,7 @@ def test_kl_reference_only_when_kl_coef_positive() -> None:
     assert first["kl_ref_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
     prepared = trainer.prepare_batch(trajs, 1)
     assert abs(prepared.stats["kl_ref_mean"]) > 1e-4
-    without, _, _ = trainer._advantages(trajs, None)
+    without, _, _ = trainer.preparer.advantages(trajs, None)
     diff = max(np.abs(a - b).max() for a, b in zip(prepared.advantages, without, strict=True))
     assert diff > 1e-3  # the penalty changed the rewards the advantages came from
     for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(jax.device_get(trainer.ref_params)), strict=True):
@@ -164,9 +165,9 @@ def test_compiled_shapes_bounded_by_buckets() -> None:
                                     answer_len=(1, int(rng.integers(3, 40))))
         stats = trainer.train_batch(trajs, step)
         assert np.isfinite(stats["loss"]) and 0 < stats["padding_efficiency"] <= 1
-    assert trainer._grad_fn._cache_size() <= len(buckets)
-    assert trainer._logprob_fn._cache_size() <= len(buckets)
-    assert trainer._apply_fn._cache_size() == 1
+    assert trainer.policy.grad_fn._cache_size() <= len(buckets)
+    assert trainer.policy.forward_fn._cache_size() <= len(buckets)
+    assert trainer.policy.apply_fn._cache_size() == 1
     assert trainer.step == 100
 
 
@@ -175,7 +176,7 @@ def test_bfloat16_compute_keeps_float32_master_params() -> None:
     cfg = dict(micro_batch_tokens=64, length_buckets=(64,), lr=1e-3)
     f32 = Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).train_batch(trajs, 0)
     trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(compute_dtype="bfloat16", **cfg))
-    assert trainer.graphdef != trainer._source_graphdef
+    assert trainer.graphdef != trainer.policy.source_graphdef
     # Before any update both trainers hold the same float32 weights: their logprobs differ only by
     # bfloat16 rounding, which must show (were bfloat16 ignored, they would agree to ~1e-7).
     lp32 = np.concatenate(Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).compute_logprobs(trajs))
@@ -192,9 +193,26 @@ def test_weight_decay_reaches_matrices_only() -> None:
     """Stacked layers give norm scales a leading axis; decay is still for kernels and embeddings."""
     from flax import nnx
 
-    from areal_jax.trainer.train_step import _decayed
+    from areal_jax.trainer.learner import decayed as _decayed
 
     flags = {jax.tree_util.keystr(p): v for p, v in
              jax.tree_util.tree_flatten_with_path(_decayed(nnx.state(tiny_model(), nnx.Param)))[0]}
     assert all(v == ("kernel" in k or "embedding" in k) for k, v in flags.items()), flags
     assert any("layernorm" in k for k in flags) and any("q_proj']['kernel" in k for k in flags)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_each_micro_batch_goes_to_the_device_once(estimator: str) -> None:
+    """``prepare_batch`` places every packed array on the mesh (explicitly, once); the update half
+    then moves nothing from the host implicitly (the guard raises on any such copy)."""
+    trainer = Trainer(tiny_model(), AlgoConfig(adv_estimator=estimator, ppo_n_minibatches=2),
+                      TrainConfig(micro_batch_tokens=64, length_buckets=(32, 64), lr=1e-3))
+    trajs = random_trajectories(np.random.default_rng(11), 3, 2)
+    prepared = trainer.prepare_batch(trajs, 0)
+    for m in (m for mb in prepared.minibatches for m in mb):
+        for key, value in m.arrays.items():
+            assert isinstance(value, jax.Array) and value.sharding == trainer.policy.data_sharding, key
+    with jax.transfer_guard_host_to_device("disallow"):
+        stats = trainer.train_prepared(prepared)
+    assert np.isfinite(stats["loss"]) and stats["lr"] == pytest.approx(1e-3)
+    assert trainer.step == 2

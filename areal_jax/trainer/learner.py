@@ -1,0 +1,237 @@
+"""A learner: one trained model's float32 master params on a mesh, its AdamW and that optimizer's
+state (sharded like the params), and the jitted functions that train it. The trainer builds one
+for the policy and, for PPO with a critic, one for the critic; a learner's ``state()`` is what a
+checkpoint saves of it.
+
+Three jitted functions per learner, each compiled once per length bucket at most:
+
+- ``grad(acc, batch, scalars)``: adds one micro-batch's gradient of the (already scaled) loss
+  to the accumulator. A non-finite loss poisons the sum, so the apply step skips the update even
+  where masking kept the gradient itself finite.
+- ``forward(batch)``: logprobs for the policy, values for the critic.
+- ``apply(acc)``: one AdamW step, skipped on device when the gradient holds a NaN or inf (params
+  and optimizer state come back as they were). It returns the gradient norm, whether it skipped
+  and the learning rate it used, as device scalars the caller reads with the rest of its stats.
+
+Donation: ``apply`` donates the params and optimizer state it replaces, so an update never holds
+two copies. A learner therefore owns its params outright: it copies the module it is given (the
+caller's arrays, which an engine may be serving, are never donated), and params handed out with
+``lend()`` (to an in-process engine, with no copy) are not donated by the next update, which
+writes new buffers instead; the reader frees the old ones when it lets go of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from areal_jax.trainer.config import TrainConfig
+from sharding import activate, logical_to_sharding, shardings_of
+from sharding.rules import Rules
+
+LossFn = Callable[[nnx.Module, dict, dict], tuple[jax.Array, dict]]
+"""``(module, batch, scalars) -> (scaled loss, statistics)``: one micro-batch's share of the loss."""
+ForwardFn = Callable[[nnx.Module, dict], jax.Array]
+"""``(module, batch) -> [rows, length]`` per-position outputs (logprobs or values)."""
+
+_DECAYED = ("kernel", "embedding")
+
+
+def decayed(params: Any) -> Any:
+    """Weight decay applies to matrices (kernels, embeddings), never to norms or biases. Decided by
+    name, not rank: stacked layers give a norm scale a leading ``layers`` axis."""
+    def leaf_name(path: tuple[Any, ...]) -> str:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        keys = [k for k in keys if k not in ("value", "raw_value")]  # a Variable's own leaf
+        return keys[-1] if keys else ""
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: leaf_name(path) in _DECAYED, params)
+
+
+def adamw(train: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    """Global-norm clipping (when ``grad_clip``) then AdamW with decay on matrices only."""
+    return optax.chain(
+        optax.clip_by_global_norm(train.grad_clip) if train.grad_clip else optax.identity(),
+        optax.adamw(schedule, b1=train.betas[0], b2=train.betas[1], eps=train.eps,
+                    weight_decay=train.weight_decay, mask=decayed),
+    )
+
+
+def place(state: nnx.State, shardings: Any) -> nnx.State:
+    """Float32 copies of ``state`` on ``shardings``: never the caller's own buffers (the apply
+    step donates these), one leaf at a time so the transient is one tensor. In a multi-process
+    run a leaf held whole by each process (a model built on the host, the same everywhere) goes
+    to this process's devices only."""
+    def copy(x: Any, s: NamedSharding) -> jax.Array:
+        if not s.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
+            host = np.asarray(x, np.float32)
+            return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+        return jax.device_put(jnp.asarray(x, jnp.float32), s, may_alias=False)
+
+    # ``shardings`` has one leaf per variable: a prefix of ``state``.
+    return jax.tree.map(lambda s, var: jax.tree.map(lambda x: copy(x, s), var), shardings, state)
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, shardings: Any,
+                        replicated: NamedSharding) -> Any:
+    """Moment buffers are sharded like their parameter, scalars (step count) replicated.
+
+    An optimizer-state leaf belongs to the parameter whose tree path ends its own path
+    (``...mu['layers'][0]['mlp']...`` ends with the param's path); jit alone would leave the
+    freshly made zeros on one device.
+    """
+    # Variables' ``.value`` shows in the paths of params and optimizer state, not of the
+    # shardings tree: paths are compared without it.
+    def keystr(path: Any) -> str:
+        return jax.tree_util.keystr(tuple(
+            k for k in path if not (isinstance(k, jax.tree_util.GetAttrKey) and k.name == "value")))
+
+    shapes = {keystr(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    by_path = {keystr(p): s for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+    if set(by_path) != set(shapes):
+        differ = sorted(set(by_path) ^ set(shapes))[:5]
+        raise ValueError(f"parameter and sharding trees differ: {', '.join(differ)}")
+
+    def pick(path: Any, leaf: jax.ShapeDtypeStruct) -> NamedSharding:
+        key = keystr(path)
+        hits = [k for k in by_path if key.endswith(k) and shapes[k] == leaf.shape]
+        return by_path[max(hits, key=len)] if hits else replicated
+
+    return jax.tree_util.tree_map_with_path(pick, jax.eval_shape(tx.init, params))
+
+
+class Learner:
+    """One model under training (see the module docstring). ``module`` gives the architecture
+    (its class and config) and the starting weights; ``lr`` is the schedule's peak."""
+
+    def __init__(self, module: nnx.Module, *, train: TrainConfig, lr: float, mesh: Mesh, rules: Rules,
+                 loss: LossFn, forward: ForwardFn) -> None:
+        self.train, self.mesh, self.rules = train, mesh, rules
+        self.step = 0
+        """Optimizer steps taken (skipped ones not counted); the schedule's position."""
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.data_sharding = logical_to_sharding(("batch", "length"), mesh, rules)
+        self.source_graphdef, state = nnx.split(module)
+        self.graphdef = self._compute_graphdef(type(module), module.config)
+        self.shardings = ps = shardings_of(state, mesh, rules)
+        self.params = place(state, ps)
+        self.schedule = dataclasses.replace(train, lr=lr).schedule()
+        self.tx = adamw(train, self.schedule)
+        self.opt_shardings = os_ = opt_state_shardings(self.tx, self.params, ps, self.replicated)
+        ds, rep = self.data_sharding, self.replicated
+        with activate(mesh, rules):
+            self.opt_state = jax.jit(self.tx.init, out_shardings=os_)(self.params)
+        self._loss, self._forward = loss, forward
+        self._zeros_fn = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ps)
+        self.grad_fn = jax.jit(self._grad_step, in_shardings=(ps, ps, ds, rep), out_shardings=(ps, rep),
+                               donate_argnums=(1,))
+        self.forward_fn = jax.jit(self._forward_step, in_shardings=(ps, ds), out_shardings=ds)
+        apply = partial(self._apply_step, self.tx, self.schedule)
+        self.apply_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
+                                donate_argnums=(0, 1))
+        # The same step for lent params: they stay alive (and unchanged) for whoever reads them.
+        self._apply_keep_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
+                                      donate_argnums=(1,))
+        self._lent = False
+
+    def _compute_graphdef(self, cls: type[nnx.Module], config: Any) -> nnx.GraphDef:
+        """The graph the jitted code merges params into. It differs from the source model's only
+        in numerics: float32 storage (the master copy), the configured compute dtype and remat."""
+        cfg = config.replace(param_dtype="float32", dtype=self.train.resolved_compute_dtype(), remat=self.train.remat)
+        with activate(self.mesh, self.rules):
+            graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
+        return graphdef
+
+    # --- jitted bodies ------------------------------------------------------------------------
+
+    def _grad_step(self, params: nnx.State, acc: nnx.State, batch: dict, scalars: dict) -> tuple[nnx.State, dict]:
+        def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
+            return self._loss(nnx.merge(self.graphdef, p), batch, scalars)
+
+        (scaled, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        aux["scaled_loss"] = scaled
+        ok = jnp.isfinite(scaled)
+        return jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.nan), acc, grads), aux
+
+    def _forward_step(self, params: nnx.State, batch: dict) -> jax.Array:
+        return self._forward(nnx.merge(self.graphdef, params), batch)
+
+    @staticmethod
+    def _apply_step(tx: optax.GradientTransformation, schedule: optax.Schedule, params: nnx.State,
+                    opt_state: Any, grads: nnx.State, step: jax.Array) -> tuple[nnx.State, Any, dict]:
+        grad_norm = optax.tree.norm(grads)
+        updates, new_state = tx.update(grads, opt_state, params)
+        finite = jnp.isfinite(grad_norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        return (keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state),
+                {"grad_norm": grad_norm, "skipped": jnp.logical_not(finite).astype(jnp.int32),
+                 "lr": jnp.asarray(schedule(step), jnp.float32)})
+
+    # --- calls --------------------------------------------------------------------------------
+
+    def zeros(self) -> nnx.State:
+        """A zero gradient accumulator, sharded like the params."""
+        with activate(self.mesh, self.rules):
+            return self._zeros_fn(self.params)
+
+    def grad(self, acc: nnx.State, batch: dict[str, Any], scalars: dict[str, Any]) -> tuple[nnx.State, dict]:
+        """``acc`` (donated) plus this micro-batch's gradient, and its statistics (device arrays)."""
+        scalars = jax.device_put(scalars, self.replicated)  # explicitly: the batch itself is already there
+        with activate(self.mesh, self.rules):
+            return self.grad_fn(self.params, acc, batch, scalars)
+
+    def forward(self, batch: dict[str, Any], params: nnx.State | None = None) -> jax.Array:
+        """Per-position outputs of ``params`` (the current ones by default) on one micro-batch."""
+        with activate(self.mesh, self.rules):
+            return self.forward_fn(self.params if params is None else params, batch)
+
+    def apply(self, grads: nnx.State, step: int | None = None) -> dict[str, jax.Array]:
+        """One optimizer step with the accumulated ``grads`` at schedule position ``step`` (the
+        learner's own by default). Returns its device stats; ``step`` moves on by one here, and
+        back by one per skipped step once the caller has read ``skipped`` (``count_skipped``)."""
+        fn = self._apply_keep_fn if self._lent else self.apply_fn
+        position = jax.device_put(np.int32(self.step if step is None else step), self.replicated)
+        with activate(self.mesh, self.rules):
+            self.params, self.opt_state, out = fn(self.params, self.opt_state, grads, position)
+        self._lent = False  # the new params are the learner's alone
+        self.step += 1
+        return out
+
+    def count_skipped(self, skipped: int) -> None:
+        """Steps ``apply`` counted that the device skipped (non-finite gradients) leave the
+        optimizer's own count where it was: the schedule position follows."""
+        self.step -= skipped
+
+    def module(self) -> nnx.Module:
+        """The current model in the source module's numerics; shares the learner's buffers, so read
+        it before the next ``apply`` (which donates them) or keep it only through ``lend``."""
+        return nnx.merge(self.source_graphdef, self.params)
+
+    def lend(self) -> nnx.State:
+        """The current float32 params themselves (no copy), for a reader that keeps them past the
+        next update; that update writes new buffers instead of donating these."""
+        self._lent = True
+        return self.params
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint saves: the params and the optimizer state (the learner's own buffers)."""
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def load(self, params: nnx.State, opt_state: Any, step: int) -> None:
+        """Take over restored ``params`` and ``opt_state`` (on this learner's shardings) at ``step``."""
+        self.params, self.opt_state, self.step = params, opt_state, step
+        self._lent = False
+
+    def copy_params(self) -> nnx.State:
+        """A frozen copy of the current params on the same shardings (a reference model)."""
+        with activate(self.mesh, self.rules):
+            return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings)(self.params)

@@ -1,0 +1,268 @@
+"""The pre-update half of a train step: a batch of trajectories becomes packed micro-batches on
+the device, scored with the weights before the update, with advantages (and returns).
+
+In order: plan the micro-batches (``trainer/batching.py``) and place each on the mesh, once;
+recompute the proximal logprobs with the current policy on exactly those micro-batches (unless
+they are approximated from versions inside the loss); reference logprobs for a KL reward penalty
+when there is a reference; the critic's values when there is a critic; then advantages (and
+returns) group-wise on the host, placed on the mesh next to the rest. Nothing is updated.
+
+Multi-host: every process holds the whole batch of trajectories and plans it the same way (the
+plan is deterministic), but packs and places only the rows of each micro-batch that live on its
+own devices (``jax.make_array_from_callback``: the callback is asked for local shards only).
+Per-token outputs that the host needs back (reference logprobs, values) are gathered from every
+process; the statistics are replicated scalars.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
+from areal_jax.algo.kl import KL_ESTIMATORS
+from areal_jax.data.packing import bucket_length, build_packed_batch
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.trainer import batching
+from areal_jax.trainer.config import TrainConfig
+from areal_jax.trainer.learner import Learner
+
+FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
+LOGPROB_KEYS = (*FORWARD_KEYS, "targets")
+POLICY_KEYS = (*LOGPROB_KEYS, "loss_mask", "behavior_logprobs", "versions", "advantages")
+CRITIC_KEYS = (*FORWARD_KEYS, "loss_mask", "old_values", "returns")
+
+
+@dataclass
+class MicroBatch:
+    plan: batching.MicroBatchPlan
+    arrays: dict[str, Any]
+    """``[rows, length]`` fields on the mesh (``proximal_logprobs`` and ``old_values`` included)."""
+    loss_units: float = 0.0
+    """What the loss aggregation divides by, counted here (see ``loss_units``)."""
+    mask_count: float = 0.0
+    """Trained tokens here: the critic's value loss is a token mean."""
+
+    def inputs(self, keys: Sequence[str]) -> dict[str, Any]:
+        return {k: self.arrays[k] for k in keys if k in self.arrays}
+
+
+@dataclass
+class PreparedBatch:
+    """A training batch after the pre-update half of the step: packed, scored, with advantages."""
+
+    trajectories: list[Trajectory]
+    version: int
+    minibatches: list[list[MicroBatch]]
+    advantages: list[np.ndarray]
+    """Per trajectory, index-``i`` convention (0 off the loss mask)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    values: list[np.ndarray] | None = None
+    """With a critic: its pre-update value of each token, index-``i`` convention (0 off the mask)."""
+    returns: list[np.ndarray] | None = None
+    """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
+
+
+def local_rows(sharding: Sharding, shape: tuple[int, ...]) -> list[int]:
+    """The rows of a ``[rows, length]`` array on ``sharding`` that live on this process's devices."""
+    rows: set[int] = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        rows.update(range(*index[0].indices(shape[0])))
+    return sorted(rows)
+
+
+def fetch(tree: Any) -> Any:
+    """``tree``'s arrays on the host, whole: local or replicated arrays are read directly, arrays
+    sharded over other processes' devices are gathered from them (every process must call this)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated for x in leaves):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.unflatten(treedef, [
+        np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)
+        else jax.device_get(x) for x in leaves])
+
+
+def plan_counts(trajectories: Sequence[Trajectory], plan: batching.MicroBatchPlan,
+                aggregation: str) -> tuple[float, float]:
+    """``(loss units, trained tokens)`` of one micro-batch, from the trajectories (no packing):
+    what ``loss_units`` counts on the packed arrays."""
+    counts = [float((np.asarray(trajectories[i].loss_mask)[1:] > 0).sum()) for row in plan.rows for i in row]
+    tokens = sum(counts)
+    return (float(sum(c > 0 for c in counts)) if aggregation == "seq_mean_token_mean" else tokens), tokens
+
+
+def loss_units(arrays: dict[str, Any], aggregation: str) -> float:
+    """What the loss aggregation divides by, counted in one packed micro-batch (host arrays):
+    sequences for ``seq_mean_token_mean``, trained tokens otherwise."""
+    mask = np.asarray(arrays["loss_mask"]) > 0
+    if aggregation == "seq_mean_token_mean":
+        segments = np.asarray(arrays["segment_ids"])
+        ids = np.where(mask, segments + np.arange(mask.shape[0])[:, None] * mask.shape[1], -1)
+        return float(len(np.unique(ids[ids >= 0])))
+    return float(mask.sum())
+
+
+class BatchPreparer:
+    """Packs, places and scores training batches for one trainer's mesh and configs."""
+
+    def __init__(self, algo: AlgoConfig, train: TrainConfig, *, dp_groups: int, data_sharding: Sharding) -> None:
+        self.algo, self.train, self.dp_groups, self.data_sharding = algo, train, dp_groups, data_sharding
+        # Advantages run on small [batch, width] arrays; width is bucketed so this compiles rarely.
+        self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
+        self._ev_fn = jax.jit(explained_variance)
+
+    def plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
+        t = self.train
+        if t.max_seq_len is not None and max(lengths, default=0) > t.max_seq_len:
+            longest = max(range(len(lengths)), key=lambda i: lengths[i])
+            raise ValueError(f"trajectory {longest} has {lengths[longest]} tokens, more than "
+                             f"TrainConfig.max_seq_len={t.max_seq_len}; raise max_seq_len or cap generation")
+        return batching.plan_micro_batches(
+            lengths, indices, dp_groups=self.dp_groups, token_budget=t.micro_batch_tokens,
+            min_micro_batches=t.min_micro_batches, buckets=t.length_buckets)
+
+    def place(self, seqs: Sequence[dict[str, np.ndarray]], plan: batching.MicroBatchPlan) -> dict[str, jax.Array]:
+        """The ``[rows, length]`` arrays of ``plan`` over the per-token fields ``seqs``, on the
+        mesh's batch sharding: this process packs only the rows its devices hold, and each goes
+        to its devices once."""
+        shape = (len(plan.rows), plan.length)
+        packed = {r: build_packed_batch(seqs, plan.rows[r], plan.length) for r in local_rows(self.data_sharding, shape)}
+        keys = list(next(iter(packed.values())))
+
+        def array(key: str) -> jax.Array:
+            def shard(index: tuple[slice, ...]) -> np.ndarray:
+                rows = range(*index[0].indices(shape[0]))
+                return np.stack([packed[r][key] for r in rows])[:, index[1]]
+
+            return jax.make_array_from_callback(shape, self.data_sharding, shard)
+
+        return {k: array(k) for k in keys}
+
+    def pack(self, trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[MicroBatch]:
+        """The micro-batches of ``trajectories[indices]``, placed on the mesh."""
+        seqs = [batching.shifted_fields(t) for t in trajectories]
+        out = []
+        for p in self.plan([len(t) for t in trajectories], indices):
+            units, tokens = plan_counts(trajectories, p, self.algo.loss_aggregation)
+            out.append(MicroBatch(p, self.place(seqs, p), units, tokens))
+        return out
+
+    def logprobs(self, policy: Learner, micro: list[MicroBatch], lengths: Sequence[int],
+                 params: Any = None) -> list[np.ndarray]:
+        """Per-token logprobs of ``params`` (the policy's current ones by default), unpacked."""
+        outs = [policy.forward(m.inputs(LOGPROB_KEYS), params) for m in micro]
+        return unpack(micro, fetch(outs), lengths)
+
+    def prepare(self, trajectories: Sequence[Trajectory], version: int, policy: Learner,
+                reference: Any = None, critic: Learner | None = None) -> PreparedBatch:
+        """Pack the batch, recompute proximal (and, with ``reference`` params, reference)
+        logprobs with the current weights, score it with ``critic`` if given, and compute
+        advantages (and returns)."""
+        trajectories = list(trajectories)
+        n_mb = self.algo.ppo_n_minibatches
+        if len(trajectories) < n_mb:
+            raise ValueError(f"{len(trajectories)} trajectories cannot fill ppo_n_minibatches={n_mb}")
+        lengths = [len(t) for t in trajectories]
+        minibatches = [self.pack(trajectories, idx) for idx in np.array_split(np.arange(len(trajectories)), n_mb)]
+        micro = [m for mb in minibatches for m in mb]
+        stats: dict[str, float] = {}
+        if self.algo.use_decoupled_loss and self.algo.proximal_logprobs == "recompute":
+            for m in micro:
+                m.arrays["proximal_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS))
+        token_kl = None
+        if reference is not None:
+            ref = self.logprobs(policy, micro, lengths, reference)
+            if "proximal_logprobs" in micro[0].arrays:
+                current = unpack_key(micro, "proximal_logprobs", lengths)
+            else:
+                current = [t.behavior_logprobs for t in trajectories]
+            est = KL_ESTIMATORS[self.algo.kl_estimator]
+            token_kl = [np.asarray(est(p, r)) * t.loss_mask for p, r, t in zip(current, ref, trajectories, strict=True)]
+            stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(t.loss_mask.sum() for t in trajectories))
+        values = last_values = None
+        if critic is not None:
+            for m in micro:
+                m.arrays["old_values"] = critic.forward(m.inputs(FORWARD_KEYS))
+            # Position j's output is the value before token j + 1; unshifting puts it at index
+            # j + 1, so values[i] is token i's value: the GAE convention (and 0 on the prompt).
+            # The last position's output, the value after the whole answer, is what a truncated
+            # answer bootstraps from.
+            raw = unpack_key(micro, "old_values", lengths, unshift=False)
+            values = [batching.unshift(v) * t.loss_mask for v, t in zip(raw, trajectories, strict=True)]
+            last_values = [float(v[len(t) - 1]) for v, t in zip(raw, trajectories, strict=True)]
+        advantages, returns, adv_stats = self.advantages(trajectories, token_kl, values, last_values)
+        stats.update(adv_stats)
+        per_token = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
+        seqs = [{"input_ids": t.input_ids, **{k: batching.shift_token_values(v[i]) for k, v in per_token.items()}}
+                for i, t in enumerate(trajectories)]
+        for m in micro:
+            m.arrays.update({k: v for k, v in self.place(seqs, m.plan).items() if k in per_token})
+        return PreparedBatch(trajectories, version, minibatches, advantages, stats, values, returns)
+
+    def advantages(
+        self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None,
+        values: list[np.ndarray] | None = None, last_values: list[float] | None = None,
+    ) -> tuple[list[np.ndarray], list[np.ndarray] | None, dict[str, float]]:
+        """Advantages, returns (None without a critic) and their stats, index-``i`` convention.
+        Groups are gathered by ``group_id``; ``values`` are the critic's, GAE's input, and
+        ``last_values`` its value after each whole answer, which truncated answers bootstrap from."""
+        order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, i))
+        sizes: dict[int, int] = {}
+        for t in trajectories:
+            sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
+        group_size = next(iter(sizes.values()))
+        if len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
+            raise ValueError(f"groups must all have the same size for adv_estimator={self.algo.adv_estimator!r}; "
+                             f"got sizes by group_id {sizes}")
+        width = bucket_length(max(len(t) for t in trajectories), self.train.length_buckets)
+        pad = lambda x: np.pad(x, (0, width - len(x)))
+        mask = np.stack([pad(trajectories[i].loss_mask) for i in order])
+        rewards = np.array([trajectories[i].reward for i in order], np.float32)
+        kl = None if token_kl is None else np.stack([pad(token_kl[i]) for i in order])
+        lengths = np.array([trajectories[i].answer_len for i in order], np.float32)
+        vals = None if values is None else np.stack([pad(values[i]) for i in order])
+        boot = {}
+        if last_values is not None:
+            boot = {"truncated": np.array([trajectories[i].truncated for i in order]),
+                    "last_values": np.array([last_values[i] for i in order], np.float32)}
+        adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
+                                response_lengths=lengths, values=vals, **boot)
+        stats: dict[str, float] = {}
+        if ret is not None:
+            count = max(float(mask.sum()), 1.0)
+            stats["explained_variance"] = float(self._ev_fn(vals, ret, mask))
+            stats["value_mean"] = float((vals * mask).sum() / count)
+            stats["return_mean"] = float((np.asarray(ret) * mask).sum() / count)
+
+        def unpad(x: jax.Array | None) -> list[np.ndarray] | None:
+            if x is None:
+                return None
+            x = np.asarray(x)
+            out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
+            for row, i in enumerate(order):
+                out[i] = x[row, : len(trajectories[i])].astype(np.float32)
+            return out
+
+        return unpad(adv), unpad(ret), stats
+
+
+def unpack(micro: list[MicroBatch], values: list[np.ndarray], lengths: Sequence[int],
+           unshift: bool = True) -> list[np.ndarray]:
+    """Per-trajectory arrays from per-micro-batch ``[rows, length]`` outputs (index-``i``
+    convention when ``unshift``)."""
+    per: dict[int, np.ndarray] = {}
+    for m, v in zip(micro, values, strict=True):
+        per.update(batching.unpack_rows(v, m.plan, lengths))
+    return [batching.unshift(per[i]) if unshift else per[i] for i in range(len(lengths))]
+
+
+def unpack_key(micro: list[MicroBatch], key: str, lengths: Sequence[int], unshift: bool = True) -> list[np.ndarray]:
+    return unpack(micro, fetch([m.arrays[key] for m in micro]), lengths, unshift)
