@@ -100,22 +100,24 @@ def test_two_processes_export_spread_shards_that_transformers_loads(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_two_processes_train_like_one(tmp_path: Path, estimator: str) -> None:
     """Full train steps on a mesh that spans two processes, each placing only the batch rows its
-    devices hold, give the single-process loss, gradient, statistics and updated params."""
+    devices hold, give the single-process loss, gradient, statistics and updated params (and,
+    with a critic, its values, statistics and params)."""
     from sharding import make_mesh
     from tests.trainer.multihost_flow import MESH, run
 
     out = tmp_path / "train.npz"
-    _run_two(ROOT / "tests" / "trainer" / "train_worker.py", str(out))
+    _run_two(ROOT / "tests" / "trainer" / "train_worker.py", str(out), estimator)
     got = dict(np.load(out))
-    want = run(make_mesh(MESH, devices=jax.devices()[:4]))
+    want = run(make_mesh(MESH, devices=jax.devices()[:4]), estimator)
     assert set(got) == set(want) and any(k.startswith("grad/") for k in want)
     # Reductions run in another order across processes (and the compilers' flags differ): losses,
     # statistics and gradients agree to about 1e-5; a row placed on the wrong process would move
     # them by 1e-1. Adam turns a near-zero gradient into a full step of the learning rate (1e-2),
     # so an updated param may differ by a small part of one step.
     for key, value in want.items():
-        tol = dict(rtol=0, atol=1e-3) if key.startswith("param/") else dict(rtol=2e-4, atol=2e-5)
+        tol = dict(rtol=0, atol=1e-3) if key.startswith(("param/", "critic/")) else dict(rtol=2e-4, atol=2e-5)
         np.testing.assert_allclose(got[key], value, **tol, err_msg=key)
     assert want["stats1/loss"] != want["stats0/loss"]  # two different steps were compared

@@ -15,13 +15,14 @@ from sharding import MeshConfig
 MESH = MeshConfig(data=1, fsdp=2, tensor=2)
 
 
-def run(mesh: Mesh) -> dict[str, np.ndarray]:
+def run(mesh: Mesh, estimator: str = "grpo") -> dict[str, np.ndarray]:
     """Two train batches with a KL reference (the proximal recompute, reference logprobs gathered
-    back to the host, advantages, two minibatches each): the first minibatch's gradient, every
-    step's statistics and the params after, all gathered whole."""
+    back to the host, advantages, two minibatches each; with ``estimator='gae'`` also the critic's
+    values gathered back and its updates): the first minibatch's gradient, every step's
+    statistics and the params after, all gathered whole."""
     from tests.trainer.helpers import random_trajectories, tiny_model
 
-    trainer = Trainer(tiny_model(seed=3), AlgoConfig(ppo_n_minibatches=2, kl_coef=0.1),
+    trainer = Trainer(tiny_model(seed=3), AlgoConfig(ppo_n_minibatches=2, kl_coef=0.1, adv_estimator=estimator),
                       TrainConfig(micro_batch_tokens=64, length_buckets=(32, 64), lr=1e-2), mesh=mesh)
     assert trainer.dp_groups == 2
     out: dict[str, np.ndarray] = {}
@@ -34,8 +35,14 @@ def run(mesh: Mesh) -> dict[str, np.ndarray]:
     stats = [trainer.train_prepared(prepared),
              trainer.train_batch(random_trajectories(np.random.default_rng(1), 4, 2), 1)]
     for i, st in enumerate(stats):
-        for key in ("loss", "grad_norm", "kl_ref_mean", "entropy", "behavior_imp_weight_mean", "lr"):
+        keys = ["loss", "grad_norm", "kl_ref_mean", "entropy", "behavior_imp_weight_mean", "lr"]
+        if estimator == "gae":
+            keys += ["value_loss", "critic_grad_norm", "explained_variance", "value_mean"]
+        for key in keys:
             out[f"stats{i}/{key}"] = np.float64(st[key])
-    for path, p in nnx.to_flat_state(fetch(trainer.params)):
-        out["param/" + "/".join(map(str, path))] = np.asarray(p.get_value())
+    params = {"param": trainer.params, "critic": trainer.critic_params}
+    for name, tree in params.items():
+        if tree is not None:
+            for path, p in nnx.to_flat_state(fetch(tree)):
+                out[f"{name}/" + "/".join(map(str, path))] = np.asarray(p.get_value())
     return out
