@@ -5,7 +5,7 @@ mesh axes ("data", "fsdp", "tensor") through one table, so that changing a run's
 a config edit.
 """
 
-from sharding.distributed import DistributedConfig, initialize_distributed
+from sharding.distributed import DistributedConfig, gather_to_host, initialize_distributed
 from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from sharding.rules import (
     DEFAULT_RULES,
@@ -24,6 +24,7 @@ __all__ = [
     "MeshConfig",
     "activate",
     "constrain",
+    "gather_to_host",
     "initialize_distributed",
     "logical_axis_size",
     "logical_to_sharding",

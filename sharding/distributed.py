@@ -1,11 +1,13 @@
 """Multi-host start: ``jax.distributed.initialize`` from config (TPU pods, GPU clusters, or several
-CPU processes on one machine for tests)."""
+CPU processes on one machine for tests), and reading an array sharded over processes back whole."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 @dataclass(frozen=True)
@@ -38,3 +40,18 @@ def initialize_distributed(cfg: DistributedConfig) -> bool:
         local_device_ids=cfg.local_device_ids,
     )
     return True
+
+
+def gather_to_host(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
+    """The full value of a (possibly multi-host sharded) array on this process. Across
+    processes the all-gather is collective, so every process calls this for every array; one
+    that passes ``fetch=False`` takes part without copying the result to its host (None)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x)) if fetch else None
+    if not isinstance(x.sharding, NamedSharding):
+        from jax.experimental import multihost_utils
+
+        full_host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return full_host if fetch else None
+    full = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
+    return np.asarray(full.addressable_data(0)) if fetch else None

@@ -31,7 +31,7 @@ from safetensors import safe_open
 
 from areal_jax.models.config import ModelConfig, dtype_name
 from areal_jax.models.decoder import Decoder
-from sharding import DEFAULT_RULES, activate
+from sharding import DEFAULT_RULES, activate, gather_to_host
 from sharding.rules import Rules
 
 # (our path regex, HF name template, transpose?) — our kernels are [in, out], HF weights [out, in].
@@ -254,23 +254,6 @@ def _hf_params(model: Decoder) -> list[tuple[list[HFParam], nnx.Variable]]:
 
 # --- writing ----------------------------------------------------------------------------------
 
-def _gather(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
-    """The full value of a (possibly multi-host sharded) array on this process. Across
-    processes the all-gather is collective, so every process calls this for every tensor; one
-    that passes ``fetch=False`` takes part without copying the result to its host (None)."""
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x)) if fetch else None
-    if not isinstance(x.sharding, NamedSharding):
-        from jax.experimental import multihost_utils
-
-        full_host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return full_host if fetch else None
-    from jax.sharding import PartitionSpec
-
-    full = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
-    return np.asarray(full.addressable_data(0)) if fetch else None
-
-
 def iter_hf_tensors(model: Decoder, dtype: Any = None,
                     owned: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype`` (a name or
@@ -288,7 +271,7 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None,
         for param in group:
             fetch = owned is None or owned(param.hf_name)
             # A stacked parameter is sliced on device first, so the host holds one layer's tensor.
-            arr = _gather(value if param.layer is None else value[param.layer], fetch)
+            arr = gather_to_host(value if param.layer is None else value[param.layer], fetch)
             if arr is None:
                 continue
             arr = arr.T if param.transpose else arr
@@ -322,7 +305,7 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[st
     for path, (var, items) in per_param.items():
         old = var.get_value()
         if items[0][0].layer is None or len(items) < old.shape[0]:
-            host = np.array(_gather(old))  # unstacked, or only some layers of a stacked one
+            host = np.array(gather_to_host(old))  # unstacked, or only some layers of a stacked one
         else:
             host = np.empty(old.shape, old.dtype)
         for param, arr in items:

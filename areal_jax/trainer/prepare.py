@@ -31,6 +31,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer import batching
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.learner import Learner
+from sharding import gather_to_host
 
 FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
 LOGPROB_KEYS = (*FORWARD_KEYS, "targets")
@@ -77,17 +78,12 @@ def local_rows(sharding: Sharding, shape: tuple[int, ...]) -> list[int]:
 
 
 def fetch(tree: Any) -> Any:
-    """``tree``'s arrays on the host, whole: local or replicated arrays are read directly, arrays
-    sharded over other processes' devices are gathered from them (every process must call this)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    if all(not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated for x in leaves):
+    """``tree``'s arrays on the host, whole (``gather_to_host`` for arrays sharded over other
+    processes' devices; every process must call this)."""
+    leaves = jax.tree.leaves(tree)
+    if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return jax.device_get(tree)
-    from jax.experimental import multihost_utils
-
-    return jax.tree.unflatten(treedef, [
-        np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)
-        else jax.device_get(x) for x in leaves])
+    return jax.tree.map(lambda x: gather_to_host(x) if isinstance(x, jax.Array) else x, tree)
 
 
 def plan_counts(trajectories: Sequence[Trajectory], plan: batching.MicroBatchPlan,
@@ -129,13 +125,14 @@ class BatchPreparer:
             lengths, indices, dp_groups=self.dp_groups, token_budget=t.micro_batch_tokens,
             min_micro_batches=t.min_micro_batches, buckets=t.length_buckets)
 
-    def place(self, seqs: Sequence[dict[str, np.ndarray]], plan: batching.MicroBatchPlan) -> dict[str, jax.Array]:
-        """The ``[rows, length]`` arrays of ``plan`` over the per-token fields ``seqs``, on the
-        mesh's batch sharding: this process packs only the rows its devices hold, and each goes
-        to its devices once."""
+    def place(self, seqs: Sequence[dict[str, np.ndarray]], plan: batching.MicroBatchPlan,
+              keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
+        """The ``[rows, length]`` arrays of ``plan`` over the per-token fields ``seqs`` (only
+        ``keys`` when given), on the mesh's batch sharding: this process packs only the rows its
+        devices hold, and each goes to its devices once."""
         shape = (len(plan.rows), plan.length)
         packed = {r: build_packed_batch(seqs, plan.rows[r], plan.length) for r in local_rows(self.data_sharding, shape)}
-        keys = list(next(iter(packed.values())))
+        keys = list(next(iter(packed.values()))) if keys is None else list(keys)
 
         def array(key: str) -> jax.Array:
             def shard(index: tuple[slice, ...]) -> np.ndarray:
@@ -204,7 +201,7 @@ class BatchPreparer:
         seqs = [{"input_ids": t.input_ids, **{k: batching.shift_token_values(v[i]) for k, v in per_token.items()}}
                 for i, t in enumerate(trajectories)]
         for m in micro:
-            m.arrays.update({k: v for k, v in self.place(seqs, m.plan).items() if k in per_token})
+            m.arrays.update(self.place(seqs, m.plan, keys=list(per_token)))
         return PreparedBatch(trajectories, version, minibatches, advantages, stats, values, returns)
 
     def advantages(

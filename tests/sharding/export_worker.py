@@ -4,22 +4,18 @@ the global mesh (fsdp 2 x tensor 2 over both processes), and save it as a HF dir
 Usage: python export_worker.py PROCESS_ID PORT MODEL_DIR OUT_DIR
 """
 
-import os
-import sys
+from tests.sharding.two_process import join  # first: it sets XLA's flags
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
+# isort: split
 
-import jax  # noqa: E402
+import jax
 
-from areal_jax.models import load_pretrained, save_pretrained  # noqa: E402
-from sharding import DistributedConfig, MeshConfig, initialize_distributed, make_mesh  # noqa: E402
+from areal_jax.models import load_pretrained, save_pretrained
+from sharding import MeshConfig, make_mesh
 
 
 def main() -> None:
-    pid, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    initialize_distributed(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                                             process_id=pid))
+    _, (model_dir, out) = join()
     model = load_pretrained(model_dir, mesh=make_mesh(MeshConfig(data=1, fsdp=2, tensor=2)))
     assert not all(v.is_fully_addressable for v in jax.tree.leaves(model))  # spread over both processes
     print("saved:", save_pretrained(model, out, max_shard_bytes=8 * 1024))

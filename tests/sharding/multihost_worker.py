@@ -4,33 +4,27 @@ run a sharded forward and gradient, and (process 0) save the gathered results.
 Usage: python multihost_worker.py PROCESS_ID PORT MODEL_DIR OUT_NPZ
 """
 
-import os
-import sys
+from tests.sharding.two_process import join  # first: it sets XLA's flags
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
+# isort: split
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.experimental import multihost_utils  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
-from areal_jax.models import load_pretrained, logprobs_from_logits  # noqa: E402
-from sharding import (  # noqa: E402
-    DistributedConfig,
+from areal_jax.models import load_pretrained, logprobs_from_logits
+from sharding import (
     MeshConfig,
     activate,
-    initialize_distributed,
     logical_to_sharding,
-    make_mesh,  # noqa: E402
+    make_mesh,
 )
 
 
 def main() -> None:
-    pid, port, model_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    initialize_distributed(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                                             process_id=pid))
+    pid, (model_dir, out) = join()
     assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, tensor=2))
     model = load_pretrained(model_dir, mesh=mesh)

@@ -4,23 +4,19 @@ process), run ``multihost_flow.run`` on the global mesh and (process 0) save wha
 Usage: python train_worker.py PROCESS_ID PORT OUT_NPZ ESTIMATOR
 """
 
-import os
-import sys
+from tests.sharding.two_process import join  # first: it sets XLA's flags
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-os.environ["JAX_PLATFORMS"] = "cpu"
+# isort: split
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from sharding import DistributedConfig, initialize_distributed, make_mesh  # noqa: E402
-from tests.trainer.multihost_flow import MESH, run  # noqa: E402
+from sharding import make_mesh
+from tests.trainer.multihost_flow import MESH, run
 
 
 def main() -> None:
-    pid, port, out, estimator = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-    initialize_distributed(DistributedConfig(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                                             process_id=pid))
+    pid, (out, estimator) = join()
     assert jax.process_count() == 2 and len(jax.local_devices()) == 2
     results = run(make_mesh(MESH), estimator)
     if pid == 0:
