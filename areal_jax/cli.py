@@ -122,8 +122,12 @@ def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argpars
     else:
         p.add_argument("--resume", action="store_true",
                        help="continue from the newest complete checkpoint in checkpoint.dir (afresh if none)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="what the run logs besides its progress lines")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=20 rollout.max_staleness=4")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    logging.getLogger().setLevel(args.log_level.upper())
+    return args
 
 
 def _train(argv: list[str]) -> None:
@@ -137,7 +141,7 @@ def _train(argv: list[str]) -> None:
         cfg = load_run_config(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         sys.exit(f"areal-jax train: {e}")
-    print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, final/); "
+    print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/); "
           f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
     from areal_jax.trainer.checkpoint import CheckpointError
 

@@ -12,26 +12,42 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Set ``num_processes`` > 1 to join a multi-process JAX runtime before any device is used."""
+    """How this process joins a multi-process JAX runtime (every host of a TPU pod slice or GPU
+    cluster runs one process); the default is a single process that joins nothing."""
 
     coordinator_address: str | None = None
-    """host:port of process 0; None lets JAX discover it (TPU pods, SLURM)."""
-    num_processes: int = 1
+    """host:port of process 0; None lets JAX discover it (TPU pods, Slurm, Open MPI)."""
+    num_processes: int | None = 1
+    """Processes in the run. 1 (and no ``coordinator_address``): a single process, nothing to
+    join. None: JAX discovers the cluster, as on a TPU pod where every worker runs the same
+    command."""
     process_id: int | None = None
+    """This process's index; None lets JAX discover it."""
     local_device_ids: list[int] | None = None
     """Restrict this process to some local accelerators (a GPU host split between jobs)."""
     cpu_collectives: str = "gloo"
     """Collectives implementation for the CPU backend (multi-process tests): gloo or mpi."""
 
+    def __post_init__(self) -> None:
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"distributed.num_processes must be >= 1 or null (discover), got {self.num_processes}")
+        if self.process_id is not None and self.num_processes is not None \
+                and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"distributed.process_id={self.process_id} is outside 0..{self.num_processes - 1}")
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes != 1 or self.coordinator_address is not None
+
 
 def initialize_distributed(cfg: DistributedConfig) -> bool:
-    """Join the multi-process runtime; returns False (and does nothing) for a single process."""
-    if cfg.num_processes <= 1 and cfg.coordinator_address is None:
+    """Join the multi-process runtime before any device is used; returns False (and does nothing)
+    for a single process. Joining twice in one process (a second run from the same notebook) is
+    a no-op."""
+    if not cfg.multi_process:
         return False
-    if cfg.process_id is not None and not 0 <= cfg.process_id < cfg.num_processes:
-        raise ValueError(
-            f"distributed.process_id={cfg.process_id} is outside 0..{cfg.num_processes - 1}"
-        )
+    if jax.distributed.is_initialized():
+        return True
     jax.config.update("jax_cpu_collectives_implementation", cfg.cpu_collectives)
     jax.distributed.initialize(
         coordinator_address=cfg.coordinator_address,

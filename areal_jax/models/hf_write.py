@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from safetensors.numpy import save_file
 
 from areal_jax.models.decoder import Decoder
@@ -179,14 +180,17 @@ def save_pretrained(
     ``gs://bucket/run/final`` (any fsspec scheme with its package installed, e.g. ``gcsfs``;
     returned as given). ``dtype`` (a name or JAX/NumPy dtype; default the parameters' own) is
     the tensors' dtype on disk. Tokenizer files are copied from ``tokenizer_dir`` (default: the
-    directory the model was loaded from). In a multi-process run every process must call this
-    (the gathers are collective) and ``out_dir`` must be one place they all reach (a shared
-    filesystem or a bucket): the tensors are spread over the processes by size, each tensor
-    gathered to and written whole by one of them, into that process's own shards.
+    directory the model was loaded from). A model sharded over several processes' devices is
+    exported by all of them together: every process must call this (the gathers are collective)
+    and ``out_dir`` must be one place they all reach (a shared filesystem or a bucket); the
+    tensors are spread over the processes by size, each tensor gathered to and written whole by
+    one of them, into that process's own shards. A model on this process's devices alone (built
+    here, say) is written by this process.
     """
     tokenizer_dir = tokenizer_dir or getattr(model, "source_dir", None)
     hf_config = model.config.to_hf_dict(dtype)
-    if jax.process_count() > 1:
+    if any(not x.is_fully_addressable for x in jax.tree.leaves(nnx.state(model))):
+        # Sharded over several processes' devices: a collective export.
         return _save_spread(model, out_dir, dtype, hf_config, tokenizer_dir, max_shard_bytes)
     return write_hf_dir(iter_hf_tensors(model, dtype), out_dir, hf_config, tokenizer_dir=tokenizer_dir,
                         max_shard_bytes=max_shard_bytes)

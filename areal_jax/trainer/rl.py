@@ -21,7 +21,9 @@ arrays, the version, the prompt iterator, the controller's counters and its pend
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -112,6 +114,11 @@ def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return base
 
 
+def _base_dir(cfg: RunConfig, run_dir: Path) -> Path:
+    """Where ``prepare_model_dir`` puts (or finds) the base model, without building it."""
+    return Path(cfg.model.path) if cfg.model.path is not None else run_dir / "base"
+
+
 def _flatten(groups: list[Any]) -> list[Trajectory]:
     out = []
     for gid, g in enumerate(groups):
@@ -160,28 +167,67 @@ def _resume_model_dir(cfg: RunConfig, run_dir: Path, base: Path) -> Path:
     return base
 
 
-async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, iter_hf_tensors: Any) -> None:
+async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, iter_hf_tensors: Any,
+                        hub: Any = None) -> None:
     if cfg.rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
         shared = cfg.rollout.local.placement == "shared"
         await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
-    else:
-        await sink.push(version, iter_hf_tensors(trainer.model()))
+        return
+    if hub is not None:
+        await asyncio.to_thread(hub.announce, "push", version=version)
+    tensors = iter_hf_tensors(trainer.model())
+    try:
+        await sink.push(version, tensors)
+    finally:
+        if hub is not None and hub.processes > 1:
+            # The other processes gather every tensor with this one (collectives): a push that
+            # stopped early (every server refused it) still has to finish the gathers.
+            await asyncio.to_thread(collections.deque, tensors, 0)
+
+
+def _follow(hub: Any, trainer: Any, ckpts: Any) -> None:
+    """A follower's part of a multi-process run (process 1 and up): the collective work process
+    0 announces, step by step, until it stops the run."""
+    import jax
+
+    from areal_jax.models import iter_hf_tensors
+
+    me = jax.process_index()
+    while True:
+        message = hub.receive()
+        op = message["op"]
+        if op == "train":
+            trainer.train_batch(message["trajectories"], message["version"])
+            log.info("process %d: step %d trained %d trajectories of prompts %s", me, message["step"],
+                     len(message["trajectories"]), message["prompt_ids"])
+        elif op == "push":  # take part in the gathers; process 0 sends the tensors
+            collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False), 0)
+        elif op == "save":
+            ckpts.save(message["step"], trainer.checkpoint_state(), message["meta"])
+        elif op == "stop":
+            return
+        elif op == "abort":
+            raise RuntimeError(f"process 0 ended the run: {message['error']}")
+        else:
+            raise RuntimeError(f"process {me}: unknown message {op!r} from process 0")
 
 
 async def _train(cfg: RunConfig, resume: bool = False,
                  on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     from areal_jax.config import ConfigError
     from areal_jax.data import load_prompts
-    from areal_jax.models import iter_hf_tensors, load_pretrained, load_tokenizer, save_pretrained
-    from areal_jax.rewards import RewardPool
+    from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.trainer import Trainer
-    from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
-    from sharding import make_mesh
+    from areal_jax.trainer.multihost import StepHub
+    from sharding import initialize_distributed, make_mesh
 
     t_start = time.perf_counter()
+    initialize_distributed(cfg.distributed)  # before this process uses any device
+    hub = StepHub()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if hub.leader:
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
@@ -202,9 +248,14 @@ async def _train(cfg: RunConfig, resume: bool = False,
     ckpts, meta = _open_checkpoints(cfg, resume)
     start = meta["step"] if meta is not None else 0
 
-    base = prepare_model_dir(cfg, run_dir)
+    # A tiny model is built once, by process 0, where every process reads it (the run directory).
+    base = prepare_model_dir(cfg, run_dir) if hub.leader else _base_dir(cfg, run_dir)
+    hub.barrier("base model ready")
     tokenizer = load_tokenizer(base)
-    data = load_prompts(cfg.data, tokenizer)
+    # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
+    # them hold the same rows, which a warm start (trained by every process) needs.
+    data = load_prompts(cfg.data if hub.processes == 1 else
+                        dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
     serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
     model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
@@ -229,41 +280,17 @@ async def _train(cfg: RunConfig, resume: bool = False,
             t_start -= meta["time"]  # the metrics' wall time goes on from the checkpoint's
             logger.write(f"resuming from checkpoint step {start} in {ckpts.directory} (policy version "
                          f"{meta['version']}, {len(meta['controller']['pending'])} prompts in flight submitted again)")
-        async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
-            where = (f"an engine in this process ({rollout.local.placement} placement)" if local
-                     else f"{len(client.servers)} server(s) ({rollout.backend})")
-            logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
-            if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
-                await client.update_weights_from_disk(str(serve_dir), version=0)
-            sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
-                    DiskSink(rollout.weights_dir or run_dir / "weights", model.config.to_hf_dict(), client=client,
-                             tokenizer_dir=base))
-            version = 0
-            if meta is not None:  # rollout serves the restored policy from the start
-                version = meta["version"]
-                await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
-            with RewardPool(cfg.reward) as pool:
-                episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
-                                               rollout.group_size, dict(rollout.workflow_options))
-                if meta is None:
-                    result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
-                                                        max_new_tokens=rollout.max_new_tokens)
-                if result.eval_before:
-                    result.eval_before["time"] = time.perf_counter() - t_start
-                    logger.write(f"held-out accuracy before RL: {result.eval_before['eval_accuracy']:.1%} "
-                                 f"({result.eval_before['eval_prompts']} prompts)")
-                controller = RolloutController(
-                    episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
-                    max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
-                    filter_uniform_reward=rollout.filter_uniform_reward, version=version)
-                if meta is not None:
-                    controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
-                controller.start()
-                try:
-                    await _loop(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                                t_start, iter_hf_tensors, result, start=start, ckpts=ckpts, on_step=on_step)
-                finally:
-                    await controller.stop()
+        if hub.leader:
+            try:
+                await _lead(cfg, hub, trainer, serve_dir, base, mesh, tokenizer, data, workflow, logger, result,
+                            meta, start, ckpts, t_start, on_step)
+            except BaseException as e:  # the followers wait for the next step: tell them why there is none
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(hub.announce, "abort", error=f"{type(e).__name__}: {e}"[:2000])
+                raise
+            await asyncio.to_thread(hub.announce, "stop")
+        else:
+            await asyncio.to_thread(_follow, hub, trainer, ckpts)
         if ckpts is not None:  # the last save completes (or its failure is raised) before the run ends
             ckpts, closing = None, ckpts
             closing.close()
@@ -279,13 +306,64 @@ async def _train(cfg: RunConfig, resume: bool = False,
     result.outputs = {"run_dir": str(run_dir), "metrics": str(logger.path),
                       "tensorboard": str(run_dir / "tensorboard"), "plot": str(result.plot),
                       "final_model": str(result.final_model), "server_logs": str(run_dir / "logs")}
+    if cfg.checkpoint.enabled:
+        from areal_jax.trainer.checkpoint import checkpoint_dir
+
+        result.outputs["checkpoints"] = str(checkpoint_dir(cfg.checkpoint, cfg.run_dir))
     return result
+
+
+async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: Path, mesh: Any, tokenizer: Any,
+                data: Any, workflow: Any, logger: MetricsLogger, result: RunResult, meta: dict[str, Any] | None,
+                start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None) -> None:
+    """Process 0's part of the run: rollout, rewards, evaluation and the controller, and the
+    steps (each announced to the other processes of a multi-process run)."""
+    from areal_jax.models import iter_hf_tensors
+    from areal_jax.rewards import RewardPool
+    from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
+
+    rollout, run_dir, local = cfg.rollout, Path(cfg.run_dir), cfg.rollout.backend == "local"
+    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
+        where = (f"an engine in this process ({rollout.local.placement} placement)" if local
+                 else f"{len(client.servers)} server(s) ({rollout.backend})")
+        logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
+        if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
+            await client.update_weights_from_disk(str(serve_dir), version=0)
+        sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
+                DiskSink(rollout.weights_dir or run_dir / "weights", trainer.model().config.to_hf_dict(),
+                         client=client, tokenizer_dir=base))
+        version = 0
+        if meta is not None:  # rollout serves the restored policy from the start
+            version = meta["version"]
+            await _push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
+        with RewardPool(cfg.reward) as pool:
+            episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
+                                           rollout.group_size, dict(rollout.workflow_options))
+            if meta is None:
+                result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
+                                                    max_new_tokens=rollout.max_new_tokens)
+            if result.eval_before:
+                result.eval_before["time"] = time.perf_counter() - t_start
+                logger.write(f"held-out accuracy before RL: {result.eval_before['eval_accuracy']:.1%} "
+                             f"({result.eval_before['eval_prompts']} prompts)")
+            controller = RolloutController(
+                episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
+                max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
+                filter_uniform_reward=rollout.filter_uniform_reward, version=version)
+            if meta is not None:
+                controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
+            controller.start()
+            try:
+                await _loop(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
+                            t_start, iter_hf_tensors, result, start=start, ckpts=ckpts, on_step=on_step, hub=hub)
+            finally:
+                await controller.stop()
 
 
 async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, client: Any, sink: Any,
                 episode_client: EpisodeClient, data: Any, logger: MetricsLogger, fleet: Any, t_start: float,
                 iter_hf_tensors: Any, result: RunResult, *, start: int = 0, ckpts: Any = None,
-                on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+                on_step: Callable[[dict[str, Any]], None] | None = None, hub: Any = None) -> None:
     rollout = cfg.rollout
     version = controller.version
     gen_tokens = controller.counters.generated_tokens
@@ -300,6 +378,9 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         trajectories = _flatten(groups)
         staleness = [t.staleness(version) for t in trajectories]
         t1 = time.perf_counter()
+        if hub is not None:
+            await asyncio.to_thread(hub.announce, "train", step=step, version=version, trajectories=trajectories,
+                                    prompt_ids=[g.row_id for g in groups])
         stats = await asyncio.to_thread(trainer.train_batch, trajectories, version)
         train_s = time.perf_counter() - t1
         t2 = time.perf_counter()
@@ -311,7 +392,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
                          f"skipped; weights unchanged, version stays {version}, nothing pushed")
         else:
             version += 1
-            await _push(cfg, client, sink, trainer, version, iter_hf_tensors, controller)
+            await _push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, hub)
         sync_s = time.perf_counter() - t2
         controller.set_version(version)
         served = await _served_versions(client)
@@ -353,6 +434,8 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
                     "critic_step": trainer.critic_step, "time": now - t_start,
                     "controller": controller.state_dict(), "rng": rng_state()}
             meta = json.loads(json.dumps(meta))  # a copy that later steps cannot change under a background save
+            if hub is not None:
+                await asyncio.to_thread(hub.announce, "save", step=step, meta=meta)
             save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)
         if on_step is not None:
             on_step(metrics)
@@ -361,7 +444,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
 
 
 async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any,
-                controller: RolloutController) -> None:
+                controller: RolloutController, hub: Any = None) -> None:
     """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
     a continue, so answers in flight resume under them (with ``rollout.interruptible: false``,
     after the episodes in flight have finished instead)."""
@@ -373,7 +456,7 @@ async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: i
             await controller.drain()
         await client.pause(rollout.pause_mode)
     try:
-        await _push_weights(cfg, trainer, sink, version, iter_hf_tensors)
+        await _push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
     except WeightUpdateError as e:
         # Servers that failed keep their old weights and stay out of rotation until a later push
         # reaches them; the run goes on while at least one server holds this version.

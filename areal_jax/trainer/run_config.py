@@ -16,7 +16,7 @@ from areal_jax.trainer.checkpoint import CheckpointConfig
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.metrics import LogConfig
 from areal_jax.trainer.sft import SFTConfig
-from sharding import MeshConfig
+from sharding import DistributedConfig, MeshConfig
 
 
 @dataclass
@@ -82,6 +82,11 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    """The trainer's device mesh; in a multi-process run it spans every process's devices."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-host training: how this process joins the others (each host runs the same command).
+    Process 0 owns rollout, the controller, evaluation and the metrics, and hands each step's
+    batch to the others; the run directory must be on storage every process reaches."""
     warm_start: SFTConfig | None = None
     """A supervised warm start on the task's own examples before RL (None: none)."""
     eval: EvalConfig = field(default_factory=EvalConfig)

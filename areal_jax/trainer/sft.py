@@ -112,12 +112,27 @@ def warm_start(model: Any, cfg: SFTConfig, tokenizer: Any, rows: Sequence[Prompt
     rng = np.random.default_rng(cfg.seed)
     losses = []
     t0 = time.perf_counter()
+    place = _batch_placer(params)
     for _ in range(cfg.steps):
         pick = rng.choice(len(examples), size=min(cfg.batch_size, len(examples)), replace=False)
-        batch = pad_batch([examples[i] for i in pick], cfg.max_len)
+        batch = place(pad_batch([examples[i] for i in pick], cfg.max_len))
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(loss)
     nnx.update(model, params)
     losses = [float(x) for x in jax.device_get(losses)]
     return {"steps": cfg.steps, "examples": len(examples), "loss_first": losses[0] if losses else float("nan"),
             "loss_last": float(np.mean(losses[-5:])) if losses else float("nan"), "seconds": time.perf_counter() - t0}
+
+
+def _batch_placer(params: Any) -> Any:
+    """How a host batch reaches the step. One process: as it is (jit places it). Several processes
+    (a mesh over every host's devices): as a global array replicated on the params' mesh, each
+    process filling its own devices from its copy (every process draws the same batch)."""
+    leaf = jax.tree.leaves(params)[0]
+    if leaf.is_fully_addressable:
+        return lambda batch: batch
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(leaf.sharding.mesh, PartitionSpec())
+    return lambda batch: {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index])
+                          for k, v in batch.items()}

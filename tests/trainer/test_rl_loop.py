@@ -41,6 +41,8 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
     assert result.plot.read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert result.eval_before is not None and 0.0 <= result.eval_after["eval_accuracy"] <= 1.0
+    # the summary names where every output went, the last step's checkpoint included
+    assert Path(result.outputs["checkpoints"], "6").is_dir() and Path(result.outputs["final_model"]).is_dir()
 
 
 @pytest.mark.slow
