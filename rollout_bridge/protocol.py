@@ -354,11 +354,25 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def encode_tensor_bucket(tensors: dict[str, np.ndarray]) -> bytes:
-    """One bucket as safetensors bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``)."""
-    from safetensors.numpy import save
+_ST_TAGS = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
-    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> bytes:
+    """One bucket as safetensors bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``): the header,
+    then every tensor's bytes, copied once into the result (the library's ``save`` copies twice)."""
+    items = [(k, np.ascontiguousarray(v)) for k, v in (tensors.items() if isinstance(tensors, dict) else tensors)]
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, arr in items:
+        tag = _ST_TAGS.get(arr.dtype.newbyteorder("="))
+        if tag is None:
+            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} has no safetensors tag")
+        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as the format asks
+    return b"".join([len(head).to_bytes(8, "little"), head,
+                     *(memoryview(arr.reshape(-1).view(np.uint8)) for _, arr in items)])
 
 
 def decode_tensor_bucket(body: bytes) -> dict[str, np.ndarray]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
+from areal_jax.models.hf_io import CheckpointError
 from rollout_bridge import protocol as P
 from rollout_bridge.server import STATE, ServerState, json_response
 
@@ -34,14 +35,30 @@ log = logging.getLogger("rollout_bridge.server")
 
 @dataclass
 class _Staged:
-    """Buckets of one /update_weights_from_tensor transfer, held until its last bucket."""
+    """One /update_weights_from_tensor transfer in progress: its buckets are checked as they come
+    and converted onto the devices in the background, one after another, while the next bucket
+    travels; the last bucket waits for them and swaps the new weights in."""
 
     transfer_id: str
     label: str
+    stage: Any
+    """The engine's ``WeightStage`` for this transfer."""
     next_bucket: int = 0
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    work: asyncio.Future | None = None
+    """The conversion of the buckets staged so far (each chained after the one before)."""
     timer: Any = None
     """The pending ``loop.call_later`` that drops this transfer if no bucket follows in time."""
+
+    def convert(self, tensors: dict[str, np.ndarray]) -> None:
+        """Convert ``tensors`` (checked) after the buckets before them, in a worker thread."""
+        before, stage = self.work, self.stage
+
+        async def run() -> None:
+            if before is not None:
+                await before
+            await asyncio.to_thread(stage.add, tensors, checked=True)
+
+        self.work = asyncio.ensure_future(run())
 
 
 def _drop(st: ServerState, staged: _Staged | None, why: str) -> None:
@@ -53,8 +70,9 @@ def _drop(st: ServerState, staged: _Staged | None, why: str) -> None:
         st.staged = None
     if why:
         log.warning("dropping unfinished weight transfer %s (%d tensors): %s", staged.transfer_id,
-                    len(staged.tensors), why)
-    staged.tensors = {}
+                    len(staged.stage.received), why)
+    if staged.work is not None and why:  # its conversion's outcome no longer matters
+        staged.work.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _arm_timeout(st: ServerState, staged: _Staged) -> None:
@@ -88,12 +106,12 @@ def resolve_model_dir(st: ServerState, path: Any) -> str | None:
     return real if os.path.isdir(real) else None
 
 
-async def _apply(st: ServerState, label: str | None, *, tensors: dict[str, np.ndarray] | None = None,
-                 model_dir: str | None = None, flush: bool = True) -> web.Response:
+async def _apply(st: ServerState, label: str | None, *, stage: Any = None, model_dir: str | None = None,
+                 flush: bool = True) -> web.Response:
     """New weights under ``label`` (None keeps the current label, as SGLang does)."""
     label = st.weight_version if label is None else label
     try:
-        await st.engine.update_weights(tensors, model_dir=model_dir, version=st.engine.version + 1)
+        await st.engine.update_weights(model_dir=model_dir, stage=stage, version=st.engine.version + 1)
     except Exception as e:  # the engine keeps the old weights serving
         log.warning("weight update to %r failed: %s", label, e)
         return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
@@ -158,7 +176,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         staged = st.staged
         if q.bucket == 0:
             _drop(st, staged, f"transfer {q.transfer_id} started")
-            staged = st.staged = _Staged(q.transfer_id, label)
+            staged = st.staged = _Staged(q.transfer_id, label, st.engine.stage_weights())
         elif staged is None or staged.transfer_id != q.transfer_id:
             raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress (an unfinished "
                                   "transfer is dropped when it goes quiet); start at bucket 0")
@@ -167,20 +185,27 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             _drop(st, staged, "bucket out of order")
             raise P.ProtocolError("bucket", f"expected bucket {staged.next_bucket} of version {staged.label!r}, "
                                   f"got bucket {q.bucket} of version {label!r}; transfer dropped")
-        dup = sorted(set(tensors) & set(staged.tensors))
-        if dup:
-            _drop(st, staged, "tensor sent twice")
-            raise P.ProtocolError("body", f"tensors {dup[:3]} sent twice in one transfer; transfer dropped")
-        staged.tensors.update(tensors)
+        try:
+            staged.stage.check(tensors)
+        except CheckpointError as e:
+            _drop(st, staged, str(e))
+            return json_response(P.UpdateWeightsResult(success=False, message=f"{e}; transfer dropped",
+                                                       weight_version=st.weight_version), 400)
+        staged.convert(tensors)
         staged.next_bucket += 1
         if not q.last:
             return json_response(P.UpdateWeightsResult(success=True, message=f"staged bucket {q.bucket}",
                                                weight_version=st.weight_version))
-        tensors_all = staged.tensors
-        _drop(st, staged, "")  # finished: the timer goes, the tensors are applied below
+        _drop(st, staged, "")  # finished: the timer goes, the staged weights are applied below
+        try:
+            await staged.work
+        except Exception as e:  # the engine keeps the old weights serving
+            log.warning("weight update to %r failed: %s", label, e)
+            return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
+                                                       weight_version=st.weight_version), 400)
         if q.abort_all_requests:
             await st.engine.abort(abort_all=True)
-        return await _apply(st, label, tensors=tensors_all, flush=q.flush_cache)
+        return await _apply(st, label, stage=staged.stage, flush=q.flush_cache)
 
 
 # --- app -----------------------------------------------------------------------------------------

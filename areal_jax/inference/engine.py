@@ -36,8 +36,8 @@ from jax.sharding import Mesh
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
+from areal_jax.inference.weights import WeightStage, stage_checkpoint
 from areal_jax.models.decoder import Decoder, KVCache
-from areal_jax.models.hf_io import assign_hf_tensors, load_pretrained
 from sharding import activate, logical_to_sharding
 
 __all__ = ["PAUSE_MODES", "Engine", "EngineConfig"]
@@ -281,23 +281,29 @@ class Engine:
         self._paused = None
         self._wake_all()
 
-    async def update_weights(self, tensors: dict[str, np.ndarray] | None = None, *,
-                             model_dir: str | None = None, version: int) -> None:
-        """Swap in new weights: HF-named ``tensors`` (any subset) or a whole HF ``model_dir``.
+    async def update_weights(self, tensors: dict[str, np.ndarray] | None = None, *, model_dir: str | None = None,
+                             stage: WeightStage | None = None, version: int) -> None:
+        """Swap in new weights: HF-named ``tensors`` (any subset), a whole HF ``model_dir``, or a
+        ``stage`` (``stage_weights``) filled part by part.
 
         Nothing changes unless every tensor is valid; on error the old weights keep serving and
         the error is raised. The new weights are read and converted while generation goes on; the
         lanes stop only for the swap. Retracted requests recompute their KV under the new weights;
         ``in_place`` ones keep their (stale) KV.
         """
-        if (tensors is None) == (model_dir is None):
-            raise ValueError("update_weights needs exactly one of tensors or model_dir")
+        if sum(x is not None for x in (tensors, model_dir, stage)) != 1:
+            raise ValueError("update_weights needs exactly one of tensors, model_dir or stage")
         async with self._update_lock:
-            new_state = await asyncio.to_thread(self._in_mesh, self._prepare_state, tensors, model_dir)
+            new_state = await asyncio.to_thread(self._in_mesh, self._prepare_state, tensors, model_dir, stage)
             async with self._all_lanes():
                 nnx.update(self.model, new_state)
                 self._state = new_state
                 self._version = version
+
+    def stage_weights(self) -> WeightStage:
+        """An empty ``WeightStage`` for the next weights of the served model, to fill part by part
+        (the buckets of an HTTP push) while this version serves; then ``update_weights(stage=)``."""
+        return WeightStage(self.model)
 
     @property
     def state(self) -> Any:
@@ -321,20 +327,16 @@ class Engine:
             self._state = state
             self._version = version
 
-    def _prepare_state(self, tensors: dict[str, np.ndarray] | None, model_dir: str | None) -> Any:
+    def _prepare_state(self, tensors: dict[str, np.ndarray] | None, model_dir: str | None,
+                       stage: WeightStage | None = None) -> Any:
         """The served model's state with the new weights, committed like the current one; the
         served model itself is not touched."""
-        if tensors is not None:
-            staged = nnx.clone(self.model)  # shares the untouched arrays: no copy of the model
-            assign_hf_tensors(staged, tensors)
-            return self._committed(nnx.state(staged), like=self._state)
-        cfg = self.model.config
-        new = load_pretrained(model_dir, mesh=self.mesh, param_dtype=cfg.param_dtype, dtype=cfg.dtype)
-        old_state, new_state = nnx.state(self.model), nnx.state(new)
-        describe = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
-        if jax.tree.structure(old_state) != jax.tree.structure(new_state) or describe(old_state) != describe(new_state):
-            raise ValueError(f"{model_dir}: parameters differ in names or shapes from the served model")
-        return self._committed(new_state, like=self._state)
+        if model_dir is not None:
+            stage = stage_checkpoint(self.model, model_dir)
+        elif tensors is not None:
+            stage = WeightStage(self.model)
+            stage.add(tensors)
+        return self._committed(stage.finish(), like=self._state)
 
     async def flush_cache(self) -> bool:
         """Zero the KV cache in place (its buffers are donated, so no second cache is allocated);

@@ -31,6 +31,7 @@ from safetensors import safe_open
 
 from areal_jax.models.config import ModelConfig, dtype_name
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_device import from_hf, read_safetensors, to_hf
 from sharding import DEFAULT_RULES, activate, gather_to_host
 from sharding.rules import Rules
 
@@ -270,12 +271,11 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None,
         value = var.get_value()
         for param in group:
             fetch = owned is None or owned(param.hf_name)
-            # A stacked parameter is sliced on device first, so the host holds one layer's tensor.
-            arr = gather_to_host(value if param.layer is None else value[param.layer], fetch)
-            if arr is None:
-                continue
-            arr = arr.T if param.transpose else arr
-            yield param.hf_name, np.ascontiguousarray(arr.astype(np_dtype, copy=False))
+            # Sliced (one layer of a stacked parameter), transposed and cast on the device, so the
+            # host receives one finished tensor at a time.
+            arr = gather_to_host(to_hf(value, param.layer, param.transpose, np_dtype), fetch)
+            if arr is not None:
+                yield param.hf_name, arr
 
 
 def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
@@ -303,17 +303,24 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[st
         per_param.setdefault(param.path, (var, []))[1].append((param, np.asarray(arr)))
     new_flat = []
     for path, (var, items) in per_param.items():
-        old = var.get_value()
-        if items[0][0].layer is None or len(items) < old.shape[0]:
-            host = np.array(gather_to_host(old))  # unstacked, or only some layers of a stacked one
-        else:
-            host = np.empty(old.shape, old.dtype)
-        for param, arr in items:
-            block = arr.T if param.transpose else arr
-            if param.layer is None:
-                host = block
-            else:
-                host[param.layer] = block
-        new_flat.append((path, jax.device_put(np.asarray(host).astype(np.dtype(old.dtype)), old.sharding)))
+        items.sort(key=lambda item: item[0].layer or 0)
+        layers = None if items[0][0].layer is None else [p.layer for p, _ in items]
+        value = from_hf(var.get_value(), [arr for _, arr in items], layers, items[0][0].transpose)
+        new_flat.append((path, value))
     nnx.update(model, nnx.from_flat_state(new_flat))
     return list(tensors)
+
+
+def read_hf_dir(model_dir: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Every tensor of a HF model directory's safetensors files, as views of the files mapped into
+    memory (nothing is read until the values are used). Derived buffers (``rotary_emb.inv_freq``)
+    are left out."""
+    model_dir = Path(model_dir)
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(set(_weight_files(model_dir).values())):
+        try:
+            tensors = read_safetensors(f)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        out.update({k: v for k, v in tensors.items() if not _IGNORED_HF.fullmatch(k)})
+    return out

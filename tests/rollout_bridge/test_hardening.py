@@ -170,7 +170,7 @@ def test_an_unfinished_weight_transfer_is_dropped_after_the_timeout(tiny_dir: Pa
                     return r.status
 
             assert await bucket(0, {name: np.asarray(arr)}) == 200
-            assert st.staged is not None and name in st.staged.tensors
+            assert st.staged is not None and name in st.staged.stage.received
             await asyncio.sleep(0.15)
             assert st.staged is not None  # a bucket in time keeps it
             await asyncio.sleep(0.6)

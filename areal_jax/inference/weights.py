@@ -1,0 +1,99 @@
+"""New weights for a served model, staged while the old ones keep serving.
+
+A weight push arrives in parts (the buckets of an HTTP push) or all at once (a checkpoint
+directory). ``WeightStage`` checks each part as it comes (names, shapes, nothing sent twice),
+then converts every parameter whose HF tensors have all arrived onto the devices (a copy of the
+served model that shares its untouched arrays), so the conversion of one bucket runs while the
+next is still on the wire. ``finish`` converts what is left and returns the state the engine
+swaps in. Nothing touches the served model: a stage that fails or is dropped just goes away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.hf_io import CheckpointError, _hf_params, assign_hf_tensors, read_hf_dir
+
+
+class WeightStage:
+    """The next weights of ``model``, HF-named tensors in any number of parts (see the module
+    docstring). Not thread-safe: one part at a time."""
+
+    def __init__(self, model: Decoder):
+        self.staged = nnx.clone(model)  # shares the untouched arrays: no copy of the model
+        self._param_of: dict[str, tuple[Any, tuple[int, ...]]] = {}
+        self._names_of: dict[Any, set[str]] = {}
+        for group, var in _hf_params(model):
+            shape = var.get_value().shape
+            for p in group:
+                self._param_of[p.hf_name] = (p.path, p.hf_shape(shape))
+                self._names_of.setdefault(p.path, set()).add(p.hf_name)
+        self._waiting: dict[Any, dict[str, np.ndarray]] = {}
+        self.received: set[str] = set()
+
+    def check(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Raise ``CheckpointError`` for a tensor this model does not have, one of the wrong shape,
+        or one already received; nothing is staged then."""
+        unknown = sorted(set(tensors) - set(self._param_of))
+        if unknown:
+            raise CheckpointError(f"tensors {unknown[:5]} are not parameters of this "
+                                  f"{self.staged.config.model_type} model")
+        again = sorted(set(tensors) & self.received)
+        if again:
+            raise CheckpointError(f"tensors {again[:3]} sent twice in one update")
+        for name, arr in tensors.items():
+            want = self._param_of[name][1]
+            if tuple(arr.shape) != want:
+                raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
+
+    def add(self, tensors: Mapping[str, np.ndarray], *, checked: bool = False) -> None:
+        """Stage ``tensors`` (checked first unless ``checked``); every parameter now complete is
+        converted onto the devices."""
+        if not checked:
+            self.check(tensors)
+        self.received.update(tensors)
+        complete: dict[str, np.ndarray] = {}
+        for name, arr in tensors.items():
+            path = self._param_of[name][0]
+            waiting = self._waiting.setdefault(path, {})
+            waiting[name] = arr
+            if len(waiting) == len(self._names_of[path]):
+                complete.update(self._waiting.pop(path))
+        if complete:
+            assign_hf_tensors(self.staged, complete)
+
+    def missing(self) -> list[str]:
+        """HF names not received yet."""
+        return sorted(set(self._param_of) - self.received)
+
+    def finish(self, *, complete: bool = False) -> nnx.State:
+        """The staged model's state: parameters only partly received keep the served values of the
+        layers not sent. With ``complete``, every tensor must have arrived."""
+        if complete and self.missing():
+            missing = self.missing()
+            raise CheckpointError(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+        rest = {name: arr for waiting in self._waiting.values() for name, arr in waiting.items()}
+        self._waiting.clear()
+        if rest:
+            assign_hf_tensors(self.staged, rest)
+        return nnx.state(self.staged)
+
+
+def stage_checkpoint(model: Decoder, model_dir: str) -> WeightStage:
+    """A whole HF model directory staged for ``model`` (its files are mapped, and each tensor's
+    bytes are read once, on their way to the devices)."""
+    stage = WeightStage(model)
+    try:
+        stage.add(read_hf_dir(model_dir))
+    except CheckpointError as e:
+        raise CheckpointError(f"{model_dir}: parameters differ in names or shapes from the served model: {e}") from None
+    if stage.missing():
+        missing = stage.missing()
+        raise CheckpointError(f"{model_dir}: parameters differ in names or shapes from the served model: "
+                              f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+    return stage

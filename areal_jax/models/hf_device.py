@@ -1,0 +1,116 @@
+"""The weight path's conversions between HF tensors and our parameters, done on the device, and
+zero-copy reads of safetensors files.
+
+Our kernels are ``[in, out]`` and decoder layers are stacked on a leading ``layers`` axis; HF
+tensors are ``[out, in]``, one per layer. Every weight push converts a whole model between the
+two layouts, on the trainer's side (``to_hf``) and on the server's (``from_hf``), so these run as
+compiled XLA programs (a transpose there runs several times faster than NumPy's strided copy on
+the host, and a cast fuses into it) and the host only copies contiguous bytes. Each compiled
+program is cached by its layout change, dtype and sharding: a model has a handful of shapes.
+
+``read_safetensors`` maps a file and returns its tensors as views of the mapping: the bytes are
+read once, by the copy to the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+ST_DTYPES: dict[str, Any] = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
+                             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                             "BOOL": np.bool_}
+"""safetensors dtype tags -> NumPy dtypes (the ones a checkpoint of this model family holds)."""
+
+
+def _swap_last_two(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, -1, -2)
+
+
+@functools.cache
+def _to_hf_fn(stacked: bool, transpose: bool, dtype: Any) -> Any:
+    def convert(value: jax.Array, layer: jax.Array) -> jax.Array:
+        x = value[layer] if stacked else value
+        return (_swap_last_two(x) if transpose else x).astype(dtype)
+
+    return jax.jit(convert)
+
+
+def to_hf(value: jax.Array, layer: int | None, transpose: bool, dtype: Any) -> jax.Array:
+    """One HF tensor of a parameter, on the device: layer ``layer`` of a stacked parameter (the
+    whole parameter for None), transposed to ``[out, in]`` if ``transpose``, cast to ``dtype``."""
+    return _to_hf_fn(layer is not None, transpose, np.dtype(dtype))(value, np.int32(layer or 0))
+
+
+def hf_sharding(sharding: Sharding, ndim: int, transpose: bool) -> Sharding | None:
+    """Where to put a parameter's HF-layout bytes so that turning them into the parameter moves
+    nothing between devices: the parameter's own named sharding with its last two axes swapped
+    (None: anything else, which jit then places)."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    if transpose:
+        spec[-2:] = spec[-1], spec[-2]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+@functools.cache
+def _from_hf_fn(transpose: bool, dtype: Any, sharding: Sharding, partial: bool) -> Any:
+    def whole(x: jax.Array) -> jax.Array:
+        return (_swap_last_two(x) if transpose else x).astype(dtype)
+
+    def some_layers(old: jax.Array, x: jax.Array, layers: jax.Array) -> jax.Array:
+        return old.at[layers].set(whole(x))
+
+    return jax.jit(some_layers if partial else whole, out_shardings=sharding)
+
+
+def from_hf(old: jax.Array, blocks: Sequence[np.ndarray], layers: Sequence[int] | None, transpose: bool) -> jax.Array:
+    """A new value of the parameter ``old`` from its HF tensors, with ``old``'s dtype and sharding.
+
+    ``layers``: None for an unstacked parameter (``blocks`` is its one tensor); else the layer
+    index of each block, and the layers not given keep ``old``'s values. The host stacks the
+    blocks (a plain copy), one transfer puts them on the devices in the HF layout, and a compiled
+    program transposes and casts them there."""
+    host = blocks[0] if layers is None else np.stack(blocks)
+    where = hf_sharding(old.sharding, host.ndim, transpose)
+    device = jax.device_put(host, where) if where is not None else jax.device_put(host)
+    if layers is None or list(layers) == list(range(old.shape[0])):
+        return _from_hf_fn(transpose, old.dtype, old.sharding, False)(device)
+    return _from_hf_fn(transpose, old.dtype, old.sharding, True)(old, device, np.asarray(layers, np.int32))
+
+
+def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as read-only views of the file mapped into memory.
+
+    Raises ``ValueError`` for a file that is not a safetensors file (short, a bad header, a dtype
+    not listed in ``ST_DTYPES``, offsets outside the file)."""
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    if mapped.size < 8:
+        raise ValueError(f"{path}: {mapped.size} bytes is too short for a safetensors file")
+    n = int(np.frombuffer(mapped[:8], "<u8")[0])
+    if n > mapped.size - 8:
+        raise ValueError(f"{path}: header of {n} bytes in a {mapped.size}-byte file")
+    header = json.loads(bytes(mapped[8:8 + n]))
+    data, out = mapped[8 + n:], {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which is not read here")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if not 0 <= start <= end <= data.size or end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise ValueError(f"{path}: tensor {name!r} has offsets {[start, end]} that do not hold shape {list(shape)}")
+        out[name] = data[start:end].view(np.dtype(dtype).newbyteorder("<")).reshape(shape)
+    return out
