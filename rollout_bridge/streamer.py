@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import save as st_save
 
 from areal_jax.models.hf_write import is_url, write_hf_dir
 from rollout_bridge.pool import WeightUpdateError
+from rollout_bridge.protocol import encode_tensor_bucket
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -84,11 +84,15 @@ class DiskSink(WeightSink):
 
     def __init__(self, root: str | os.PathLike, hf_config: dict[str, Any], *, client: Any = None,
                  tokenizer_dir: str | os.PathLike | None = None, keep_last: int = 2,
-                 max_shard_bytes: int = 2 * 1024**3, abort_all_requests: bool = False):
+                 max_shard_bytes: int = 2 * 1024**3, abort_all_requests: bool = False,
+                 server_root: str | None = None):
         """``root`` is a local directory or a URL (``gs://...``; see ``hf_write.is_url``).
         ``hf_config`` is the config.json content (``ModelConfig.to_hf_dict(dtype)``); ``client`` a
-        ``RolloutClient`` (None: only write). ``keep_last`` versions stay on disk, older ones go."""
+        ``RolloutClient`` (None: only write). ``keep_last`` versions stay on disk, older ones go.
+        ``server_root``: the same directory as the servers name it (a mount of the bucket the
+        trainer writes to, say); None: ``root``."""
         self.root: Path | str = os.fspath(root).rstrip("/") if is_url(root) else Path(root)
+        self.server_root = None if server_root is None else server_root.rstrip("/")
         self.hf_config = hf_config
         self.client = client
         self.tokenizer_dir: Path | str | None = None
@@ -136,8 +140,9 @@ class DiskSink(WeightSink):
         path, nbytes, n = await asyncio.to_thread(self.write, version, tensors)
         servers = 0
         if self.client is not None:
+            seen = str(path) if self.server_root is None else f"{self.server_root}/{Path(str(path)).name}"
             replies = await self.client.update_weights_from_disk(
-                str(path), version=version, abort_all_requests=self.abort_all_requests)
+                seen, version=version, abort_all_requests=self.abort_all_requests)
             servers = len(replies)
         await asyncio.to_thread(self.prune)
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
@@ -165,7 +170,7 @@ class HttpBucketSink(WeightSink):
         # One bucket of look-ahead tells whether the current one is the last.
         cur = await asyncio.to_thread(next, groups, None)
         while cur is not None:
-            payload = await asyncio.to_thread(st_save, dict(cur))
+            payload = await asyncio.to_thread(encode_tensor_bucket, cur)
             nxt = await asyncio.to_thread(next, groups, None)
             try:
                 replies = await self.client.push_tensor_bucket(

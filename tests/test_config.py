@@ -52,3 +52,19 @@ def test_wrong_types_and_bad_syntax(tmp_path: Path) -> None:
         load_config(Run, tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match=r"'eval_every': .*'soon'"):
         load_config(Run, overrides=["eval_every=soon"])
+
+
+def test_build_md_run_configs_load(tmp_path: Path) -> None:
+    """Every run config BUILD.md shows (a YAML block whose first line names its file) is a valid
+    RunConfig as written: no unknown key, no wrong type."""
+    import re
+
+    from areal_jax.trainer.run_config import load_run_config
+
+    text = (Path(__file__).resolve().parents[1] / "BUILD.md").read_text()
+    blocks = re.findall(r"```yaml\n# (\S+\.yaml)\n(.*?)```", text, re.S)
+    assert {name for name, _ in blocks} >= {"my_run.yaml", "mixed.yaml"}
+    for name, body in blocks:
+        (tmp_path / name).write_text(body)
+        cfg = load_run_config(tmp_path / name)
+        assert cfg.model.path, name

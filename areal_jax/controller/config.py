@@ -94,6 +94,11 @@ class RolloutConfig:
     weights_dir: str | None = None
     """With ``weight_sync: disk``: where each version is written, a path or URL every server can
     read (NFS, ``gs://bucket/run/weights`` with ``areal-jax[gcs]``); None: ``<run dir>/weights``."""
+    servers_weights_dir: str | None = None
+    """The same directory as the servers name it, when that differs from ``weights_dir`` (the
+    trainer writes ``gs://bucket/run/weights``, the GPU hosts read it through a gcsfuse mount at
+    ``/mnt/gcs/run/weights``); each version's path is sent to the servers under this name.
+    None: ``weights_dir``."""
     pause_mode: Literal["abort", "retract", "in_place"] = "abort"
     """How servers pause for a weight update; ``abort`` ends in-flight requests and the client
     resumes them under the new weights (interruptible rollout)."""

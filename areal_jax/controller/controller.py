@@ -81,13 +81,14 @@ class RolloutController:
 
     def __init__(self, episode_client: Any, workflow: Workflow, rows: Iterator[Any], *, batch_size: int,
                  max_staleness: int, max_concurrent: int | None = None, filter_uniform_reward: bool = False,
-                 version: int = 0, filter_patience: int | None = None):
+                 version: int = 0, steps: int | None = None, filter_patience: int | None = None):
         self.client = episode_client
         self.workflow = workflow
         self.rows = rows
         self.rule = StalenessRule(batch_size=batch_size, max_staleness=max_staleness,
                                   max_concurrent=max_concurrent or (max_staleness + 1) * batch_size,
-                                  version=version, accepted=version * batch_size)
+                                  version=version, steps=steps,
+                                  accepted=(version if steps is None else steps) * batch_size)
         self.filter_uniform_reward = filter_uniform_reward
         self.filter_patience = filter_patience or max(200, 20 * batch_size)
         self.counters = ControllerCounters()
@@ -123,9 +124,10 @@ class RolloutController:
         self._loop_task = None
         self._tasks.clear()
 
-    def set_version(self, version: int) -> None:
-        """The trainer's new policy version (its weights reached rollout): capacity grows."""
-        self.rule.set_version(version)
+    def set_version(self, version: int, steps: int | None = None) -> None:
+        """The trainer's policy version after ``steps`` training steps (None: ``version`` of them;
+        more when a step made no new version): capacity grows with each step."""
+        self.rule.set_version(version, steps)
         self._notify()
 
     async def drain(self) -> None:
@@ -188,8 +190,9 @@ class RolloutController:
 
     def load_state_dict(self, state: dict[str, Any], rows_by_id: dict[str, Any]) -> None:
         """Continue a saved controller: call before ``start``, on a controller made with the saved
-        version (``accepted`` is then ``version * batch_size``: each group accepted before the save
-        was trained or is pending again). ``rows_by_id`` maps the pending ids to their rows."""
+        version and step count (``accepted`` is then ``steps * batch_size``: each group accepted
+        before the save was trained or is pending again). ``rows_by_id`` maps the pending ids to
+        their rows."""
         if self._loop_task is not None:
             raise RuntimeError("load_state_dict goes before start()")
         missing = [i for i in state["pending"] if i not in rows_by_id]

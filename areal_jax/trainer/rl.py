@@ -193,23 +193,31 @@ def _follow(hub: Any, trainer: Any, ckpts: Any) -> None:
     from areal_jax.models import iter_hf_tensors
 
     me = jax.process_index()
+    failed: Exception | None = None
     while True:
         message = hub.receive()
         op = message["op"]
-        if op == "train":
-            trainer.train_batch(message["trajectories"], message["version"])
-            log.info("process %d: step %d trained %d trajectories of prompts %s", me, message["step"],
-                     len(message["trajectories"]), message["prompt_ids"])
-        elif op == "push":  # take part in the gathers; process 0 sends the tensors
-            collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False), 0)
-        elif op == "save":
-            ckpts.save(message["step"], trainer.checkpoint_state(), message["meta"])
-        elif op == "stop":
+        if op == "stop":
             return
-        elif op == "abort":
-            raise RuntimeError(f"process 0 ended the run: {message['error']}")
-        else:
-            raise RuntimeError(f"process {me}: unknown message {op!r} from process 0")
+        if op == "abort":
+            raise RuntimeError(f"process 0 ended the run: {message['error']}") from failed
+        try:
+            if op == "train":
+                trainer.train_batch(message["trajectories"], message["version"])
+                log.info("process %d: step %d trained %d trajectories of prompts %s", me, message["step"],
+                         len(message["trajectories"]), message["prompt_ids"])
+            elif op == "push":  # take part in the gathers; process 0 sends the tensors
+                collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False), 0)
+            elif op == "save":
+                ckpts.save(message["step"], trainer.checkpoint_state(), message["meta"])
+            else:
+                raise RuntimeError(f"unknown message {op!r} from process 0")
+        except Exception as e:
+            # The same work most likely failed on process 0, which then says so: wait for its word
+            # rather than leave it broadcasting to a process that is gone.
+            log.error("process %d: %s failed (%s: %s); waiting for process 0 to end the run", me, op,
+                      type(e).__name__, e)
+            failed = e
 
 
 async def _train(cfg: RunConfig, resume: bool = False,
@@ -285,8 +293,11 @@ async def _train(cfg: RunConfig, resume: bool = False,
                 await _lead(cfg, hub, trainer, serve_dir, base, mesh, tokenizer, data, workflow, logger, result,
                             meta, start, ckpts, t_start, on_step)
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(hub.announce, "abort", error=f"{type(e).__name__}: {e}"[:2000])
+                if hub.processes > 1:
+                    log.error("process 0: the run failed (%s: %s); stopping the other processes", type(e).__name__, e)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.to_thread(hub.announce, "abort",
+                                                                 error=f"{type(e).__name__}: {e}"[:2000]), 120)
                 raise
             await asyncio.to_thread(hub.announce, "stop")
         else:
@@ -331,7 +342,7 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
             await client.update_weights_from_disk(str(serve_dir), version=0)
         sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
                 DiskSink(rollout.weights_dir or run_dir / "weights", trainer.model().config.to_hf_dict(),
-                         client=client, tokenizer_dir=base))
+                         client=client, tokenizer_dir=base, server_root=rollout.servers_weights_dir))
         version = 0
         if meta is not None:  # rollout serves the restored policy from the start
             version = meta["version"]
@@ -349,7 +360,7 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
             controller = RolloutController(
                 episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
-                filter_uniform_reward=rollout.filter_uniform_reward, version=version)
+                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=start)
             if meta is not None:
                 controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
             controller.start()
@@ -394,7 +405,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
             version += 1
             await _push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, hub)
         sync_s = time.perf_counter() - t2
-        controller.set_version(version)
+        controller.set_version(version, step)
         served = await _served_versions(client)
         now = time.perf_counter()
         counters = controller.counters

@@ -15,10 +15,10 @@ def test_rule_matches_formula_over_random_interleavings(seed: int) -> None:
     rng = random.Random(seed)
     b, eta, cap = rng.randint(1, 4), rng.randint(0, 3), rng.randint(1, 12)
     rule = StalenessRule(batch_size=b, max_staleness=eta, max_concurrent=cap)
-    accepted = running = version = 0
+    accepted = running = version = steps = 0
     for _ in range(400):
-        op = rng.choice(["submit", "finish", "finish", "bump"])
-        allowed = accepted + running < (eta + version + 1) * b and running < cap
+        op = rng.choice(["submit", "finish", "finish", "bump", "skip"])
+        allowed = accepted + running < (eta + steps + 1) * b and running < cap
         assert rule.can_submit() == allowed
         if op == "submit" and allowed:
             rule.on_submit()
@@ -31,10 +31,11 @@ def test_rule_matches_formula_over_random_interleavings(seed: int) -> None:
             rule.on_finish(ok)
             running -= 1
             accepted += ok
-        elif op == "bump" and accepted >= (version + 1) * b:  # the trainer consumed a batch
-            version += 1
-            rule.set_version(version)
-        assert (rule.accepted, rule.running, rule.version) == (accepted, running, version)
+        elif op in ("bump", "skip") and accepted >= (steps + 1) * b:  # the trainer consumed a batch
+            steps += 1
+            version += op == "bump"  # a step whose every update was skipped makes no new version
+            rule.set_version(version, steps)
+        assert (rule.accepted, rule.running, rule.version, rule.steps) == (accepted, running, version, steps)
 
 
 def test_rule_rejects_bad_settings() -> None:
@@ -98,6 +99,34 @@ def test_controller_batches_never_exceed_the_bound(seed: int, eta: int) -> None:
         assert worst == [0] * steps  # synchronous: every token from the current policy
     else:
         assert max(worst) >= 1  # asynchronous: rollout does run ahead of the trainer
+
+
+@pytest.mark.parametrize("eta", [0, 2])
+def test_steps_that_make_no_new_version_still_free_room(eta: int) -> None:
+    """Every other step's updates are all skipped (no new version): rollout must keep filling
+    batches (counting room by version stalled the run at the first skipped step in sync mode),
+    and what it hands out stays within the bound of the version."""
+    rng = random.Random(eta)
+    batch = 2
+
+    async def run() -> None:
+        policy = {"version": 0}
+        ctl = RolloutController(None, _make_workflow(policy, rng, 2), iter(_Row(i) for i in range(10_000)),
+                                batch_size=batch, max_staleness=eta)
+        ctl.start()
+        version = 0
+        for step in range(1, 9):
+            groups = await ctl.get_batch(timeout=10)
+            assert max(version - t.versions[t.loss_mask > 0].min() for g in groups for t in g.trajectories) <= eta
+            version += step % 2  # even steps skip every update
+            policy["version"] = version
+            ctl.set_version(version, step)
+        assert (ctl.rule.version, ctl.rule.steps) == (4, 8)
+        await ctl.stop()
+
+    asyncio.run(run())
+    with pytest.raises(ValueError, match="after only"):
+        StalenessRule(batch_size=1, max_staleness=0, max_concurrent=1).set_version(2, 1)
 
 
 def test_dynamic_filtering_drops_uniform_groups_and_gives_up_loudly() -> None:

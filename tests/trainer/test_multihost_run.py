@@ -19,28 +19,37 @@ ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
 
 
-@pytest.mark.slow
-def test_two_process_run_trains_process_zeros_batches_everywhere(tmp_path: Path) -> None:
+QUICK = ["log.progress=false", "data.size=300", "data.eval_size=8", "batch_size=2", "rollout.group_size=4",
+         "rollout.max_new_tokens=4", "rollout.filter_uniform_reward=false", "reward.num_workers=1", "mesh.fsdp=-1",
+         "distributed.num_processes=2"]
+
+
+def _run_two(run_dir: Path, overrides: list[str], timeout: float) -> tuple[list[int], list[str]]:
+    """``areal-jax train`` as processes 0 and 1 of one jax.distributed job (two CPU devices
+    each); returns their exit codes and output."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    args = ["--config", str(DEMO), "--log-level", "info", f"run_dir={tmp_path}", "steps=3", "log.progress=false",
-            "data.size=300", "data.eval_size=8", "batch_size=2", "rollout.group_size=4", "rollout.max_new_tokens=4",
-            "rollout.filter_uniform_reward=false", "reward.num_workers=1", "warm_start.steps=3",
-            "checkpoint.every_steps=2", "mesh.fsdp=-1", f"distributed.coordinator_address=127.0.0.1:{port}",
-            "distributed.num_processes=2"]
+    args = ["--config", str(DEMO), "--log-level", "info", f"run_dir={run_dir}", *QUICK,
+            f"distributed.coordinator_address=127.0.0.1:{port}", *overrides]
     procs = [subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *args, f"distributed.process_id={i}"],
-                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              env=env, cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     logs = []
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=420)[0])
+            logs.append(p.communicate(timeout=timeout)[0])
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             pytest.fail("two-process run timed out:\n" + "\n---\n".join(logs))
-    assert [p.returncode for p in procs] == [0, 0], "\n---\n".join(logs)[-6000:]
+    return [p.returncode for p in procs], logs
+
+
+@pytest.mark.slow
+def test_two_process_run_trains_process_zeros_batches_everywhere(tmp_path: Path) -> None:
+    codes, logs = _run_two(tmp_path, ["steps=3", "warm_start.steps=3", "checkpoint.every_steps=2"], timeout=420)
+    assert codes == [0, 0], "\n---\n".join(logs)[-6000:]
 
     # Process 0 alone wrote the metrics: each step once, with the weights pushed to its server.
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -63,3 +72,15 @@ def test_two_process_run_trains_process_zeros_batches_everywhere(tmp_path: Path)
     assert writers == {"0", "1"}
     index = json.loads((tmp_path / "final" / "model.safetensors.index.json").read_text())
     assert "model.embed_tokens.weight" in index["weight_map"]
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_path: Path) -> None:
+    """Every trajectory is longer than train.max_seq_len, so the first train step raises on both
+    processes: both exit (non-zero) instead of one waiting for the other, and process 0 names
+    the error."""
+    codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "train.max_seq_len=8"],
+                           timeout=240)
+    assert codes[0] != 0 and codes[1] != 0, logs
+    assert "more than TrainConfig.max_seq_len=8" in logs[0]
+    assert "process 0 ended the run" in logs[1] and "train failed" in logs[1]
