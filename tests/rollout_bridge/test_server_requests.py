@@ -123,7 +123,8 @@ def test_disconnects_and_client_timeouts_abort_on_the_server(tiny_dir: Path, cap
                 async with s.post(f"http://{other}/generate", json={"input_ids": [7, 8],  # compile there first
                                                                      "sampling_params": {"max_new_tokens": 5}}) as r:
                     assert r.status == 200
-            # a client that times out on a server aborts there before re-sending elsewhere
+            # a client that times out on a server leaves nothing queued there (the disconnect alone
+            # does that here; the client's own /abort_request: test_failover.py)
             cfg = ClientConfig(generate_timeout_s=0.5, control_timeout_s=10, health_interval_s=60)
             async with HttpRolloutClient([addr, other], config=cfg) as client:
                 result = await client.generate([7, 8], {"max_new_tokens": 5})
