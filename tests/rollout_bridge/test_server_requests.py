@@ -1,12 +1,13 @@
 """The embedded server's request handling: any weight_version label, duplicate rids, a bounded
 queue (503 and the client's back-off), disconnects and client timeouts that abort, per-server
-random seeds, /get_weight_version and /metrics (real HTTP on 127.0.0.1)."""
+random seeds, /get_weight_version and /metrics (counts and tokens/s; real HTTP on 127.0.0.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 import aiohttp
@@ -50,9 +51,12 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             await _until(lambda: engine.num_waiting == 1)
             async with s.post(url + "/generate", json=gen) as r:
                 assert r.status == 400 and "rid" in (await r.json())["error"]["message"]
+            t_before = time.monotonic()
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
+            t_after = time.monotonic()
             name = f'model_name="{tiny_dir}"'
+            assert f"sglang:gen_throughput{{{name}}} 0.0" in text  # the first scrape has no interval
             assert f"sglang:num_queue_reqs{{{name}}} 1.0" in text
             assert f"sglang:num_running_reqs{{{name}}} 0.0" in text
             assert f'areal_jax:weight_version{{{name},weight_version="v1"}} 1.0' in text
@@ -62,9 +66,15 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             async with await first as r:
                 reply = await r.json()
             assert reply["meta_info"]["weight_version"] == "v1" and len(reply["output_ids"]) == 24
+            t_before_2 = time.monotonic()
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
+            t_after_2 = time.monotonic()
             assert f"sglang:generation_tokens_total{{{name}}} 24.0" in text
+            # 24 tokens between the scrapes, over an interval the server measured inside ours
+            rate = float(next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith("sglang:gen_throughput{")))
+            assert 24 / (t_after_2 - t_before) <= rate <= 24 / (t_before_2 - t_after), rate
 
     asyncio.run(main())
 
