@@ -84,7 +84,8 @@ def test_our_replies_validate(sgl: Any, tiny_dir: Path) -> None:
                     info = sgl.GetModelInfoResponse.from_json_value(await r.json())
                     assert info.weight_version == "default" and info.is_generation
                 async with s.get(url + "/get_server_info") as r:
-                    sgl.GetServerInfoResponse.from_json_value(await r.json())
+                    info = sgl.GetServerInfoResponse.from_json_value(await r.json())
+                    assert info.internal_states[0]["placement"] == {"mesh": None}  # one device
                 async with s.post(url + "/abort_request", json={"rid": "nope"}) as r:
                     sgl.AbortResponse.from_json_value(await r.json())
                 async with s.get(url + "/health_generate") as r:

@@ -129,6 +129,18 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
             state = json.loads(r.read())["internal_states"][0]
         assert state["tp_size"] == 2 and state["dp_size"] == 2 and state["lanes"] == 1
+        # what the engine's arrays say, not the flags echoed: weights split over the tensor axis,
+        # the KV cache's slots over the data axis and its kv heads over the tensor axis
+        hf = json.loads((tiny_dir / "config.json").read_text())
+        placement = state["placement"]
+        assert placement["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
+        up = placement["params"]["layers.mlp.up_proj.kernel"]
+        assert up == {"spec": [None, "fsdp", "tensor"], "shard_shape": [hf["num_hidden_layers"], hf["hidden_size"],
+                                                                         hf["intermediate_size"] // 2]}
+        assert placement["params"]["layers.self_attn.o_proj.kernel"]["spec"] == [None, "tensor", "fsdp"]
+        for name, kv in placement["kv_cache"].items():
+            assert kv["spec"][:2] == [["data", "fsdp"], "tensor"], name
+            assert kv["shard_shape"][:2] == [4 // 2, hf["num_key_value_heads"] // 2], name
         prompt = [5, 17, 3, 42]
         reply = _post(url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
                                                                                    "temperature": 0}})
