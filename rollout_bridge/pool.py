@@ -86,8 +86,11 @@ class _Server:
     labels: dict[str, int] = field(default_factory=dict)
     """weight_version labels this server reported or was given -> the policy version they stand for."""
     keeps_labels: bool = False
-    """The server confirmed that it took a label we gave (ours and SGLang >= 0.5 do). Only then can
-    an older label mean a restart; a server that ignores labels always reports its first one."""
+    """The server confirmed that it took a label we gave (ours and SGLang >= 0.5 do): a weight
+    update's reply said so, or it later reported such a label. Only then can an older label mean
+    a restart; a server that ignores labels always reports its first one."""
+    first_label: str | None = None
+    """The label it reported at first contact (its launch weights), not one this client gave."""
     paused: bool = False
     """The server is paused, by what it last answered or reported. While the fleet runs, a paused
     server takes no requests: they would wait there until someone continues it."""
@@ -164,6 +167,11 @@ class ServerPool:
         label = "" if label is None else str(label)
         if not s.labels:  # first contact: this label is the initial version
             s.labels[label] = self.cfg.initial_version
+            s.first_label = label
+        elif label in s.labels and label != s.first_label:
+            # It reports a label we pushed. Stock SGLang's update reply does not echo the label, so
+            # this may be the first sign that it keeps labels (and so that a restart shows).
+            s.keeps_labels = True
         held = s.labels.get(label)
         if held is None or held >= s.version or not s.keeps_labels:
             return True

@@ -39,10 +39,21 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" only where the help does not say its default in words and there
+    is one to show: no "(default: unbounded) (default: None)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, False, ""):
+            return text
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser("areal-jax serve", description="Serve a model over SGLang's HTTP API (native "
                                 "/generate and the weight-update endpoints, plus OpenAI-compatible /v1/...)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--model-path", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model path)")
     p.add_argument("--served-model-name", default="", help="model name in replies (default: the model path)")
@@ -68,8 +79,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for a slot; more are refused with 503 (default: unbounded)")
     p.add_argument("--context-length", type=int, default=None,
-                   help="most prompt + answer tokens per request (default: the model's max_position_embeddings)"
-                        "%(default).0s")
+                   help="most prompt + answer tokens per request (default: the model's max_position_embeddings)")
     p.add_argument("--allow-overwrite-longer-context-len", action="store_true",
                    help="allow a --context-length above the model's max_position_embeddings (SGLang's "
                         f"{LONGER_CONTEXT_ENV}=1 does the same)")

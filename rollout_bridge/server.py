@@ -391,7 +391,8 @@ async def get_server_info(request: web.Request) -> web.Response:
                           "ready": st.ready, "warmup": st.warmup,
                           "lanes": e.num_lanes, "random_seed": e.seed,
                           "max_queued_requests": e.cfg.max_queued_requests,
-                          "chunked_prefill_size": e.cfg.chunked_prefill_size, **st.info}]))
+                          "chunked_prefill_size": e.cfg.chunked_prefill_size, "placement": e.placement(),
+                          **st.info}]))
 
 
 async def metrics(request: web.Request) -> web.Response:

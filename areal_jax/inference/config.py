@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from areal_jax.models.config import dtype_name
+
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
     out, b = [], lo
@@ -80,12 +82,15 @@ class EngineConfig:
     prefilled alone in chunks of this size, so its attention scores take ``chunk x context``
     memory instead of ``context ** 2``. -1 disables chunking."""
     cache_dtype: str | None = None
-    """KV cache dtype; None uses the model's compute dtype."""
+    """KV cache dtype (a name or a JAX/NumPy dtype, stored as its name); None uses the model's
+    compute dtype."""
     max_top_logprobs: int = 20
     """Most ``top_logprobs_num`` a request may ask for: every step computes this many top
     logprobs when some running request wants any."""
 
     def __post_init__(self) -> None:
+        if self.cache_dtype is not None:  # a name, as every config stores dtypes (hashable, serialisable)
+            self.cache_dtype = dtype_name(self.cache_dtype, "cache_dtype")
         self.prefill_buckets = tuple(sorted(self.prefill_buckets or default_prefill_buckets(self.max_seq_len)))
         self.kv_buckets = tuple(sorted(self.kv_buckets or default_kv_buckets(self.max_seq_len)))
         if self.prefill_buckets[-1] > self.max_seq_len or self.kv_buckets[-1] > self.max_seq_len:

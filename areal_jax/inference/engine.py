@@ -310,6 +310,17 @@ class Engine:
         """The served model's ``nnx.State``: the tree, dtypes and shardings ``set_state`` wants."""
         return self._state
 
+    def placement(self) -> dict[str, Any]:
+        """Where the served weights and the KV cache live, as JSON (for /get_server_info): the
+        mesh's axis sizes, and each parameter's and the first lane's cache arrays' partition
+        spec and per-device shape; ``{"mesh": None}`` on one device."""
+        if self.mesh is None:
+            return {"mesh": None}
+        cache = self._lanes[0].cache
+        return {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
+                "params": _placement(self._state),
+                "kv_cache": {} if cache is None else _placement({"k": cache.k[0], "v": cache.v[0]})}
+
     async def set_state(self, state: Any, *, version: int) -> None:
         """Serve ``state`` (device arrays already on this engine's shardings and dtypes, e.g. an
         in-process trainer's params handed over) as ``version``, swapped in between steps. The
@@ -660,3 +671,15 @@ class Engine:
             out = self.prompt_logprobs_fn(self._state, ids, np.float32(temperature))
             chosen, values, top = (np.asarray(x) for x in jax.device_get(out))
         return chosen[:n - 1], values[:n - 1], top[:n - 1]
+
+
+def _placement(tree: Any) -> dict[str, dict[str, list]]:
+    """Each array of ``tree`` by dotted path: its partition spec and the shape each device holds."""
+    out = {}
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        keys = [getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path]
+        name = ".".join(str(k) for k in keys if k != "value")  # nnx.Param's .value is not part of the name
+        spec = getattr(x.sharding, "spec", ())
+        out[name] = {"spec": [list(a) if isinstance(a, tuple) else a for a in spec],
+                     "shard_shape": list(x.sharding.shard_shape(x.shape))}
+    return out

@@ -33,7 +33,8 @@ class ModelSource:
     model_type: str = "qwen2"
     """Architecture of a tiny model: ``qwen2``, ``qwen3`` or ``llama``."""
     dtype: str | None = None
-    """Parameter/compute dtype override (``float32``, ``bfloat16``); None: the checkpoint's."""
+    """Parameter/compute dtype override (``float32``, ``bfloat16``; a JAX/NumPy dtype is stored as
+    its name); None: the checkpoint's."""
     attention_impl: str = "dense"
     """The trainer's attention over packed rows: ``dense`` (the reference), ``dot_product`` (cuDNN
     flash attention on GPU), ``splash`` (Pallas, TPU) or ``auto`` (fused on GPU/TPU in bfloat16,
@@ -42,10 +43,13 @@ class ModelSource:
     def __post_init__(self) -> None:
         if (self.path is None) == (self.tiny is None):
             raise ValueError("model: set exactly one of model.path (a HF model directory) or model.tiny (a size)")
-        from areal_jax.models.config import ATTENTION_IMPLS
+        from areal_jax.models.config import ATTENTION_IMPLS, dtype_name
 
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention_impl={self.attention_impl!r}: choose one of {list(ATTENTION_IMPLS)}")
+        # A name, not a dtype object: the run's config.yaml is written with yaml.safe_dump.
+        if self.dtype is not None:
+            self.dtype = dtype_name(self.dtype, "model.dtype")
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -77,6 +78,51 @@ def reference_logprobs(model: Decoder, prompt: list[int], output: list[int], tem
     logits = _logits(model, prompt + output)[len(prompt) - 1:-1]
     logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
     return np.asarray(jnp.take_along_axis(logp, jnp.asarray(output)[:, None], axis=-1)[:, 0])
+
+
+@partial(jax.jit, static_argnames=("block",))
+def _layer_by_query_blocks(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, block: int) -> jax.Array:
+    """One decoder layer over ``x [1, t, hidden]`` (t a multiple of ``block``), its attention one
+    block of queries at a time against all ``t`` keys under the causal mask."""
+    layer = nnx.merge(graphdef, state)
+    attn, t = layer.self_attn, x.shape[1]
+    q, k, v = attn._qkv(layer.input_layernorm(x), jnp.arange(t)[None])  # noqa: SLF001 - its projections, RoPE
+    kvh, d = k.shape[2:]
+    g = q.shape[2] // kvh
+    keys, values = k[0].transpose(1, 2, 0), v[0].transpose(1, 0, 2)  # [kvh, d, t], [kvh, t, d]
+
+    def one_block(start: jax.Array) -> jax.Array:
+        # the queries that share a kv head are the rows of one [g * block, d] x [d, t] product
+        rows = jax.lax.dynamic_slice_in_dim(q[0], start, block, axis=0)
+        rows = rows.reshape(block, kvh, g, d).transpose(1, 2, 0, 3).reshape(kvh, g * block, d)
+        scores = jnp.matmul(rows, keys, precision=attn.precision) / np.sqrt(d)
+        causal = jnp.arange(t)[None, :] <= start + jnp.arange(block)[:, None]
+        probs = jax.nn.softmax(jnp.where(jnp.tile(causal, (g, 1))[None], scores, -jnp.inf), axis=-1)
+        out = jnp.matmul(probs, values, precision=attn.precision)
+        return out.reshape(kvh, g, block, d).transpose(2, 0, 1, 3).reshape(block, kvh * g * d)
+
+    out = jax.lax.map(one_block, jnp.arange(0, t, block)).reshape(1, t, -1)
+    x = x + attn.o_proj(out)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def reference_logprobs_by_query_blocks(model: Decoder, prompt: list[int], output: list[int],
+                                       block: int = 512) -> np.ndarray:
+    """``log_softmax(logits)`` ``[len(output), vocab]`` at each output token's position, for
+    sequences too long for one full forward pass: the model's own layers over the whole sequence,
+    one layer at a time, each layer's attention computed for ``block`` queries at a time against
+    every key under the causal mask. Each query's softmax sees all its keys at once, so this is
+    the full forward pass cut along the query axis only (no KV cache, no chunked prefill, no online
+    softmax, and not the engine's attention function); it holds ``block x length`` scores per head."""
+    n = len(prompt) + len(output)
+    ids = np.zeros((1, -(-n // block) * block), np.int32)
+    ids[0, :n] = prompt + output
+    x = model.embed_tokens(jnp.asarray(ids))
+    graphdef, stacked = nnx.split(model.layers)
+    for i in range(model.config.num_hidden_layers):
+        x = _layer_by_query_blocks(graphdef, jax.tree.map(lambda a: a[i], stacked), x, block)  # noqa: B023
+    logits = model.logits_from_hidden(model.norm(x[:, len(prompt) - 1:n - 1]))[0]
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
 
 
 def prompts(lengths: list[int], seed: int = 0, vocab: int = 128) -> list[list[int]]:

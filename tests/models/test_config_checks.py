@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from areal_jax.inference import EngineConfig
 from areal_jax.models import CheckpointError, Decoder, ModelConfig, iter_hf_tensors, load_pretrained, save_pretrained
 from areal_jax.models.decoder import rope_inv_freq
 from areal_jax.trainer.config import TrainConfig
+from areal_jax.trainer.run_config import ModelSource, RunConfig
 from tests.models.parity import PARITY_TOL
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -63,6 +66,11 @@ def test_unused_tensor_fails_loudly(tmp_path: Path) -> None:
 def test_dtype_given_as_name_or_dtype(tmp_path: Path, given) -> None:
     assert ModelConfig(dtype=given, param_dtype=given).dtype == "bfloat16"
     assert TrainConfig(compute_dtype=given).compute_dtype == "bfloat16"
+    run = RunConfig(model=ModelSource(tiny="tiny", dtype=given))
+    for stored in (EngineConfig(cache_dtype=given).cache_dtype, run.model.dtype,
+                   ModelConfig().to_hf_dict(given)["torch_dtype"]):
+        assert type(stored) is str and stored == "bfloat16"  # a dtype object compares equal to its name
+    assert yaml.safe_load(yaml.safe_dump(run.to_dict()))["model"]["dtype"] == "bfloat16"  # as rl.py writes it
     model = load_pretrained(FIXTURES / "hf_qwen2", dtype=given)
     assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
     assert model.init_cache(2, 8, given).k[0].dtype == jnp.bfloat16
@@ -79,6 +87,11 @@ def test_float32_dtype_object_and_bad_dtype() -> None:
         TrainConfig(compute_dtype=np.int32)
     with pytest.raises(ValueError, match="serving_dtype"):
         ModelConfig().to_hf_dict("float64")
+    with pytest.raises(ValueError, match="model.dtype"):
+        ModelSource(tiny="tiny", dtype=np.int8)
+    with pytest.raises(ValueError, match="cache_dtype"):
+        EngineConfig(cache_dtype="int8")
+    assert ModelSource(tiny="tiny").dtype is None and EngineConfig().cache_dtype is None
 
 
 def test_checkpoint_dtype_is_the_default(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """A rollout server process dies mid-generation (SIGKILL): the client re-sends its requests to the
-surviving server, continuing from the tokens already received, and nothing is lost."""
+surviving server, continuing from the tokens already received, and nothing is lost. A server that
+stops answering (the client's timeout) is told to abort the request before it is re-sent."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
@@ -164,3 +166,59 @@ def test_killed_server_is_restarted_and_taken_back_and_every_rid_answered_once(t
             fleet.check()
     finally:
         fleet.stop()
+
+
+@pytest.mark.serial  # a 0.3 s client timeout
+def test_client_timeout_aborts_on_that_server_before_resending() -> None:
+    """Two stand-in servers log what reaches them, in one order. The first never answers /generate
+    and, unlike ours, does not stop when the client hangs up: only the client's /abort_request
+    frees it. That abort must reach it before the re-send reaches the second server."""
+    events: list[tuple[str, str, str]] = []
+    release = asyncio.Event()
+
+    def stand_in(name: str, answers: bool) -> web.Application:
+        async def generate(request: web.Request) -> web.Response:
+            body = await request.json()
+            events.append((name, "generate", body["rid"]))
+            if not answers:
+                await release.wait()  # hung: the client's timeout fires, the disconnect changes nothing
+            n = body["sampling_params"]["max_new_tokens"]
+            return web.json_response({"text": "", "output_ids": [7] * n, "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "length", "length": n},
+                "output_token_logprobs": [[-0.5, 7, None]] * n}})
+
+        async def abort(request: web.Request) -> web.Response:
+            events.append((name, "abort", (await request.json())["rid"]))
+            return web.json_response({})
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"weight_version": "default"})
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_post("/abort_request", abort)
+        app.router.add_get("/health", ok)
+        app.router.add_get("/get_model_info", ok)
+        return app
+
+    async def main() -> None:
+        runners, addrs = [], []
+        for name, answers in (("hung", False), ("other", True)):
+            runner = web.AppRunner(stand_in(name, answers), handler_cancellation=False)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            addrs.append(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")  # noqa: SLF001
+        try:
+            cfg = ClientConfig(generate_timeout_s=0.3, control_timeout_s=10, health_interval_s=3600)
+            async with HttpRolloutClient(addrs, config=cfg) as client:
+                result = await client.generate([1, 2], {"max_new_tokens": 3}, rid="r")
+            assert result.output_ids == [7] * 3 and result.resends == 1
+            assert events == [("hung", "generate", "r"), ("hung", "abort", "r"), ("other", "generate", "r-r1")]
+        finally:
+            release.set()
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())

@@ -8,8 +8,10 @@ these tests are skipped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +84,8 @@ def test_our_replies_validate(sgl: Any, tiny_dir: Path) -> None:
                     info = sgl.GetModelInfoResponse.from_json_value(await r.json())
                     assert info.weight_version == "default" and info.is_generation
                 async with s.get(url + "/get_server_info") as r:
-                    sgl.GetServerInfoResponse.from_json_value(await r.json())
+                    info = sgl.GetServerInfoResponse.from_json_value(await r.json())
+                    assert info.internal_states[0]["placement"] == {"mesh": None}  # one device
                 async with s.post(url + "/abort_request", json={"rid": "nope"}) as r:
                     sgl.AbortResponse.from_json_value(await r.json())
                 async with s.get(url + "/health_generate") as r:
@@ -92,14 +95,18 @@ def test_our_replies_validate(sgl: Any, tiny_dir: Path) -> None:
 
 
 CALLS = web.AppKey("calls", list)
+SERVER = web.AppKey("server", dict)
 
 
-def _stock_sglang(sgl: Any, abort_first: int) -> web.Application:
-    """A stand-in for a stock SGLang server (no --weight-version flag, so its label is always
-    "default"; it ignores the weight_version of updates as an older SGLang does). Every reply is
-    built from SGLang's own schema types. The first /generate is aborted after ``abort_first``
-    tokens, as a pause with mode "abort" does."""
+def _stock_sglang(sgl: Any, abort_first: int, adopts_labels: bool = False) -> web.Application:
+    """A stand-in for a stock SGLang server (no --weight-version flag, so its label starts as
+    "default"). Every reply is built from SGLang's own schema types. The first /generate is aborted
+    after ``abort_first`` tokens, as a pause with mode "abort" does. Without ``adopts_labels`` it
+    ignores the weight_version of updates as an older SGLang does; with it, it reports the label
+    of its last update in /get_model_info as SGLang >= 0.5 does, though its update reply still
+    does not echo it. ``app[SERVER]`` holds its label and how many weight loads it will refuse."""
     calls: list[dict[str, Any]] = []
+    server: dict[str, Any] = {"label": "default", "refuse_loads": 0}
 
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
@@ -119,11 +126,19 @@ def _stock_sglang(sgl: Any, abort_first: int) -> web.Application:
         return web.json_response(reply.to_json_value())
 
     async def model_info(request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
-                                  "preferred_sampling_params": None, "weight_version": "default"})
+        info = {"model_path": "m", "tokenizer_path": "m", "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": server["label"]}
+        return web.json_response(sgl.GetModelInfoResponse.from_json_value(info).to_json_value())
 
     async def update_from_disk(request: web.Request) -> web.Response:
-        calls.append(await request.json())
+        body = await request.json()
+        calls.append(body)
+        if server["refuse_loads"]:
+            server["refuse_loads"] -= 1
+            return web.json_response({"success": False, "message": f"Failed to load {body['model_path']}",
+                                      "num_paused_requests": 0}, status=400)
+        if adopts_labels and body.get("weight_version") is not None:
+            server["label"] = body["weight_version"]
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": 0})
 
@@ -132,11 +147,25 @@ def _stock_sglang(sgl: Any, abort_first: int) -> web.Application:
 
     app = web.Application()
     app[CALLS] = calls
+    app[SERVER] = server
     app.router.add_post("/generate", generate)
     app.router.add_get("/get_model_info", model_info)
     app.router.add_get("/health", ok)
     app.router.add_post("/update_weights_from_disk", update_from_disk)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free port of 127.0.0.1; yields its address."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
+    finally:
+        await runner.cleanup()
 
 
 def test_client_against_stock_sglang_replies(sgl: Any) -> None:
@@ -145,12 +174,7 @@ def test_client_against_stock_sglang_replies(sgl: Any) -> None:
     app = _stock_sglang(sgl, abort_first=3)
 
     async def main() -> None:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        addr = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-        try:
+        async with _serving(app) as addr:
             async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
                 r = await client.generate([5, 6, 7], {"max_new_tokens": 8, "temperature": 1.0})
                 assert r.output_ids == [8, 9, 10] + [11, 12, 13, 14, 15] and r.resends == 1
@@ -168,8 +192,41 @@ def test_client_against_stock_sglang_replies(sgl: Any) -> None:
                 r = await client.generate([1, 2], {"max_new_tokens": 4})
                 assert r.output_versions == [1] * 4
                 assert await client.reported_versions() == {f"http://{addr}": "default"}
-        finally:
-            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_stock_sglang_that_takes_labels_and_restarts_leaves_rotation(sgl: Any) -> None:
+    """SGLang >= 0.5 adopts the pushed label but its update reply does not say so; the client learns
+    it from /get_model_info. After a restart (label back to "default") the server is out of
+    rotation until it holds the current weights: a refused reload keeps it out until the next push,
+    a reload of the last checkpoint puts it back at once."""
+    app = _stock_sglang(sgl, abort_first=0, adopts_labels=True)
+    state, calls = app[SERVER], app[CALLS]
+
+    async def main() -> None:
+        async with _serving(app) as addr:
+            url = f"http://{addr}"
+            async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10,
+                                                                    health_interval_s=3600)) as client:
+                await client.update_weights_from_disk("/ckpt/v1", version=1)
+                await client.check_versions()
+                assert state["label"] == "1" and client.in_rotation() == [url]
+                state["label"], state["refuse_loads"] = "default", 1  # restarted; its reload fails
+                await client.check_versions()
+                assert [c["model_path"] for c in calls] == ["/ckpt/v1"] * 2  # the push, then a reload
+                assert client.server_versions() == {url: 0} and client.in_rotation() == []
+                await client.check_versions()  # still "default": stays out, no reload loop
+                assert client.in_rotation() == [] and len(calls) == 2
+                await client.update_weights_from_disk("/ckpt/v2", version=2)
+                assert client.server_versions() == {url: 2} and client.in_rotation() == [url]
+                await client.check_versions()
+                state["label"] = "default"  # restarted again; this time the reload succeeds
+                await client.check_versions()
+                assert [c["model_path"] for c in calls[2:]] == ["/ckpt/v2"] * 2 and state["label"] == "2"
+                assert client.server_versions() == {url: 2} and client.in_rotation() == [url]
+                r = await client.generate([1, 2], {"max_new_tokens": 4})
+                assert r.output_versions == [2] * 4
 
     asyncio.run(main())
 

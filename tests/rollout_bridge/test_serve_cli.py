@@ -1,10 +1,12 @@
-"""``areal-jax serve`` as a user runs it: --help shows the defaults; a server sharded over 8 fake
-devices (--tp-size 2 --dp-size 2) says where it listens and answers as one device does."""
+"""``areal-jax serve`` as a user runs it: --help shows the defaults; the flags reach the engine and
+the log level; a server sharded over 8 fake devices (--tp-size 2 --dp-size 2) says where it
+listens and answers as one device does."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -28,10 +30,57 @@ def test_serve_help_shows_defaults() -> None:
     text = parser().format_help().split("options:", 1)[1]
     for flag, default in (("--chunked-prefill-size", "1024"), ("--max-running-requests", "32"),
                           ("--context-length", "the model's max_position_embeddings"),
-                          ("--weight-version", "default"), ("--tp-size", "1"), ("--log-level", "info")):
+                          ("--weight-version", "default"), ("--tp-size", "1"), ("--log-level", "info"),
+                          ("--max-queued-requests", "unbounded"), ("--random-seed", "drawn at random at start")):
         assert flag in text, flag
-        block = text.split(flag, 1)[1].split("\n  --", 1)[0]
-        assert f"(default: {default})" in " ".join(block.split()), (flag, block)
+        block = " ".join(text.split(flag, 1)[1].split("\n  --", 1)[0].split())
+        assert f"(default: {default})" in block and block.count("(default") == 1, (flag, block)
+    assert "(default: None)" not in text
+
+
+def test_queue_bound_and_random_seed_reach_the_engine(tiny_dir: Path) -> None:
+    """--max-queued-requests bounds the engine's queue; without --random-seed each server draws its
+    own seed (two servers started alike do not sample alike), with it the seed is the one given."""
+    from rollout_bridge.serve import build, parser
+
+    base = ["--model-path", str(tiny_dir), "--max-running-requests", "2", "--lanes", "1", "--context-length", "64"]
+    engines = [build(parser().parse_args(base))[1] for _ in range(2)]
+    assert [e.cfg.max_queued_requests for e in engines] == [None, None]
+    assert [e.cfg.seed for e in engines] == [None, None] and engines[0].seed != engines[1].seed
+    app, engine = build(parser().parse_args([*base, "--max-queued-requests", "3", "--random-seed", "7"]))
+    assert (engine.cfg.max_queued_requests, engine.seed) == (3, 7)
+
+
+def test_log_level_sets_what_the_server_logs(capsys: pytest.CaptureFixture[str]) -> None:
+    """The level run_server sets up: warning drops the "serving ... on" line, debug adds our debug
+    lines (a client that went away); jax's info chatter stays out at info."""
+    from rollout_bridge.serve import setup_logging
+
+    root = logging.getLogger()
+    quiet = ("jax", "absl", "aiohttp.access", "urllib3", "filelock")
+    saved = root.handlers[:], root.level, {n: logging.getLogger(n).level for n in quiet}
+    root.handlers.clear()  # pytest's own handlers: kept out of basicConfig(force=True), put back below
+
+    def logged(level: str) -> str:
+        setup_logging(level)
+        logging.getLogger("rollout_bridge.serve").info("serving m on http://127.0.0.1:1")
+        logging.getLogger("rollout_bridge.server").debug("POST /generate: client closed the connection")
+        logging.getLogger("rollout_bridge.serve").warning("listening on 0.0.0.0 without --api-key")
+        logging.getLogger("jax").info("jax chatter")
+        return capsys.readouterr().err
+
+    try:
+        warning, info, debug = logged("warning"), logged("info"), logged("debug")
+    finally:
+        for h in root.handlers[:]:
+            root.removeHandler(h)
+        root.handlers[:], level, levels = saved
+        root.setLevel(level)
+        for n, lv in levels.items():
+            logging.getLogger(n).setLevel(lv)
+    assert "without --api-key" in warning and "serving" not in warning and "client closed" not in warning
+    assert "serving m on" in info and "client closed" not in info and "jax chatter" not in info
+    assert "serving m on" in debug and "DEBUG rollout_bridge.server: POST /generate" in debug
 
 
 def test_context_length_defaults_to_the_model_and_exceeds_it_only_when_allowed(
@@ -80,6 +129,18 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
             state = json.loads(r.read())["internal_states"][0]
         assert state["tp_size"] == 2 and state["dp_size"] == 2 and state["lanes"] == 1
+        # what the engine's arrays say, not the flags echoed: weights split over the tensor axis,
+        # the KV cache's slots over the data axis and its kv heads over the tensor axis
+        hf = json.loads((tiny_dir / "config.json").read_text())
+        placement = state["placement"]
+        assert placement["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
+        up = placement["params"]["layers.mlp.up_proj.kernel"]
+        assert up == {"spec": [None, "fsdp", "tensor"], "shard_shape": [hf["num_hidden_layers"], hf["hidden_size"],
+                                                                         hf["intermediate_size"] // 2]}
+        assert placement["params"]["layers.self_attn.o_proj.kernel"]["spec"] == [None, "tensor", "fsdp"]
+        for name, kv in placement["kv_cache"].items():
+            assert kv["spec"][:2] == [["data", "fsdp"], "tensor"], name
+            assert kv["shard_shape"][:2] == [4 // 2, hf["num_key_value_heads"] // 2], name
         prompt = [5, 17, 3, 42]
         reply = _post(url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
                                                                                    "temperature": 0}})

@@ -1,12 +1,13 @@
 """The embedded server's request handling: any weight_version label, duplicate rids, a bounded
 queue (503 and the client's back-off), disconnects and client timeouts that abort, per-server
-random seeds, /get_weight_version and /metrics (real HTTP on 127.0.0.1)."""
+random seeds, /get_weight_version and /metrics (counts and tokens/s; real HTTP on 127.0.0.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from pathlib import Path
 
 import aiohttp
@@ -50,9 +51,12 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             await _until(lambda: engine.num_waiting == 1)
             async with s.post(url + "/generate", json=gen) as r:
                 assert r.status == 400 and "rid" in (await r.json())["error"]["message"]
+            t_before = time.monotonic()
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
+            t_after = time.monotonic()
             name = f'model_name="{tiny_dir}"'
+            assert f"sglang:gen_throughput{{{name}}} 0.0" in text  # the first scrape has no interval
             assert f"sglang:num_queue_reqs{{{name}}} 1.0" in text
             assert f"sglang:num_running_reqs{{{name}}} 0.0" in text
             assert f'areal_jax:weight_version{{{name},weight_version="v1"}} 1.0' in text
@@ -62,9 +66,15 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             async with await first as r:
                 reply = await r.json()
             assert reply["meta_info"]["weight_version"] == "v1" and len(reply["output_ids"]) == 24
+            t_before_2 = time.monotonic()
             async with s.get(url + "/metrics") as r:
                 text = await r.text()
+            t_after_2 = time.monotonic()
             assert f"sglang:generation_tokens_total{{{name}}} 24.0" in text
+            # 24 tokens between the scrapes, over an interval the server measured inside ours
+            rate = float(next(line.split()[-1] for line in text.splitlines()
+                              if line.startswith("sglang:gen_throughput{")))
+            assert 24 / (t_after_2 - t_before) <= rate <= 24 / (t_before_2 - t_after), rate
 
     asyncio.run(main())
 
@@ -123,7 +133,8 @@ def test_disconnects_and_client_timeouts_abort_on_the_server(tiny_dir: Path, cap
                 async with s.post(f"http://{other}/generate", json={"input_ids": [7, 8],  # compile there first
                                                                      "sampling_params": {"max_new_tokens": 5}}) as r:
                     assert r.status == 200
-            # a client that times out on a server aborts there before re-sending elsewhere
+            # a client that times out on a server leaves nothing queued there (the disconnect alone
+            # does that here; the client's own /abort_request: test_failover.py)
             cfg = ClientConfig(generate_timeout_s=0.5, control_timeout_s=10, health_interval_s=60)
             async with HttpRolloutClient([addr, other], config=cfg) as client:
                 result = await client.generate([7, 8], {"max_new_tokens": 5})
