@@ -68,6 +68,47 @@ def model_flops(cfg: ModelConfig, lengths: list[int], recompute: bool) -> float:
     return passes * (2 * n_matmul * tokens + attn_fwd)
 
 
+def attention_profile(cfg: ModelConfig, micro: dict, window: int, reps: int) -> dict:
+    """What bounds the step: one decoder layer's attention (the block-local path the trainer runs
+    on packed rows) against the same layer's weight matmuls, forward + backward each, on one
+    packed micro-batch; and how many attention scores that path computes against the ones causal
+    attention within each sequence needs."""
+    from areal_jax.models.decoder import attend_packed_local
+
+    ids = np.asarray(micro["input_ids"])
+    seg = np.asarray(micro["segment_ids"])
+    b, t = ids.shape
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(b, t, cfg.num_attention_heads, cfg.head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(b, t, cfg.num_key_value_heads, cfg.head_dim)), jnp.float32)
+            for _ in range(2))
+    attention = jax.jit(jax.grad(lambda q, k, v: (attend_packed_local(q, k, v, jnp.asarray(seg), window) ** 2).sum(),
+                                 argnums=(0, 1, 2)))
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    x = jnp.asarray(rng.normal(size=(b * t, h)), jnp.float32)
+    weights = [jnp.asarray(rng.normal(size=s), jnp.float32) * 0.02
+               for s in ((h, qkv_out), (cfg.num_attention_heads * cfg.head_dim, h), (h, 2 * i), (i, h))]
+
+    def layer_matmuls(x: jax.Array, ws: list[jax.Array]) -> jax.Array:
+        a = x @ ws[0]
+        o = a[:, :cfg.num_attention_heads * cfg.head_dim] @ ws[1]
+        g = (x + o) @ ws[2]
+        return ((g[:, :i] * g[:, i:]) @ ws[3]).sum()
+
+    matmuls = jax.jit(jax.grad(layer_matmuls, argnums=(0, 1)))
+    attention_s = _timed(lambda: jax.block_until_ready(attention(q, k, v)), reps)
+    matmul_s = _timed(lambda: jax.block_until_ready(matmuls(x, weights)), reps)
+    block = min(128, t)
+    back = -(-(max(window, 1) - 1) // block)
+    computed = b * t * min(t, (back + 1) * block) * cfg.num_attention_heads
+    lengths = [int(n) for row in seg for s, n in zip(*np.unique(row, return_counts=True), strict=True) if s > 0]
+    needed = sum(n * (n + 1) // 2 for n in lengths) * cfg.num_attention_heads
+    return {"attention_s_per_layer": attention_s, "matmuls_s_per_layer": matmul_s,
+            "attention_share": attention_s / (attention_s + matmul_s), "window": window,
+            "scores_computed": computed, "scores_needed": needed, "scores_computed_over_needed": computed / needed}
+
+
 def _timed(fn, reps: int) -> float:
     fn()
     times = []
@@ -121,6 +162,7 @@ def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
         grads, _ = t.minibatch_grads(micro)
         jax.block_until_ready(grads)
 
+    profile = attention_profile(cfg, packed[0], max_len, args.reps)
     layout_stats = {}
     for name, (t, micro) in layouts.items():
         seconds = _timed(lambda t=t, micro=micro: step(t, micro), args.reps)
@@ -140,6 +182,7 @@ def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
         "padding_efficiency": float(np.mean([s["padding_efficiency"] for s in stats])),
         "micro_batches_per_batch": float(np.mean([s["n_micro_batches"] for s in stats])),
         "grad_only": layout_stats,
+        "profile": profile,
     }
 
 
@@ -166,6 +209,10 @@ def main() -> None:
         print(f"{r['size']:>6}: {r['tokens_per_s']:,.0f} tok/s, {100 * r['fraction_of_matmul_peak']:.1f}% of peak; "
               "one minibatch gradient: " + ", ".join(
                   f"{k} {v['seconds']:.2f}s (eff {v['efficiency']:.2f})" for k, v in r["grad_only"].items()))
+        pr = r["profile"]
+        print(f"        one layer, forward + backward: attention {pr['attention_s_per_layer']:.3f}s, weight matmuls "
+              f"{pr['matmuls_s_per_layer']:.3f}s (attention {100 * pr['attention_share']:.0f}%); attention scores "
+              f"computed / needed: {pr['scores_computed_over_needed']:.1f}x (window {pr['window']})")
     if args.out:
         args.out.write_text(text + "\n")
 

@@ -26,8 +26,8 @@ ARGS: dict[str, tuple[list[str], list[str]]] = {
                ["--concurrency", "1", "8", "32", "64", "--rounds", "3", "--skip-transformers"]),
     "train_step": (["--sizes", "tiny", "--groups", "2", "--group-size", "2", "--max-answer", "32", "--batches", "1",
                     "--reps", "1", "--budget", "512", "--padded-micro-batches", "1"],
-                   ["--sizes", "tiny", "--batches", "1", "--reps", "1"]),
-    "weight_update": (["--sizes", "3M", "--repeats", "1"], ["--sizes", "3M,25M", "--repeats", "2"]),
+                   ["--sizes", "tiny", "small", "--batches", "1", "--reps", "1"]),
+    "weight_update": (["--sizes", "3M", "--repeats", "1"], ["--sizes", "3M,25M,100M", "--repeats", "2"]),
     "rewards": (["--calls", "20"], ["--calls", "200"]),
 }
 """Each script's arguments, ``(quick, full)``."""
@@ -68,7 +68,9 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
                     "lanes": r["engine"]["lanes"]} for r in raw["decode"]["rows"]],
         "train_step": {"matmul_peak_gflops": 1e3 * train["matmul_peak_tflops_per_s"], "sizes": [
             {"size": s["size"], "params": s["params"], "tokens_per_s": s["tokens_per_s"],
-             "fraction_of_matmul_peak": s["fraction_of_matmul_peak"]} for s in train["sizes"]]},
+             "fraction_of_matmul_peak": s["fraction_of_matmul_peak"],
+             "attention_share": s["profile"]["attention_share"],
+             "scores_computed_over_needed": s["profile"]["scores_computed_over_needed"]} for s in train["sizes"]]},
         "weight_update": [{"model": r["model"], "params": r["params"], "mib": r["bytes"] / 2**20,
                            "disk_s": r["disk_s"], "http_s": r["http_s"],
                            "raw_write_read_s": r["raw_write_s"] + r["raw_read_s"]} for r in raw["weight_update"]],
