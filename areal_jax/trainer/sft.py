@@ -125,14 +125,25 @@ def warm_start(model: Any, cfg: SFTConfig, tokenizer: Any, rows: Sequence[Prompt
 
 
 def _batch_placer(params: Any) -> Any:
-    """How a host batch reaches the step. One process: as it is (jit places it). Several processes
-    (a mesh over every host's devices): as a global array replicated on the params' mesh, each
-    process filling its own devices from its copy (every process draws the same batch)."""
-    leaf = jax.tree.leaves(params)[0]
-    if leaf.is_fully_addressable:
-        return lambda batch: batch
+    """How a host batch reaches the step. On a mesh, its rows are split over the mesh's batch axes
+    (``data`` and ``fsdp``) when they divide evenly, else replicated; in a multi-process run each
+    process fills only its own devices, from its copy (every process draws the same batch). On
+    one device, as it is (jit places it)."""
     from jax.sharding import NamedSharding, PartitionSpec
 
-    replicated = NamedSharding(leaf.sharding.mesh, PartitionSpec())
-    return lambda batch: {k: jax.make_array_from_callback(v.shape, replicated, lambda index, v=v: v[index])
-                          for k, v in batch.items()}
+    from sharding import DEFAULT_RULES, logical_to_sharding
+
+    leaf = jax.tree.leaves(params)[0]
+    if not isinstance(leaf.sharding, NamedSharding) or leaf.sharding.mesh.size == 1:
+        return lambda batch: batch
+    mesh = leaf.sharding.mesh
+    split = logical_to_sharding(("batch", None), mesh, DEFAULT_RULES)
+    ways = int(np.prod([mesh.shape[a] for axes in split.spec if axes for a in np.atleast_1d(axes)]))
+
+    def place(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        rows = next(iter(batch.values())).shape[0]
+        sharding = split if rows % ways == 0 else NamedSharding(mesh, PartitionSpec())
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+                for k, v in batch.items()}
+
+    return place
