@@ -160,3 +160,34 @@ def build_packed_batch(
     out["segment_ids"] = segment_ids
     out["positions"] = positions
     return out
+
+
+def attention_block_pairs(lengths: Sequence[int], row_length: int, block: int) -> np.ndarray:
+    """The (query block, key block) pairs that causal attention within segments needs in one
+    packed row: the row holds sequences of ``lengths`` back to back, then padding up to
+    ``row_length`` (a multiple of ``block``). A query block needs every key block from the one
+    where the sequence of its first token starts up to itself; the padding at the end counts as
+    one more sequence (padding attends to padding). ``int32 [n, 2]``, by query block then key block."""
+    if row_length % block:
+        raise ValueError(f"row_length={row_length} is not a multiple of block={block}")
+    starts = np.cumsum([0, *lengths])  # each sequence's first position; the last is where padding starts
+    if starts[-1] > row_length:
+        raise ValueError(f"{starts[-1]} tokens do not fit in row_length={row_length}")
+    first = np.arange(0, row_length, block)  # each query block's first position
+    seq = np.searchsorted(starts, first, side="right") - 1  # the sequence (or the padding) it belongs to
+    begin = np.minimum(starts[seq], starts[-1]) // block
+    query = np.arange(len(first))
+    counts = query - begin + 1
+    return np.stack([np.repeat(query, counts),
+                     np.concatenate([np.arange(b, q + 1) for b, q in zip(begin, query, strict=True)])],
+                    axis=1).astype(np.int32)
+
+
+def pair_budget(needed: int, blocks: int) -> int:
+    """Room for ``needed`` block pairs in a row of ``blocks`` blocks, rounded up on a geometric
+    scale (steps of 2 ** 0.25 times ``blocks``) so that few budgets, and so few compiled shapes,
+    cover a run; never more than every causal pair."""
+    if needed <= blocks:
+        return blocks
+    steps = int(np.ceil(4 * np.log2(needed / blocks) - 1e-9))
+    return int(min(np.ceil(blocks * 2 ** (steps / 4)), blocks * (blocks + 1) // 2))
