@@ -48,7 +48,8 @@ def _packed(rng: np.random.Generator, rows: int, row: int, block: int, max_len: 
             if sum(lengths) + n > row - int(rng.integers(0, block)):
                 break
             lengths.append(n)
-        segs.append(build_packed_batch([{"input_ids": np.zeros(n, np.int32)} for n in lengths], range(len(lengths)), row)["segment_ids"])
+        seqs = [{"input_ids": np.zeros(n, np.int32)} for n in lengths]
+        segs.append(build_packed_batch(seqs, range(len(lengths)), row)["segment_ids"])
         pairs.append(attention_block_pairs(lengths, row, block))
     budget = pair_budget(max(len(p) for p in pairs), row // block) + 3  # room to spare: padded pairs
     padded = np.zeros((rows, budget, 2), np.int32)
