@@ -159,6 +159,7 @@ def _train(argv: list[str]) -> None:
 
 def _eval(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
+    from areal_jax.data import DatasetError
     from areal_jax.trainer.evaluate import evaluate_checkpoint
     from areal_jax.trainer.run_config import load_run_config
 
@@ -167,7 +168,10 @@ def _eval(argv: list[str]) -> None:
         cfg = load_run_config(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         sys.exit(f"areal-jax eval: {e}")
-    out = evaluate_checkpoint(cfg, args.model_path)
+    try:
+        out = evaluate_checkpoint(cfg, args.model_path)
+    except (ConfigError, DatasetError, FileNotFoundError) as e:  # a wrong --model-path or data section
+        sys.exit(f"areal-jax eval: {e}")
     print(f"{args.model_path}: held-out accuracy {out['eval_accuracy']:.1%}, mean reward {out['eval_reward']:.3f} "
           f"on {out['eval_prompts']} prompts")
 
