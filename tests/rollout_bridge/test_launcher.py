@@ -67,6 +67,24 @@ def test_fleet_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
     assert fleet.children == []
 
 
+def test_fleet_reports_a_server_that_never_becomes_healthy(tmp_path: Path) -> None:
+    """A server that runs but never answers /health within ``startup_timeout_s`` fails the start
+    with an error quoting its log, and is stopped."""
+    pid_file = tmp_path / "pid"
+    hang = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                  "print('loading shards...', flush=True); time.sleep(120)"]
+    fleet = ServerFleet(tmp_path, 1, tmp_path / "logs", startup_timeout_s=2, command=lambda i, port: hang)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rollout server 0 .* did not answer /health within 2s; last lines of "
+                                          r"\S*server-0.log") as e:
+        fleet.start()
+    assert time.monotonic() - t0 < 30
+    assert "loading shards..." in str(e.value)  # the child's own output is quoted
+    assert fleet.children == []
+    with pytest.raises(ProcessLookupError):  # stopped, not left running
+        os.kill(int(pid_file.read_text()), 0)
+
+
 def test_fleet_skips_the_server_warmup_unless_asked(tmp_path: Path) -> None:
     """A run's servers start at once (the run compiles only the shapes it uses); ``--server-warmup``
     in ``server_args`` keeps the start-up compile and is not passed on to ``serve``, which lacks it."""
