@@ -183,18 +183,17 @@ def stop_on_sigterm() -> Iterator[None]:
     and context managers on its way out, which stop the rollout servers this process started
     (they run in a session of their own, so the signal does not reach them) and let a checkpoint
     being written finish. The default action ends the process on the spot and leaves them
-    running. A second SIGTERM while that clean-up runs is noted and otherwise ignored. Outside the
-    main thread (signal handlers live there) this does nothing."""
+    running. A second SIGTERM takes the default action, for a clean-up that hangs (a thread stuck
+    in a collective, say); embedded servers then stop by themselves. Outside the main thread
+    (signal handlers live there) this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def again(signum: int, frame: object) -> None:
-        print("areal-jax: SIGTERM again: still shutting down", file=sys.stderr, flush=True)
-
     def first(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, again)
-        print("areal-jax: SIGTERM: shutting down (stopping the rollout servers)", file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("areal-jax: SIGTERM: shutting down (stopping the rollout servers; SIGTERM again to end at once)",
+              file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, first)
