@@ -1,17 +1,22 @@
 """The ``areal-jax`` command: ``train`` (an RL run from a YAML config), ``eval`` (held-out
 accuracy of a checkpoint), ``serve`` (the embedded SGLang-protocol server), ``demo`` (the
 rollout side on its own: generation through the client with a weight update mid-answer) and
-``bench`` (the system benchmarks, ``areal_jax.bench``).
+``bench`` (the system benchmarks, ``areal_jax.bench``). Every command but ``serve`` turns SIGTERM
+into a clean shutdown, as Ctrl-C, so the rollout servers it started are stopped with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 DEMO_QUESTIONS = ["12+7=", "3*4=", "What is 9-5?", "20/4=", "6+6+6=", "Is 7 prime?", "2^5=", "15-8="]
@@ -154,6 +159,7 @@ def _train(argv: list[str]) -> None:
 
 def _eval(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
+    from areal_jax.data import DatasetError
     from areal_jax.trainer.evaluate import evaluate_checkpoint
     from areal_jax.trainer.run_config import load_run_config
 
@@ -162,9 +168,39 @@ def _eval(argv: list[str]) -> None:
         cfg = load_run_config(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         sys.exit(f"areal-jax eval: {e}")
-    out = evaluate_checkpoint(cfg, args.model_path)
+    try:
+        out = evaluate_checkpoint(cfg, args.model_path)
+    except (ConfigError, DatasetError, FileNotFoundError) as e:  # a wrong --model-path or data section
+        sys.exit(f"areal-jax eval: {e}")
     print(f"{args.model_path}: held-out accuracy {out['eval_accuracy']:.1%}, mean reward {out['eval_reward']:.3f} "
           f"on {out['eval_prompts']} prompts")
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within this block, SIGTERM (``kill``, ``timeout``, a scheduler ending the job) ends the
+    process as Ctrl-C does: ``SystemExit`` raised in the main thread runs the ``finally`` blocks
+    and context managers on its way out, which stop the rollout servers this process started
+    (they run in a session of their own, so the signal does not reach them) and let a checkpoint
+    being written finish. The default action ends the process on the spot and leaves them
+    running. A second SIGTERM takes the default action, for a clean-up that hangs (a thread stuck
+    in a collective, say); embedded servers then stop by themselves. Outside the main thread
+    (signal handlers live there) this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def first(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("areal-jax: SIGTERM: shutting down (stopping the rollout servers; SIGTERM again to end at once)",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -177,20 +213,22 @@ def main(argv: list[str] | None = None) -> None:
     cmd, rest = argv[0], argv[1:]
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # tokenizers only: no "PyTorch was not found" notice
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if cmd == "serve":
+    if cmd == "serve":  # it answers SIGTERM itself, in its event loop
         from rollout_bridge.serve import run_server
 
         run_server(rest)
-    elif cmd == "demo":
-        asyncio.run(_demo(_demo_args(rest)))
-    elif cmd == "train":
-        _train(rest)
-    elif cmd == "eval":
-        _eval(rest)
-    elif cmd == "bench":
-        from areal_jax.bench.cli import main as bench_main
+        return
+    with stop_on_sigterm():  # every other command may start servers
+        if cmd == "demo":
+            asyncio.run(_demo(_demo_args(rest)))
+        elif cmd == "train":
+            _train(rest)
+        elif cmd == "eval":
+            _eval(rest)
+        elif cmd == "bench":
+            from areal_jax.bench.cli import main as bench_main
 
-        bench_main(rest)
+            bench_main(rest)
 
 
 if __name__ == "__main__":

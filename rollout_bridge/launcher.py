@@ -11,6 +11,12 @@ launched with; the rollout client keeps it out of rotation until it holds the cu
 Logs go to one file per server. The servers load weights from disk only under ``weight_roots``
 (default: the directory holding the model and the run directory, the parent of ``log_dir``,
 where a run's weight pushes go).
+
+Each child learns its parent's pid (``AREAL_JAX_PARENT_PID``): an embedded server shuts down
+on its own within about a second of its parent's death, SIGKILL included, when nothing was left
+to stop it (the servers run in their own session, so a signal to the parent's process group
+does not reach them). A real SGLang server (``command``) has no such watchdog: one whose trainer
+was SIGKILLed runs on until the scheduler ends the job.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ from pathlib import Path
 from rollout_bridge.placement import Placement
 
 logger = logging.getLogger(__name__)
+
+PARENT_PID_ENV = "AREAL_JAX_PARENT_PID"
+"""The environment variable that gives each child the pid of the process that started it."""
 
 
 class LaunchError(RuntimeError):
@@ -143,9 +152,13 @@ class ServerFleet:
     def _spawn(self, cmd: list[str], log: Path, mode: str, index: int) -> subprocess.Popen:
         """Start server ``index``'s ``cmd`` in its placement, its output appended to ``log``."""
         place = self.placements[index] if self.placements is not None else Placement(())
+        # Its own session lets ``stop`` end the server's own children with it (``killpg``) and
+        # keeps a terminal's Ctrl-C off them while the parent stops them; so nothing reaches
+        # them when the parent dies, and the parent's pid lets ``serve`` notice that itself.
+        env = {**os.environ, **(self.env or {}), **place.env, PARENT_PID_ENV: str(os.getpid())}
         with log.open(mode) as f:
             return subprocess.Popen(_pinned(cmd, place.cpu_affinity), stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True, env={**os.environ, **(self.env or {}), **place.env})
+                                    start_new_session=True, env=env)
 
     def _warmup_args(self) -> list[str]:
         """A run's fleet skips the start-up compile of every step shape unless ``server_args`` ask

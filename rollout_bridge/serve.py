@@ -11,6 +11,9 @@ It listens on 127.0.0.1 unless ``--host`` says otherwise. ``--api-key`` guards e
 the health checks; ``--weight-roots`` bounds where ``/update_weights_from_disk`` may load from;
 ``--max-request-bytes`` / ``--max-weight-bucket-bytes`` bound request bodies (413 past them) and
 ``--weight-transfer-timeout`` drops a bucketed weight push that stops half-way.
+
+SIGTERM shuts it down cleanly (requests in flight are answered with what they have). Started by
+a ``ServerFleet`` (``AREAL_JAX_PARENT_PID`` set), it also shuts down so once its parent is gone.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from rollout_bridge.launcher import PARENT_PID_ENV
 from rollout_bridge.server import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
@@ -171,8 +175,35 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     return app, engine
 
 
+def parent_pid() -> int | None:
+    """The pid of the fleet that started this server (``AREAL_JAX_PARENT_PID``), taken out of the
+    environment so that nothing this process starts inherits it; None when not started by one."""
+    value = os.environ.pop(PARENT_PID_ENV, None)
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        log.warning("ignoring %s=%r: not a pid", PARENT_PID_ENV, value)
+        return None
+
+
+async def watch_parent(parent: int, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    """Set ``stop`` once ``parent`` is no longer this process's parent. A fleet's servers run in
+    their own session, so a trainer killed outright (SIGKILL, the OOM killer) cannot stop them and
+    no signal reaches them: without this they would keep their port and device memory forever."""
+    while not stop.is_set():
+        if os.getppid() != parent:  # re-parented to init or a subreaper
+            log.warning("the process that started this server (pid %d) is gone: shutting down", parent)
+            stop.set()
+            return
+        await asyncio.sleep(interval_s)
+
+
 async def serve(args: argparse.Namespace) -> None:
-    """Load the model and serve it until cancelled."""
+    """Load the model and serve it until SIGTERM, cancellation, or the death of the fleet that
+    started it."""
+    parent = parent_pid()
     app, engine = build(args)
     cfg = engine.cfg
     runner, bound = await start_server(app, args.host, args.port)
@@ -185,12 +216,19 @@ async def serve(args: argparse.Namespace) -> None:
              "" if args.skip_server_warmup else f"; compiling {len(engine.step_shapes())} step shapes first")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_sigterm() -> None:
+        log.info("SIGTERM: shutting down")
+        stop.set()
+
     with contextlib.suppress(NotImplementedError):  # SIGTERM (a launcher stopping us) shuts down cleanly
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    watchdog = asyncio.create_task(watch_parent(parent, stop)) if parent is not None else None
     try:
         await stop.wait()
-        log.info("SIGTERM: shutting down")
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         await runner.cleanup()  # answers the requests in flight with their partial output first
 
 

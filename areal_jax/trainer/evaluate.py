@@ -130,6 +130,7 @@ def device_split(cfg: RunConfig) -> tuple[Any, list[Any]] | None:
 
 def evaluate_checkpoint(cfg: RunConfig, model_path: str | Path) -> dict[str, Any]:
     """Serve ``model_path`` as the config's rollout says and evaluate it on the eval split."""
+    from areal_jax.config import ConfigError
     from areal_jax.data import load_prompts
     from areal_jax.models import load_tokenizer
     from areal_jax.rewards import RewardPool
@@ -141,7 +142,7 @@ def evaluate_checkpoint(cfg: RunConfig, model_path: str | Path) -> dict[str, Any
     tokenizer = load_tokenizer(model_path)
     data = load_prompts(cfg.data, tokenizer)
     if not data.eval_rows:
-        raise ValueError("the config's data section has no held-out split (set data.eval_path or data.eval_fraction)")
+        raise ConfigError("the config's data section has no held-out split (set data.eval_path or data.eval_fraction)")
 
     async def run() -> dict[str, Any]:
         async with open_rollout(cfg, model_path, Path(cfg.run_dir) / "logs-eval") as (client, _):

@@ -9,6 +9,11 @@ def echo(prompt: str, completion: str, value: float = 0.0, **_) -> tuple[float, 
     return value + len(completion), {"length": len(completion)}
 
 
+def full_marks(prompt: str, completion: str, **_) -> float:
+    """Every answer is right: what an evaluation reports is then known in advance."""
+    return 1.0
+
+
 def misbehave(prompt: str, completion: str, **_) -> float:
     if completion == "sleep":
         time.sleep(30)

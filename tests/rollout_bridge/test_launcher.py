@@ -1,9 +1,14 @@
-"""ServerFleet: embedded servers as child processes, health waits, death noticed, all stopped."""
+"""ServerFleet: embedded servers as child processes, health waits, death noticed, all stopped, also
+when their parent is SIGTERMed or SIGKILLed."""
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -62,6 +67,24 @@ def test_fleet_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
     assert fleet.children == []
 
 
+def test_fleet_reports_a_server_that_never_becomes_healthy(tmp_path: Path) -> None:
+    """A server that runs but never answers /health within ``startup_timeout_s`` fails the start
+    with an error quoting its log, and is stopped."""
+    pid_file = tmp_path / "pid"
+    hang = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                  "print('loading shards...', flush=True); time.sleep(120)"]
+    fleet = ServerFleet(tmp_path, 1, tmp_path / "logs", startup_timeout_s=2, command=lambda i, port: hang)
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match=r"rollout server 0 .* did not answer /health within 2s; last lines of "
+                                          r"\S*server-0.log") as e:
+        fleet.start()
+    assert time.monotonic() - t0 < 30
+    assert "loading shards..." in str(e.value)  # the child's own output is quoted
+    assert fleet.children == []
+    with pytest.raises(ProcessLookupError):  # stopped, not left running
+        os.kill(int(pid_file.read_text()), 0)
+
+
 def test_fleet_skips_the_server_warmup_unless_asked(tmp_path: Path) -> None:
     """A run's servers start at once (the run compiles only the shapes it uses); ``--server-warmup``
     in ``server_args`` keeps the start-up compile and is not passed on to ``serve``, which lacks it."""
@@ -69,3 +92,87 @@ def test_fleet_skips_the_server_warmup_unless_asked(tmp_path: Path) -> None:
     assert fleet._warmup_args() == ["--skip-server-warmup"]
     fleet = ServerFleet(tmp_path, 1, tmp_path, extra_args=["--server-warmup", "--context-length", "128"])
     assert fleet._warmup_args() == [] and fleet.extra_args == ["--context-length", "128"]
+
+
+# A stand-in for a server that knows nothing of its parent (as SGLang): answers /health, runs on.
+_FAKE_SERVER = ("import http.server, sys\n"
+                "class H(http.server.BaseHTTPRequestHandler):\n"
+                "    def do_GET(self):\n"
+                "        self.send_response(200); self.end_headers()\n"
+                "    def log_message(self, *a):\n"
+                "        pass\n"
+                "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+
+# The parent of the fleet: starts it, prints its servers' pids, and waits to be signalled.
+_FLEET_PARENT = f"""
+import sys, time
+from pathlib import Path
+from areal_jax.cli import stop_on_sigterm
+from rollout_bridge.launcher import ServerFleet
+model, logs, fake = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "fake"
+command = (lambda i, port: [sys.executable, "-c", {_FAKE_SERVER!r}, str(port)]) if fake else None
+with stop_on_sigterm(), ServerFleet(model, 1, logs, command=command, startup_timeout_s=120,
+                                    extra_args=["--skip-server-warmup", "--max-running-requests", "2"]) as fleet:
+    print(" ".join(str(c.proc.pid) for c in fleet.children), flush=True)
+    time.sleep(600)
+"""
+
+
+def _start_fleet_parent(model: Path, logs: Path, fake: bool) -> tuple[subprocess.Popen, int]:
+    """A child Python process holding a one-server fleet, and that server's pid."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", _FLEET_PARENT, str(model), str(logs), "fake" if fake else "real"],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+    line = proc.stdout.readline()  # once the server answers /health
+    assert line.strip(), f"the fleet did not start (rc {proc.wait()}); server log:\n{_read(logs / 'server-0.log')}"
+    return proc, int(line)
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else "(no log)"
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _kill_leftover(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_to_the_parent_stops_its_servers(tmp_path: Path) -> None:
+    """``areal-jax train``'s SIGTERM handling (``cli.stop_on_sigterm``) stops the fleet on the way
+    out, even a server without a watchdog of its own (the stand-in, like SGLang): with the default
+    action the parent vanished at once and the server, in its own session, ran on."""
+    proc, server = _start_fleet_parent(tmp_path, tmp_path / "logs", fake=True)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert _gone_within(server, 5), "the server outlived its SIGTERMed parent"
+        assert proc.wait(30) == 128 + signal.SIGTERM  # a clean exit, not death by the signal (-15)
+    finally:
+        proc.kill()
+        _kill_leftover(server)
+
+
+@pytest.mark.slow
+def test_an_embedded_server_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
+    """SIGKILL leaves the parent no chance to stop its servers: ``serve`` notices that its parent
+    (``AREAL_JAX_PARENT_PID``, set by the fleet) is gone and shuts down by itself."""
+    ckpt = make_tiny_checkpoint(tmp_path / "m", model_type="qwen2", size="tiny")
+    proc, server = _start_fleet_parent(ckpt, tmp_path / "logs", fake=False)
+    try:
+        proc.kill()
+        proc.wait(10)
+        assert _gone_within(server, 10), "the server outlived its SIGKILLed parent"
+        assert "is gone: shutting down" in _read(tmp_path / "logs" / "server-0.log")
+    finally:
+        _kill_leftover(server)

@@ -1,7 +1,9 @@
-"""MetricsLogger: JSONL lines, TensorBoard events that TensorBoard's reader parses, wandb offline,
-and the end-of-run plot."""
+"""MetricsLogger: JSONL lines, TensorBoard events that TensorBoard's reader parses, wandb offline
+records that wandb's reader parses, the progress bar, and the end-of-run plot."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,16 +45,50 @@ def test_jsonl_and_tensorboard(tmp_path: Path) -> None:
 
 
 def test_wandb_offline_mirror(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline run's record (what ``wandb sync`` uploads), read back with wandb's own reader
+    (``wandb leet inspect --json``): each step's numbers at its step, the run config, no text."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = MetricsLogger(tmp_path, LogConfig(progress=False, tensorboard=False, wandb_project="areal-test"),
                            run_config={"steps": 2})
-    for m in _steps(2):
+    for m in _steps(3):
         logger.log(m)
     run_dir = Path(logger._wandb.dir).parent
     logger.close()
-    files = list(run_dir.glob("*.wandb"))
-    assert files and files[0].stat().st_size > 0  # the offline run's record, for `wandb sync`
+    [record] = run_dir.glob("*.wandb")
+    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(record)],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0 and "No such command" in out.stderr:
+        import wandb
+
+        pytest.skip(f"wandb {wandb.__version__} has no offline reader (wandb leet inspect)")
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    history = {r["history"]["step"]["num"]: r["history"]["item"] for r in records if r["type"] == "history"}
+    assert sorted(history) == [1, 2, 3]
+    for m in _steps(3):
+        logged = history[m["step"]]
+        for key in ("version", "time", "reward_mean", "staleness_max", "eval_accuracy"):
+            assert logged.get(key) == (pytest.approx(m[key]) if key in m else None), (m["step"], key)
+        assert "note" not in logged  # text stays in the JSONL
+    [run] = [r["run"] for r in records if r["type"] == "run"]
+    assert run["config"]["update"]["steps"] == 2
+
+
+def test_progress_bar_shows_reward_staleness_and_version(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    logger = MetricsLogger(tmp_path, LogConfig(progress=True, tensorboard=False), total_steps=4)
+    for m in _steps(4):
+        logger.log(m)
+    logger.write("a line between steps")
+    logger.close()
+    captured = capsys.readouterr()
+    err = captured.err  # tqdm draws on stderr
+    final = err.replace("\r", "\n").strip().splitlines()[-1]  # the bar as it stays on screen
+    assert final.startswith("RL: 100%") and "4/4" in final
+    # the last step's: reward_mean 0.4, staleness_max 1, version 4, eval_accuracy 0.8
+    assert "reward=0.400, stale=1, v=4, eval_acc=0.800" in final
+    assert "a line between steps" in captured.out  # tqdm.write: on stdout, the bar moved aside
 
 
 def test_plot(tmp_path: Path) -> None:

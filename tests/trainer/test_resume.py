@@ -2,7 +2,8 @@
 with the in-process engine is killed with SIGKILL mid-step, resumed and killed again mid-save,
 then resumed to the end. Each resume starts from the last complete checkpoint, and the run
 trains, step by step, the prompts an unbroken run trains: none lost, none twice; metrics.jsonl
-and TensorBoard hold every step once."""
+and TensorBoard hold every step once. An asynchronous run killed with prompts in flight at its
+checkpoint trains each of them after the resume, and no prompt twice."""
 
 import json
 import os
@@ -124,3 +125,54 @@ def test_killed_mid_step_and_mid_save_resumes_like_an_unbroken_run(tmp_path: Pat
     assert [m["version"] for m in lines] == list(range(1, STEPS + 1))
     shown = _tensorboard_view(run_dir / "tensorboard")
     assert [s for s, _ in shown["reward_mean"]] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_async_run_killed_with_prompts_in_flight_trains_each_prompt_once(tmp_path: Path) -> None:
+    """Asynchronous (rollout up to two versions ahead of the trainer), a checkpoint every step,
+    SIGKILL a few steps in: the checkpoint it resumes from holds prompts in flight, which the
+    resumed run trains (submitted again first); over both runs no prompt is trained twice but
+    those the killed run trained after that checkpoint, and metrics.jsonl holds each step once."""
+    from collections import Counter
+
+    from etils import epath
+
+    from areal_jax.trainer.checkpoint import CheckpointConfig, RunCheckpoints
+
+    steps = 16
+    env = _env(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))  # the suite's: warm on a second run of it
+    run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
+    run = [a for a in RUN if not a.startswith(("rollout.mode=", "steps="))]
+    cmd = [sys.executable, "-m", "areal_jax.cli", "train", "--config", str(ROOT / "configs" / "demo.yaml"), *run,
+           f"run_dir={run_dir}", "rollout.mode=async", "rollout.max_staleness=2", "checkpoint.every_steps=1",
+           f"steps={steps}"]
+
+    p = _start(cmd, env, tmp_path / "run1.log")
+    _kill_when(p, lambda: len(_lines(run_dir)) >= 4 and _complete(ckpt_dir)[-1:] >= [3], poll=0.02)
+    killed = _lines(run_dir)
+    ckpt = _complete(ckpt_dir)[-1]
+    assert [m["step"] for m in killed] == list(range(1, len(killed) + 1)) and ckpt <= len(killed) < steps
+    pending = RunCheckpoints(CheckpointConfig(), epath.Path(ckpt_dir)).read_meta(ckpt)["controller"]["pending"]
+    assert pending, "no prompt was in flight at the checkpoint: the run did not run ahead"
+
+    proc = subprocess.run([*cmd, "--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"resuming from checkpoint step {ckpt} " in proc.stdout
+    assert f"{len(pending)} prompts in flight submitted again" in proc.stdout
+
+    lines = _lines(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert [m["version"] for m in lines] == list(range(1, steps + 1))
+    assert lines[:ckpt] == killed[:ckpt]  # the lines up to the checkpoint kept as they were
+    assert max(m["staleness_max"] for m in lines) >= 1 and all(m["failed"] == 0 for m in lines)
+    trained = Counter(p for m in lines for p in m["prompt_ids"])
+    assert max(trained.values()) == 1  # as one unbroken run: every prompt once
+    resumed = {p for m in lines[ckpt:] for p in m["prompt_ids"]}
+    assert set(pending) <= resumed  # the prompts in flight at the checkpoint were not lost
+    # over both runs, only what the killed run trained after its last checkpoint comes twice
+    both = Counter(p for m in killed + lines[ckpt:] for p in m["prompt_ids"])
+    lost = {p for m in killed[ckpt:] for p in m["prompt_ids"]}
+    assert {p for p, n in both.items() if n > 1} == lost and max(both.values()) <= 2
+    print(f"\nkilled after step {len(killed)}, resumed from {ckpt} with {len(pending)} prompts in flight; "
+          f"{len(lost)} prompts trained again")
