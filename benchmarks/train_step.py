@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -68,22 +69,37 @@ def model_flops(cfg: ModelConfig, lengths: list[int], recompute: bool) -> float:
     return passes * (2 * n_matmul * tokens + attn_fwd)
 
 
-def attention_profile(cfg: ModelConfig, micro: dict, window: int, reps: int) -> dict:
-    """What bounds the step: one decoder layer's attention (the block-local path the trainer runs
-    on packed rows) against the same layer's weight matmuls, forward + backward each, on one
-    packed micro-batch; and how many attention scores that path computes against the ones causal
-    attention within each sequence needs."""
+def attention_profile(cfg: ModelConfig, micro: dict, window: int, block: int, reps: int) -> dict:
+    """What bounds the step: one decoder layer's attention, as the trainer runs it on packed rows
+    (block-sparse over the rows' block pairs; ``block`` 0: every score in the window), against
+    the same layer's weight matmuls, forward + backward each, on one packed micro-batch; and how
+    many attention scores that computes against the ones causal attention within each sequence
+    needs."""
+    from areal_jax.data.packing import attention_block_pairs, pair_budget
+    from areal_jax.models.attention import attend_packed_pairs
     from areal_jax.models.decoder import attend_packed_local
 
-    ids = np.asarray(micro["input_ids"])
     seg = np.asarray(micro["segment_ids"])
-    b, t = ids.shape
+    b, t = seg.shape
+    lengths = [[int(n) for s, n in zip(*np.unique(row, return_counts=True), strict=True) if s > 0] for row in seg]
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(b, t, cfg.num_attention_heads, cfg.head_dim)), jnp.float32)
     k, v = (jnp.asarray(rng.normal(size=(b, t, cfg.num_key_value_heads, cfg.head_dim)), jnp.float32)
             for _ in range(2))
-    attention = jax.jit(jax.grad(lambda q, k, v: (attend_packed_local(q, k, v, jnp.asarray(seg), window) ** 2).sum(),
-                                 argnums=(0, 1, 2)))
+    if block:
+        bs = min(block, t)
+        rows = [attention_block_pairs(n, t, bs) for n in lengths]
+        pairs = np.zeros((b, pair_budget(max(len(r) for r in rows), t // bs), 2), np.int32)
+        pairs[..., 1] = t // bs - 1
+        for r, p in enumerate(rows):
+            pairs[r, :len(p)] = p
+        fn = partial(attend_packed_pairs, segment_ids=jnp.asarray(seg), pairs=jnp.asarray(pairs), block=bs)
+        computed = pairs.shape[0] * pairs.shape[1] * bs * bs * cfg.num_attention_heads
+    else:
+        fn = partial(attend_packed_local, segment_ids=jnp.asarray(seg), window=window)
+        bs = min(128, t)
+        computed = b * t * min(t, (-(-(max(window, 1) - 1) // bs) + 1) * bs) * cfg.num_attention_heads
+    attention = jax.jit(jax.grad(lambda q, k, v: (fn(q, k, v) ** 2).sum(), argnums=(0, 1, 2)))
     h, i = cfg.hidden_size, cfg.intermediate_size
     qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     x = jnp.asarray(rng.normal(size=(b * t, h)), jnp.float32)
@@ -99,13 +115,9 @@ def attention_profile(cfg: ModelConfig, micro: dict, window: int, reps: int) -> 
     matmuls = jax.jit(jax.grad(layer_matmuls, argnums=(0, 1)))
     attention_s = _timed(lambda: jax.block_until_ready(attention(q, k, v)), reps)
     matmul_s = _timed(lambda: jax.block_until_ready(matmuls(x, weights)), reps)
-    block = min(128, t)
-    back = -(-(max(window, 1) - 1) // block)
-    computed = b * t * min(t, (back + 1) * block) * cfg.num_attention_heads
-    lengths = [int(n) for row in seg for s, n in zip(*np.unique(row, return_counts=True), strict=True) if s > 0]
-    needed = sum(n * (n + 1) // 2 for n in lengths) * cfg.num_attention_heads
+    needed = sum(n * (n + 1) // 2 for row in lengths for n in row) * cfg.num_attention_heads
     return {"attention_s_per_layer": attention_s, "matmuls_s_per_layer": matmul_s,
-            "attention_share": attention_s / (attention_s + matmul_s), "window": window,
+            "attention_share": attention_s / (attention_s + matmul_s), "window": window, "block": block,
             "scores_computed": computed, "scores_needed": needed, "scores_computed_over_needed": computed / needed}
 
 
@@ -127,7 +139,7 @@ def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
                              TrainConfig(lr=1e-5, micro_batch_tokens=args.budget, length_buckets=buckets))
     trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(),
                       TrainConfig(lr=1e-5, micro_batch_tokens=args.budget, length_buckets=buckets,
-                                  max_seq_len=max_len))
+                                  max_seq_len=max_len, attention_block=args.attention_block))
     rng = np.random.default_rng(0)
     batches = [batch(rng, args.groups, args.group_size, args.max_answer) for _ in range(args.batches)]
     for b in batches:  # compile every bucket the timed pass will meet
@@ -162,7 +174,7 @@ def run_size(size: str, peak: float, args: argparse.Namespace) -> dict:
         grads, _ = t.minibatch_grads(micro)
         jax.block_until_ready(grads)
 
-    profile = attention_profile(cfg, packed[0], max_len, args.reps)
+    profile = attention_profile(cfg, packed[0], max_len, args.attention_block, args.reps)
     layout_stats = {}
     for name, (t, micro) in layouts.items():
         seconds = _timed(lambda t=t, micro=micro: step(t, micro), args.reps)
@@ -196,6 +208,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--padded-micro-batches", type=int, default=4)
+    parser.add_argument("--attention-block", type=int, default=TrainConfig().attention_block,
+                        help="the trainer's block-sparse attention block (0: every score in the window)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -212,7 +226,8 @@ def main() -> None:
         pr = r["profile"]
         print(f"        one layer, forward + backward: attention {pr['attention_s_per_layer']:.3f}s, weight matmuls "
               f"{pr['matmuls_s_per_layer']:.3f}s (attention {100 * pr['attention_share']:.0f}%); attention scores "
-              f"computed / needed: {pr['scores_computed_over_needed']:.1f}x (window {pr['window']})")
+              f"computed / needed: {pr['scores_computed_over_needed']:.1f}x "
+              f"(window {pr['window']}, block {pr['block']})")
     if args.out:
         args.out.write_text(text + "\n")
 

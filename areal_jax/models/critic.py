@@ -49,7 +49,9 @@ class Critic(nnx.Module):
         return critic
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, *, attention_window: int | None = None) -> jax.Array:
+                 segment_ids: jax.Array | None = None, *, attention_window: int | None = None,
+                 attention_pairs: jax.Array | None = None, attention_block: int = 64) -> jax.Array:
         """Values ``[batch, tokens]`` in float32, for packed or padded input as ``Decoder`` takes it."""
-        hidden = self.trunk.hidden_states(input_ids, positions, segment_ids, attention_window=attention_window)
+        hidden = self.trunk.hidden_states(input_ids, positions, segment_ids, attention_window=attention_window,
+                                          attention_pairs=attention_pairs, attention_block=attention_block)
         return self.value_head(hidden.astype(jnp.float32))[..., 0]

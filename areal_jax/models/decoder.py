@@ -22,7 +22,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from areal_jax.models.attention import dot_product_attention_packed, resolve_attention_impl, splash_attention_packed
+from areal_jax.models.attention import (
+    attend_packed_pairs,
+    dot_product_attention_packed,
+    resolve_attention_impl,
+    splash_attention_packed,
+)
 from areal_jax.models.config import ModelConfig, jnp_dtype
 from sharding import constrain, logical_axis_size
 
@@ -277,7 +282,7 @@ class Attention(nnx.Module):
         return constrain(k, names), constrain(v, names)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 window: int | None = None) -> jax.Array:
+                 window: int | None = None, pairs: jax.Array | None = None, block: int = 64) -> jax.Array:
         q, k, v = self._qkv(x, positions)
         k, v = self._replicate_kv(k, v, kv_head_replicas(self.num_kv_heads, "act_kv_heads"))
         impl = resolve_attention_impl(self.attention_impl, self.compute_dtype)
@@ -285,6 +290,8 @@ class Attention(nnx.Module):
             out = dot_product_attention_packed(q, k, v, segment_ids, window=window, precision=self.precision)
         elif impl == "splash":
             out = splash_attention_packed(q, k, v, segment_ids, window=window)
+        elif pairs is not None:
+            out = attend_packed_pairs(q, k, v, segment_ids, pairs, min(block, x.shape[1]), self.precision)
         elif window is None:
             out = attend_packed(q, k, v, segment_ids, self.precision)
         else:
@@ -333,8 +340,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-                 window: int | None = None) -> jax.Array:
-        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, window)
+                 window: int | None = None, pairs: jax.Array | None = None, block: int = 64) -> jax.Array:
+        x = x + self.self_attn(self.input_layernorm(x), positions, segment_ids, window, pairs, block)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
@@ -390,11 +397,15 @@ class Decoder(nnx.Module):
     # -- training / scoring path --
 
     def hidden_states(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                      segment_ids: jax.Array | None = None, *, attention_window: int | None = None) -> jax.Array:
+                      segment_ids: jax.Array | None = None, *, attention_window: int | None = None,
+                      attention_pairs: jax.Array | None = None, attention_block: int = 64) -> jax.Array:
         """Final-norm hidden states ``[batch, tokens, hidden]`` for packed or padded input.
 
         ``attention_window`` (static): a bound on every segment's length. Attention then looks
         back only that far, so long packed rows cost ``tokens * window``, not ``tokens ** 2``.
+        ``attention_pairs`` ``[batch, P, 2]`` (``data.packing.attention_block_pairs`` per row, in
+        blocks of ``min(attention_block, tokens)``): the dense path computes only those blocks'
+        scores, about ``sum(len ** 2) / 2`` per row (fused paths ignore them).
         """
         if input_ids.ndim == 1:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {input_ids.shape}")
@@ -405,7 +416,7 @@ class Decoder(nnx.Module):
         x = constrain(self.embed_tokens(input_ids), ("batch", "length", "act_embed"))
 
         def layer_fn(x: jax.Array, layer: DecoderLayer) -> jax.Array:
-            return layer(x, positions, segment_ids, attention_window)
+            return layer(x, positions, segment_ids, attention_window, attention_pairs, attention_block)
 
         if self.config.remat != "none":
             layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
@@ -428,10 +439,12 @@ class Decoder(nnx.Module):
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, *, attention_window: int | None = None) -> jax.Array:
-        """Logits ``[batch, tokens, vocab]`` in float32."""
-        return self.logits_from_hidden(
-            self.hidden_states(input_ids, positions, segment_ids, attention_window=attention_window))
+                 segment_ids: jax.Array | None = None, *, attention_window: int | None = None,
+                 attention_pairs: jax.Array | None = None, attention_block: int = 64) -> jax.Array:
+        """Logits ``[batch, tokens, vocab]`` in float32 (arguments as ``hidden_states``)."""
+        return self.logits_from_hidden(self.hidden_states(
+            input_ids, positions, segment_ids, attention_window=attention_window, attention_pairs=attention_pairs,
+            attention_block=attention_block))
 
     # -- generation path --
 

@@ -62,6 +62,12 @@ class TrainConfig:
     """Longest trajectory (prompt + answer) the run produces. Packed attention then looks back at
     most this far, so a packed row of ``T`` tokens costs about ``T * max_seq_len`` instead of
     ``T ** 2``; a longer trajectory is an error. None: full attention over each row."""
+    attention_block: int = 64
+    """On the dense (CPU and reference) attention path, a packed row is cut into blocks of this
+    many tokens and only the block pairs that hold a query and a key of one sequence are
+    computed (``data.packing.attention_block_pairs``): a row of short sequences costs about
+    ``sum(len ** 2) / 2`` scores instead of ``tokens * max_seq_len``. 0 computes every score
+    within the window. The fused paths (cuDNN, splash) skip masked blocks themselves."""
     remat: bool | str = False
     """What the backward pass keeps of each decoder layer: ``none`` (all activations), ``full``
     (only the layer input: least memory, about 1/3 more compute) or ``dots`` (also the weight
@@ -71,6 +77,8 @@ class TrainConfig:
         object.__setattr__(self, "betas", tuple(self.betas))
         object.__setattr__(self, "remat", remat_policy(self.remat, "remat"))
         object.__setattr__(self, "length_buckets", tuple(sorted(int(b) for b in self.length_buckets)))
+        if self.attention_block < 0:
+            raise ValueError(f"attention_block must be >= 0 (0: off), got {self.attention_block}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
         if self.compute_dtype is not None:

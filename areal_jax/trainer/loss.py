@@ -25,13 +25,19 @@ from areal_jax.models import Critic, Decoder, chunked_logprobs
 Batch = dict[str, jax.Array]
 
 
+def attention_args(batch: Batch, window: int | None, block: int) -> dict[str, Any]:
+    """The model's attention keywords for ``batch``: the window bound, and the block pairs the
+    preparer planned for block-sparse attention (when the batch carries them)."""
+    return {"attention_window": window, "attention_pairs": batch.get("attention_pairs"), "attention_block": block}
+
+
 def token_logprobs(
     model: Decoder, batch: Batch, *, temperature: float, chunk_size: int, with_entropy: bool = False,
-    attention_window: int | None = None,
+    attention_window: int | None = None, attention_block: int = 64,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``log_softmax(logits / T)`` of each position's target, and optionally the entropy there."""
     hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
-                                 attention_window=attention_window)
+                                 **attention_args(batch, attention_window, attention_block))
     return chunked_logprobs(
         hidden, batch["targets"], model.logits_from_hidden,
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
@@ -57,6 +63,7 @@ def micro_batch_loss(
     temperature: float,
     chunk_size: int,
     attention_window: int | None = None,
+    attention_block: int = 64,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the minibatch loss, and its (unscaled) statistics.
 
@@ -67,7 +74,8 @@ def micro_batch_loss(
     read only by the ``loglinear`` approximation.
     """
     logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
-                                       with_entropy=True, attention_window=attention_window)
+                                       with_entropy=True, attention_window=attention_window,
+                                       attention_block=attention_block)
     mask = batch["loss_mask"]
     behavior = batch["behavior_logprobs"]
     if not algo.use_decoupled_loss:
@@ -87,14 +95,16 @@ def micro_batch_loss(
     return loss * scalars["loss_scale"], aux
 
 
-def token_values(critic: Critic, batch: Batch, *, attention_window: int | None = None) -> jax.Array:
+def token_values(critic: Critic, batch: Batch, *, attention_window: int | None = None,
+                 attention_block: int = 64) -> jax.Array:
     """The critic's output at every position, ``[rows, length]`` float32.
 
     In the position convention this is already aligned with the targets: position ``j`` has seen
     tokens ``0..j``, so its output is the value before token ``j + 1``, the token whose logprob
     the logits at ``j`` give. Unshifted (``batching.unshift``), index ``i`` holds token ``i``'s value.
     """
-    return critic(batch["input_ids"], batch["positions"], batch["segment_ids"], attention_window=attention_window)
+    return critic(batch["input_ids"], batch["positions"], batch["segment_ids"],
+                  **attention_args(batch, attention_window, attention_block))
 
 
 def micro_batch_value_loss(
@@ -104,11 +114,12 @@ def micro_batch_value_loss(
     *,
     algo: AlgoConfig,
     attention_window: int | None = None,
+    attention_block: int = 64,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the minibatch's value loss (times ``value_coef``), and its
     unscaled statistics. The value loss is a token mean whatever the policy's aggregation, so
     ``scalars["loss_scale"]`` is this micro-batch's share of the minibatch's masked tokens."""
-    values = token_values(critic, batch, attention_window=attention_window)
+    values = token_values(critic, batch, attention_window=attention_window, attention_block=attention_block)
     mask = batch["loss_mask"]
     loss, stats = clipped_value_loss(values, batch["old_values"], batch["returns"], mask,
                                      eps_clip=algo.value_eps_clip)

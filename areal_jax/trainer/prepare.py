@@ -26,14 +26,14 @@ from jax.sharding import Sharding
 
 from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
 from areal_jax.algo.kl import KL_ESTIMATORS
-from areal_jax.data.packing import bucket_length, build_packed_batch
+from areal_jax.data.packing import attention_block_pairs, bucket_length, build_packed_batch, pair_budget
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer import batching
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.learner import Learner
 from sharding import gather_to_host
 
-FORWARD_KEYS = ("input_ids", "positions", "segment_ids")
+FORWARD_KEYS = ("input_ids", "positions", "segment_ids", "attention_pairs")
 LOGPROB_KEYS = (*FORWARD_KEYS, "targets")
 POLICY_KEYS = (*LOGPROB_KEYS, "loss_mask", "behavior_logprobs", "versions", "advantages")
 CRITIC_KEYS = (*FORWARD_KEYS, "loss_mask", "old_values", "returns")
@@ -109,8 +109,14 @@ def loss_units(arrays: dict[str, Any], aggregation: str) -> float:
 class BatchPreparer:
     """Packs, places and scores training batches for one trainer's mesh and configs."""
 
-    def __init__(self, algo: AlgoConfig, train: TrainConfig, *, dp_groups: int, data_sharding: Sharding) -> None:
+    def __init__(self, algo: AlgoConfig, train: TrainConfig, *, dp_groups: int, data_sharding: Sharding,
+                 pairs_block: int = 0) -> None:
         self.algo, self.train, self.dp_groups, self.data_sharding = algo, train, dp_groups, data_sharding
+        self.pairs_block = pairs_block
+        """Block size of the attention pairs each micro-batch carries (0: none)."""
+        self._pair_budget: dict[int, int] = {}
+        """Per row length, the most block pairs a micro-batch has needed so far, rounded up: it only
+        grows, so a run compiles a few pair counts per length bucket."""
         # Advantages run on small [batch, width] arrays; width is bucketed so this compiles rarely.
         self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
         self._ev_fn = jax.jit(explained_variance)
@@ -144,12 +150,35 @@ class BatchPreparer:
         return {k: array(k) for k in keys}
 
     def pack(self, trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[MicroBatch]:
-        """The micro-batches of ``trajectories[indices]``, placed on the mesh."""
+        """The micro-batches of ``trajectories[indices]``, placed on the mesh (with their attention
+        block pairs when the preparer plans them)."""
         seqs = [batching.shifted_fields(t) for t in trajectories]
         out = []
         for p in self.plan([len(t) for t in trajectories], indices):
             units, tokens = plan_counts(trajectories, p, self.algo.loss_aggregation)
-            out.append(MicroBatch(p, self.place(seqs, p), units, tokens))
+            arrays = self.place(seqs, p)
+            pairs = self.attention_pairs([[len(trajectories[i]) for i in row] for row in p.rows], p.length)
+            if pairs is not None:
+                arrays["attention_pairs"] = jax.make_array_from_callback(pairs.shape, self.data_sharding,
+                                                                         lambda index, pairs=pairs: pairs[index])
+            out.append(MicroBatch(p, arrays, units, tokens))
+        return out
+
+    def attention_pairs(self, rows: Sequence[Sequence[int]], length: int) -> np.ndarray | None:
+        """``[rows, P, 2]``: each packed row's block pairs (rows of sequences of these lengths, padded
+        to ``length``), padded to the budget for ``length`` with pairs causality masks; None when
+        the preparer plans none or the row is not a whole number of blocks."""
+        block = min(self.pairs_block, length)
+        if not block or length % block:
+            return None
+        blocks = length // block
+        pairs = [attention_block_pairs(lengths, length, block) for lengths in rows]
+        budget = self._pair_budget[length] = max(self._pair_budget.get(length, 0),
+                                                 pair_budget(max(len(p) for p in pairs), blocks))
+        out = np.zeros((len(rows), budget, 2), np.int32)
+        out[..., 1] = blocks - 1  # unused: query block 0 against the last key block, which causality masks
+        for r, p in enumerate(pairs):
+            out[r, :len(p)] = p
         return out
 
     def logprobs(self, policy: Learner, micro: list[MicroBatch], lengths: Sequence[int],

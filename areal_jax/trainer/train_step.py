@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from areal_jax.algo import AlgoConfig
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models import Critic, Decoder
+from areal_jax.models.attention import resolve_attention_impl
 from areal_jax.trainer import stats as step_stats
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.learner import Learner, place
@@ -79,13 +80,17 @@ class Trainer:
         self.skipped_steps = 0
         """Optimizer steps skipped so far because their gradient was not finite."""
         t = self.train
+        attention = {"attention_window": t.max_seq_len, "attention_block": t.attention_block}
         self.policy = Learner(
             model, train=t, lr=t.lr, mesh=self.mesh, rules=rules,
             loss=partial(micro_batch_loss, algo=algo, temperature=t.temperature, chunk_size=t.logprob_chunk_size,
-                         attention_window=t.max_seq_len),
+                         **attention),
             forward=partial(token_logprobs_only, temperature=t.temperature, chunk_size=t.logprob_chunk_size,
-                            attention_window=t.max_seq_len))
-        self.preparer = BatchPreparer(algo, t, dp_groups=self.dp_groups, data_sharding=self.policy.data_sharding)
+                            **attention))
+        # Block pairs serve the dense attention path only: the fused kernels skip masked blocks themselves.
+        dense = resolve_attention_impl(model.config.attention_impl, t.resolved_compute_dtype()) == "dense"
+        self.preparer = BatchPreparer(algo, t, dp_groups=self.dp_groups, data_sharding=self.policy.data_sharding,
+                                      pairs_block=t.attention_block if dense else 0)
         # kl_coef == 0 keeps no reference at all: no memory, no forward pass.
         self.ref_params = None
         if algo.kl_coef > 0:
@@ -97,8 +102,8 @@ class Trainer:
             self.critic_learner = Learner(
                 critic if critic is not None else Critic.from_policy(model, nnx.Rngs(0)), train=t,
                 lr=t.lr if t.critic_lr is None else t.critic_lr, mesh=self.mesh, rules=rules,
-                loss=partial(micro_batch_value_loss, algo=algo, attention_window=t.max_seq_len),
-                forward=partial(token_values, attention_window=t.max_seq_len))
+                loss=partial(micro_batch_value_loss, algo=algo, **attention),
+                forward=partial(token_values, **attention))
 
     # --- state --------------------------------------------------------------------------------
 
