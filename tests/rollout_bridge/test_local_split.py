@@ -1,21 +1,106 @@
-"""The split placement on 8 fake CPU devices: the trainer on 4 (fsdp mesh), the engine on the other
-4 (tensor mesh). The handover reshards the params device to device, the engine then matches the
-trainer's forward, and it generates while train steps run (its steps' timestamps fall inside
-the training's).
+"""The split placement on 8 fake CPU devices: the trainer on some (an fsdp mesh), the engine on
+the others (a tensor mesh). The handover moves the params device to device (never through host
+memory, checked with JAX's host-to-device transfer guard), for equal and unequal device counts
+and for a bfloat16 engine, whose logprobs then stay close to the trainer's; and the engine
+generates while train steps run.
 
-Runs in a subprocess because the device count is fixed when JAX starts, and this pytest process
-may already have started it with one device.
+The overlap test runs in a subprocess: the engine, the trainer and their timing are easier to
+keep apart from other tests there.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
+
+from areal_jax.algo import AlgoConfig
+from areal_jax.data.trajectory import Trajectory
+from areal_jax.inference.types import GenerateRequest, SamplingParams
+from areal_jax.models.hf_io import load_pretrained
+from areal_jax.trainer import TrainConfig, Trainer
+from rollout_bridge.local import build_engine, handover, split_devices
+from sharding import MeshConfig, make_mesh
+
+FSDP = MeshConfig(data=1, fsdp=-1, tensor=1)
+TENSOR = MeshConfig(data=1, fsdp=1, tensor=-1)
+ENGINE_ARGS = ["--max-running-requests", "6", "--context-length", "64"]
+
+
+def _no_host_transfers() -> contextlib.AbstractContextManager[None]:
+    """Raises on any explicit host-to-device transfer in this thread: JAX's slow resharding path
+    (``device_put`` reading an array to host and writing it back) is one. Guards are per thread,
+    and the device-to-host guard never fires on CPU devices, so this is the one that tells."""
+    return jax.transfer_guard_host_to_device("disallow_explicit")
+
+
+@pytest.mark.parametrize(("engine_devices", "trainer_mesh", "engine_mesh"), [
+    # 4 train, 4 generate, and 6 train, 2 generate: resharded on the trainer's devices, then copied
+    (4, FSDP, TENSOR),
+    (2, MeshConfig(data=3, fsdp=2, tensor=1), TENSOR),
+    # 2 train, 6 generate: each trainer shard copied to three engine devices, resharded there
+    (6, FSDP, MeshConfig(data=3, fsdp=1, tensor=2)),
+])
+def test_split_handover_goes_device_to_device(tiny_dir: Path, engine_devices: int, trainer_mesh: MeshConfig,
+                                              engine_mesh: MeshConfig) -> None:
+    train_devices, gen_devices = split_devices(jax.devices(), engine_devices)
+    params = nnx.state(load_pretrained(tiny_dir, mesh=make_mesh(trainer_mesh, train_devices)), nnx.Param)
+    engine = build_engine(tiny_dir, ENGINE_ARGS, mesh=make_mesh(engine_mesh, gen_devices), seed=0)
+    with _no_host_transfers():
+        state, copied = handover(params, engine.state)
+    got, old = jax.tree.leaves(state), jax.tree.leaves(engine.state)
+    assert copied == sum(x.nbytes for x in old) > 0  # other devices: every byte moved
+    for x, was, want in zip(got, old, jax.tree.leaves(params), strict=True):
+        assert x.sharding == was.sharding and x.dtype == was.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(want))
+
+
+def test_split_handover_needs_device_counts_that_divide_one_another() -> None:
+    with pytest.raises(ValueError, match="divide one another.*among \\[1, 2, 4, 6, 7\\]"):
+        split_devices(jax.devices(), 3)  # 5 train, 3 generate
+
+
+def test_bfloat16_engine_in_the_split_placement_samples_from_the_trainers_weights(tiny_dir: Path) -> None:
+    train_devices, gen_devices = split_devices(jax.devices(), 4)
+    mesh = make_mesh(FSDP, train_devices)
+    trainer = Trainer(load_pretrained(tiny_dir, mesh=mesh), AlgoConfig(),
+                      TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2), mesh=mesh)
+    engine = build_engine(tiny_dir, [*ENGINE_ARGS, "--dtype", "bfloat16"], mesh=make_mesh(TENSOR, gen_devices),
+                          seed=0)
+    with _no_host_transfers():
+        state, copied = handover(trainer.params, engine.state)
+    for x, was in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state), strict=True):
+        assert x.dtype == jax.numpy.bfloat16 and x.sharding == was.sharding
+    assert copied == sum(x.nbytes for x in jax.tree.leaves(state))
+    prompt = [5, 9, 14, 3]
+
+    async def run() -> tuple[list[int], list[float]]:
+        await engine.start()
+        try:
+            await engine.set_state(state, version=1)
+            res = await engine.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True),
+                                                        return_logprob=True))
+            return res.output_ids, res.output_logprobs
+        finally:
+            await engine.stop()
+
+    ids, logprobs = asyncio.run(run())
+    traj = Trajectory.from_prompt_and_answer(np.array(prompt), np.array(ids), np.array(logprobs), 1, reward=0.0,
+                                             group_id=0)
+    trainer_lp = trainer.compute_logprobs([traj])[0][len(prompt):]
+    # bfloat16 keeps 8 significant bits: each weight and activation rounds by up to 0.4%; on this
+    # model that moves logprobs by about 2e-3 (float32 engines match to 1e-5, see below).
+    np.testing.assert_allclose(logprobs, trainer_lp, atol=2e-2)
+
 
 SCRIPT = r"""
 import asyncio, json, sys, time
