@@ -120,11 +120,13 @@ train_mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), train_devices)
 engine_mesh = make_mesh(MeshConfig(data=1, fsdp=1, tensor=-1), engine_devices)
 trainer = Trainer(load_pretrained(ckpt, mesh=train_mesh), AlgoConfig(),
                   TrainConfig(micro_batch_tokens=128, length_buckets=(128,), lr=1e-2))
-batch = random_trajectories(np.random.default_rng(0), 8, 4)
+batch = random_trajectories(np.random.default_rng(0), 16, 4)  # a train step lasts several engine steps
 trainer.train_batch(batch, 0)  # compiles, and moves the params away from the checkpoint
 engine = build_engine(ckpt, ["--max-running-requests", "4", "--context-length", "64"], mesh=engine_mesh, seed=0)
 client = LocalRolloutClient(engine)
 
+TRAIN_STEPS = 12
+train_steps = []  # (start, end) of every train step
 steps = []  # (start, end) of every engine step, its result on the host
 run_step = engine._run_step
 def timed(*args, **kwargs):
@@ -146,28 +148,33 @@ async def main():
         sp = {"max_new_tokens": 56, "ignore_eos": True}
         await client.generate(prompt, sp)  # compiles every attended-length bucket
         steps.clear()
-        gens = [asyncio.create_task(client.generate([7, 8 + i], sp)) for i in range(4)]
+        stop = asyncio.Event()
+
+        async def keep_generating(i):  # the engine has work for as long as the trainer trains
+            lengths = []
+            while not stop.is_set():
+                lengths.append(len((await client.generate([7, 8 + i], sp)).output_ids))
+            return lengths
+        gens = [asyncio.create_task(keep_generating(i)) for i in range(4)]
         while not steps:
             await asyncio.sleep(0.001)
-        def train_for(seconds):  # train steps back to back for a while, long enough to hold engine steps
-            start = time.perf_counter()
-            version = 1
-            while version == 1 or time.perf_counter() - start < seconds:
-                trainer.train_batch(batch, version)  # donates its params: the engine has copies
-                version += 1
-        t0 = time.perf_counter()
-        await asyncio.to_thread(train_for, 1.0)
-        t1 = time.perf_counter()
-        outs = await asyncio.gather(*gens)
-        return m, placed, first, trainer_lp, (t0, t1), outs
+        def train(n):  # train steps back to back; each donates its params: the engine has copies
+            for version in range(1, n + 1):
+                start = time.perf_counter()
+                trainer.train_batch(batch, version)
+                train_steps.append((start, time.perf_counter()))
+        await asyncio.to_thread(train, TRAIN_STEPS)
+        stop.set()
+        lengths = [n for out in await asyncio.gather(*gens) for n in out]
+        return m, placed, first, trainer_lp, lengths
 
-m, placed, first, trainer_lp, (t0, t1), outs = asyncio.run(main())
+m, placed, first, trainer_lp, lengths = asyncio.run(main())
 print(json.dumps({
     "bytes": m.bytes, "copied": m.copied_bytes, "seconds": m.seconds, "placed": sorted(placed),
     "engine_devices": sorted(d.id for d in engine_devices), "versions": first.output_versions,
     "max_diff": float(np.abs(np.array(first.output_logprobs) - trainer_lp).max()),
-    "train": [t0, t1], "inside": sum(t0 <= a and b <= t1 for a, b in steps),
-    "lengths": [len(o.output_ids) for o in outs]}))
+    # per train step, the engine steps that ran start to finish inside it
+    "inside": [sum(t0 <= a and b <= t1 for a, b in steps) for t0, t1 in train_steps], "lengths": lengths}))
 """
 
 
@@ -184,5 +191,8 @@ def test_split_placement_hands_over_across_submeshes_and_generates_while_trainin
     assert r["copied"] == r["bytes"] > 0  # other devices: every byte moved
     assert r["versions"] == [1] * 12
     assert r["max_diff"] < 1e-5  # the engine samples from exactly the trainer's weights
-    assert r["inside"] >= 1, r  # engine steps ran start to finish while training ran
-    assert r["lengths"] == [56] * 4
+    # Engine steps ran start to finish inside most train steps (had the two taken turns, none
+    # would: train steps run back to back). Not in all: other load on a small machine can stall
+    # the engine for a train step or two (11 or 12 of 12 alone on 2 cores, 9 beside a second run).
+    assert len(r["inside"]) == 12 and sum(n >= 1 for n in r["inside"]) >= 8, r["inside"]
+    assert len(r["lengths"]) >= 4 and set(r["lengths"]) == {56}
