@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from areal_jax.algo import AlgoConfig
 from areal_jax.data.trajectory import Trajectory
@@ -23,7 +24,8 @@ from areal_jax.models.hf_io import load_pretrained
 from areal_jax.trainer import TrainConfig, Trainer
 from areal_jax.trainer.run_config import load_run_config
 from rollout_bridge.client import GenerateResult, RolloutError
-from rollout_bridge.local import LocalRolloutClient, build_engine, split_devices
+from rollout_bridge.local import LocalRolloutClient, build_engine, handover, split_devices
+from sharding import MeshConfig, make_mesh
 from tests.trainer.helpers import random_trajectories, tiny_model
 
 DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
@@ -32,6 +34,12 @@ TRAIN = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2)
 
 def _values(tree: object) -> list[np.ndarray]:
     return [np.array(x) for x in jax.tree.leaves(tree)]  # raises on a deleted (donated) array
+
+
+def _buffers(tree: object) -> dict[str, tuple[int, ...]]:
+    """Where each leaf's shards live in device memory, by path: equal only for the same buffers."""
+    return {jax.tree_util.keystr(path): tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+            for path, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def test_trainer_never_deletes_the_given_model_nor_lent_params() -> None:
@@ -72,7 +80,9 @@ def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(
 
     async def run() -> tuple[Any, ...]:
         async with client:
-            metrics = await client.update_params(trainer.lend_params(), version=1)
+            lent = trainer.lend_params()
+            metrics = await client.update_params(lent, version=1)
+            buffers = _buffers(client.engine.state), _buffers(lent)
             first = await client.generate(prompt, sp)
             traj = Trajectory.from_prompt_and_answer(np.array(prompt), np.array(first.output_ids),
                                                      np.array(first.output_logprobs), 1, reward=0.0, group_id=0)
@@ -80,13 +90,24 @@ def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(
             # The next update must neither delete nor change what the engine serves now.
             await asyncio.to_thread(trainer.train_batch, random_trajectories(np.random.default_rng(3), 2, 4), 1)
             again = await client.generate(prompt, sp)
-            return metrics, first, trainer_lp, again
+            return metrics, buffers, first, trainer_lp, again
 
-    metrics, first, trainer_lp, again = asyncio.run(run())
-    assert metrics.copied_bytes == 0 and metrics.bytes > 0  # same dtype and layout: no copy
+    metrics, (served, lent), first, trainer_lp, again = asyncio.run(run())
+    assert metrics.copied_bytes == 0 and metrics.bytes > 0  # same dtype and layout: no copy ...
+    assert served == lent and len(served) == metrics.tensors  # ... the engine serves the lent buffers themselves
     assert first.output_versions == [1] * 12 and client.server_versions() == {"local": 1}
     np.testing.assert_allclose(first.output_logprobs, trainer_lp, atol=1e-5)
     assert again.output_ids == first.output_ids and again.output_logprobs == first.output_logprobs
+
+
+def test_shared_placement_on_a_mesh_serves_the_trainers_buffers(tiny_dir: Path) -> None:
+    """On 8 devices (fsdp) the engine takes the trainer's mesh and layouts: nothing is copied."""
+    mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), jax.devices())
+    params = nnx.state(load_pretrained(tiny_dir, mesh=mesh), nnx.Param)
+    engine = build_engine(tiny_dir, ["--max-running-requests", "8", "--context-length", "64"], mesh=mesh, seed=0)
+    state, copied = handover(params, engine.state)
+    assert copied == 0 and _buffers(state) == _buffers(params)
+    assert all(len(x.addressable_shards) == 8 for x in jax.tree.leaves(state))
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])
