@@ -183,7 +183,16 @@ def _mesh_and_spec(sharding: Sharding) -> tuple[Mesh, PartitionSpec]:
 
 class LocalRolloutClient(RolloutClient):
     """``RolloutClient`` over an in-process ``Engine`` (see the module docstring). ``config``
-    brings the re-send bound and the back-off of a full queue; its timeouts do not apply."""
+    brings the re-send bound and the back-off of a full queue; its timeouts do not apply.
+
+    It answers ``HttpRolloutClient``'s calls with the same names, arguments and reply shapes
+    (one reply, from ``"local"``): generation, ``abort``, pause modes, ``continue_generation``,
+    ``flush_cache``, ``update_weights_from_disk``, ``update_weight_version``, ``check_health``,
+    the version records and ``get_model_info``; ``check_versions`` has nothing to check (the
+    engine cannot restart behind the client's back). Left out on purpose, as they only mean
+    something over HTTP: ``push_tensor_bucket`` (use ``update_weights_from_tensors`` or, on
+    device, ``update_params``), the ``servers`` records, the HTTP sessions and the health loop.
+    """
 
     def __init__(self, engine: Engine, *, config: ClientConfig | None = None, manage_engine: bool = True):
         self.engine = engine
@@ -311,12 +320,25 @@ class LocalRolloutClient(RolloutClient):
         await self.engine.update_weights(tensors, version=version)
         return self._replies()
 
-    async def update_weights_from_disk(self, model_path: str, *, version: int,
-                                       abort_all_requests: bool = False) -> list[dict[str, Any]]:
+    async def update_weights_from_disk(self, model_path: str, *, version: int, abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> list[dict[str, Any]]:
+        """Load the HF checkpoint at ``model_path`` as ``version``. As the HTTP server does, the
+        cache is then flushed if asked and nothing is running (refused silently otherwise)."""
         if abort_all_requests:
             await self.engine.abort(abort_all=True)
         await self.engine.update_weights(model_dir=model_path, version=version)
+        if flush_cache:
+            await self.engine.flush_cache()
         return self._replies()
+
+    async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> list[dict[str, Any]]:
+        """Serve the same weights as ``version`` (a relabel: tokens sampled from now on carry it)."""
+        if abort_all_requests:
+            await self.engine.abort(abort_all=True)
+        await self.engine.set_state(self.engine.state, version=version)
+        reply = {"success": True, "message": f"Weight version updated to {str(version)!r}.",
+                 "new_version": str(version)}
+        return [{"server": LOCAL, "status": 200, "reply": reply}]
 
     @property
     def current_version(self) -> int:
@@ -328,6 +350,17 @@ class LocalRolloutClient(RolloutClient):
 
     async def versions(self) -> dict[str, int]:
         return self.server_versions()
+
+    async def reported_versions(self) -> dict[str, str | None]:
+        """``{"local": label}``: the version the engine reports, as a label like a server's."""
+        return {LOCAL: str(self.engine.version)}
+
+    async def check_versions(self) -> None:
+        """Nothing to check: the client's record is the engine's own version."""
+
+    async def check_health(self) -> list[bool]:
+        """``[alive]``: whether the engine runs (started, its loops going), as one server's health."""
+        return [self.engine.alive]
 
     def in_rotation(self) -> list[str]:
         return [LOCAL]

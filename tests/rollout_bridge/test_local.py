@@ -138,6 +138,70 @@ def test_handover_during_generation_resumes_answers_with_per_token_versions(
         assert r.resends == (1 if mode == "abort" else 0)  # retract: the engine re-queues the request itself
 
 
+def test_the_http_clients_control_calls_work_in_process(shared: tuple[Trainer, LocalRolloutClient],
+                                                        tiny_dir: Path) -> None:
+    """What a caller written for ``HttpRolloutClient`` calls: health, abort, flush, the in-place
+    pause, relabelling, and weights from host tensors and from disk (with its HTTP arguments)."""
+    trainer, client = shared
+    engine = client.engine
+    sp = {"max_new_tokens": 40, "ignore_eos": True}
+
+    async def started(task: asyncio.Task) -> None:
+        start = engine.stats["generated_tokens"]
+        while engine.stats["generated_tokens"] - start < 4 and not task.done():
+            await asyncio.sleep(0.005)
+
+    async def run() -> dict[str, Any]:
+        out: dict[str, Any] = {"health": [await client.check_health()]}
+        async with client:
+            out["health"].append(await client.check_health())
+            await client.update_params(trainer.lend_params(), version=1)
+            task = asyncio.create_task(client.generate([7, 8, 9], sp, rid="gone"))
+            await started(task)
+            with pytest.raises(RolloutError, match="running"):
+                await client.flush_cache()  # refused while a request runs
+            await client.abort("gone")
+            out["aborted"] = await task
+            await client.flush_cache()  # idle: done
+
+            task = asyncio.create_task(client.generate([7, 8, 10], sp))
+            await started(task)
+            await client.pause("in_place")
+            paused_at = engine.stats["generated_tokens"]
+            await asyncio.sleep(0.05)
+            out["paused_steps"] = engine.stats["generated_tokens"] - paused_at
+            out["relabel"] = await client.update_weight_version(2)
+            out["versions"] = client.server_versions(), await client.reported_versions()
+            await client.continue_generation()
+            out["in_place"] = await task
+
+            norm = {"model.norm.weight": np.full(64, 2.0, np.float32)}
+            out["tensors"] = await client.update_weights_from_tensors(norm, version=3)
+            out["norm_set"] = _has_leaf(engine.state, norm["model.norm.weight"])
+            out["disk"] = await client.update_weights_from_disk(str(tiny_dir), version=4, flush_cache=False)
+            out["norm_after_disk"] = _has_leaf(engine.state, norm["model.norm.weight"])
+            out["final_versions"] = client.server_versions(), await client.reported_versions()
+        out["health"].append(await client.check_health())
+        return out
+
+    out = asyncio.run(run())
+    assert out["health"] == [[False], [True], [False]]  # before start, running, after close
+    aborted = out["aborted"]
+    assert aborted.finish_reason["type"] == "abort" and 0 < len(aborted.output_ids) < 40 and aborted.resends == 0
+    assert out["paused_steps"] == 0
+    assert out["relabel"][0]["reply"]["new_version"] == "2" and out["versions"] == ({"local": 2}, {"local": "2"})
+    in_place = out["in_place"]  # kept its slot and KV: not re-sent; tokens after the relabel carry 2
+    k = in_place.output_versions.count(1)
+    assert in_place.resends == 0 and 0 < k < 40 and in_place.output_versions == [1] * k + [2] * (40 - k)
+    assert out["tensors"][0]["reply"]["weight_version"] == "3" and out["norm_set"]
+    assert out["disk"][0]["reply"]["weight_version"] == "4" and not out["norm_after_disk"]
+    assert out["final_versions"] == ({"local": 4}, {"local": "4"})
+
+
+def _has_leaf(state: Any, value: np.ndarray) -> bool:
+    return any(x.shape == value.shape and np.array_equal(np.asarray(x), value) for x in jax.tree.leaves(state))
+
+
 def test_requests_are_checked_as_over_http(shared: tuple[Trainer, LocalRolloutClient]) -> None:
     _, client = shared
 
