@@ -1,8 +1,8 @@
 """The split placement on 8 fake CPU devices: the trainer on some (an fsdp mesh), the engine on
 the others (a tensor mesh). The handover moves the params device to device (never through host
 memory, checked with JAX's host-to-device transfer guard), for equal and unequal device counts
-and for a bfloat16 engine, whose logprobs then stay close to the trainer's; and the engine
-generates while train steps run.
+and for a bfloat16 engine, whose logprobs then stay close to the trainer's; the engine
+generates while train steps run; and the demo config runs a few steps in this placement.
 
 The overlap test runs in a subprocess: the engine, the trainer and their timing are easier to
 keep apart from other tests there.
@@ -196,3 +196,26 @@ def test_split_placement_hands_over_across_submeshes_and_generates_while_trainin
     # the engine for a train step or two (11 or 12 of 12 alone on 2 cores, 9 beside a second run).
     assert len(r["inside"]) == 12 and sum(n >= 1 for n in r["inside"]) >= 8, r["inside"]
     assert len(r["lengths"]) >= 4 and set(r["lengths"]) == {56}
+
+
+QUICK = ["warm_start=null", "data.size=300", "data.eval_size=16", "batch_size=2", "rollout.group_size=4",
+         "rollout.filter_uniform_reward=false", "rollout.max_new_tokens=4", "log.progress=false",
+         "reward.num_workers=1", "export=false", "eval.every=0"]
+
+
+@pytest.mark.slow
+def test_demo_config_runs_with_the_split_placement(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``rollout.backend=local rollout.local.placement=split`` from the config, end to end: the
+    trainer on 4 of the 8 devices, the engine on the other 4, each step's version served."""
+    from areal_jax.trainer.rl import train
+    from areal_jax.trainer.run_config import load_run_config
+
+    demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
+    cfg = load_run_config(demo, [*QUICK, f"run_dir={tmp_path}", "steps=3", "rollout.backend=local",
+                                 "rollout.local.placement=split",
+                                 "rollout.server_args=[--max-running-requests, '8', --context-length, '64']"])
+    train(cfg)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["served_versions"] for m in metrics] == [["1"], ["2"], ["3"]]
+    assert all(m["staleness_max"] <= 2 and m["trajectories"] == 8 for m in metrics)
+    assert "rollout: an engine in this process (split placement)" in capsys.readouterr().out
