@@ -143,11 +143,12 @@ def _place(xs: list[jax.Array], shardings: list[Sharding], dtypes: list[Any]) ->
     ``jax.device_put`` onto other devices in another layout reads each array to host and writes
     it back (JAX's slow path, where no source shard holds a slice the destination needs). So the
     layout changes inside a jit on one device set, and the move between device sets copies whole
-    shards in one layout: on fewer engine devices, the trainer reshards into the engine's layout
-    (cast first: fewer bytes to move) and the shards are copied; on more, the trainer's shards
-    are copied in its layout (several copies of each) and the engine's devices reshard."""
+    shards in one layout: on as many engine devices or fewer, the trainer reshards into the
+    engine's layout (cast first: fewer bytes to move) and the shards are copied; on more, the
+    trainer's shards are copied in its layout (several copies of each) and the engine's devices
+    reshard. The same devices in another order are the first case, the copy a reordering."""
     src, dst = _mesh_and_spec(xs[0].sharding)[0], _mesh_and_spec(shardings[0])[0]
-    if set(src.devices.flat) == set(dst.devices.flat):  # shared: reshard where the arrays are
+    if tuple(src.devices.flat) == tuple(dst.devices.flat):  # shared: reshard where the arrays are
         return _cast_to(tuple(shardings), tuple(dtypes))(xs)
     n_src, n_dst = src.devices.size, dst.devices.size
     if n_src % n_dst == 0:

@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from areal_jax.algo import AlgoConfig
 from areal_jax.data.trajectory import Trajectory
@@ -109,6 +112,20 @@ def test_shared_placement_on_a_mesh_serves_the_trainers_buffers(tiny_dir: Path) 
     state, copied = handover(params, engine.state)
     assert copied == 0 and _buffers(state) == _buffers(params)
     assert all(len(x.addressable_shards) == 8 for x in jax.tree.leaves(state))
+
+
+@pytest.mark.parametrize("order", [1, -1])  # the engine's mesh over the same devices, or in reverse
+@pytest.mark.parametrize("spec", [P("x"), P(None, "x"), P()])
+def test_shared_handover_changes_layout_and_dtype_on_device(order: int, spec: P) -> None:
+    """On the trainer's own devices, a param whose layout or dtype differs is resharded and cast
+    in place, never read back to host (``jax.device_put`` to a replicated layout would be)."""
+    devices = np.array(jax.devices())
+    x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(8, 8), NamedSharding(Mesh(devices, ("x",)), P("x")))
+    like = jax.device_put(np.zeros((8, 8), jnp.bfloat16), NamedSharding(Mesh(devices[::order], ("x",)), spec))
+    with jax.transfer_guard_host_to_device("disallow_explicit"):  # per thread; see test_local_split.py
+        state, copied = handover({"w": x}, {"w": like})
+    assert state["w"].sharding == like.sharding and state["w"].dtype == jnp.bfloat16 and copied == like.nbytes
+    np.testing.assert_array_equal(np.asarray(state["w"], np.float32), np.asarray(x))
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract"])
