@@ -1,6 +1,8 @@
 """The in-process rollout client: donation-safe handover of the trainer's params to an engine in
-the same process, answers resumed across a handover with per-token versions, and the engine's
-logprobs equal to the trainer's forward after a handover."""
+the same process (the engine serving the trainer's very buffers where layouts match, and
+resharding and casting on device where they do not), answers resumed across a handover with
+per-token versions, the engine's logprobs equal to the trainer's forward after a handover, the
+HTTP client's control calls, and the demo learning alike over HTTP and in process."""
 
 from __future__ import annotations
 
