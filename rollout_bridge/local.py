@@ -120,11 +120,19 @@ def handover(params: Any, like: Any) -> tuple[Any, int]:
                          "load the engine from a checkpoint of the same model")
     leaves = [given[key] for key in wanted]
     moving: dict[tuple[Mesh, Mesh], list[int]] = {}  # (trainer mesh, engine mesh) -> leaves to place
+    kept = []  # leaves that match: the same buffers, under the engine's sharding object
     for i, (key, x, old) in enumerate(zip(wanted, leaves, olds, strict=True)):
         if x.shape != old.shape:
             raise ValueError(f"handover: {key} is {x.shape} in the trainer but {old.shape} in the engine")
         if x.dtype != old.dtype or not x.sharding.is_equivalent_to(old.sharding, x.ndim):
             moving.setdefault((_mesh_and_spec(x.sharding)[0], _mesh_and_spec(old.sharding)[0]), []).append(i)
+        elif x.sharding != old.sharding:
+            kept.append(i)
+    # The engine's steps were compiled for its own sharding objects: an equivalent but different
+    # one (a one-device mesh for a single device) would compile them again. This re-wraps the
+    # buffers, it does not copy them.
+    for i, y in zip(kept, jax.device_put([leaves[i] for i in kept], [olds[i].sharding for i in kept]), strict=True):
+        leaves[i] = y
     for idx in moving.values():
         placed = _place([leaves[i] for i in idx], [olds[i].sharding for i in idx], [olds[i].dtype for i in idx])
         for i, y in zip(idx, placed, strict=True):

@@ -87,8 +87,12 @@ def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(
     async def run() -> tuple[Any, ...]:
         async with client:
             lent = trainer.lend_params()
+            olds = jax.tree.leaves(client.engine.state)
             metrics = await client.update_params(lent, version=1)
             buffers = _buffers(client.engine.state), _buffers(lent)
+            # ... under the engine's own sharding objects, which its compiled steps were built for
+            assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(client.engine.state), olds,
+                                                                strict=True))
             first = await client.generate(prompt, sp)
             traj = Trajectory.from_prompt_and_answer(np.array(prompt), np.array(first.output_ids),
                                                      np.array(first.output_logprobs), 1, reward=0.0, group_id=0)
