@@ -15,12 +15,14 @@ engine's shardings and cast to its dtypes, never through host memory. Two placem
   the trainer must lend it (``Trainer.lend_params``: the next update then does not donate it).
 * ``split``: disjoint groups of this process's devices (``split_devices``; for example 4 chips
   train and 4 generate on a v5e-8), each with its own mesh shape. The engine generates while a
-  train step runs; the handover reshards device to device onto the engine's shardings.
+  train step runs. The handover changes the layout inside one jitted program on one group and
+  moves whole shards between the groups, so the two device counts must divide one another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -30,6 +32,8 @@ from typing import Any
 
 import jax
 import msgspec
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from areal_jax.inference.engine import PAUSE_MODES, Engine
 from areal_jax.inference.types import GenerateRequest, QueueFullError
@@ -60,13 +64,21 @@ class HandoverMetrics:
 def split_devices(devices: Sequence[jax.Device], engine_devices: int | None) -> tuple[list[jax.Device],
                                                                                     list[jax.Device]]:
     """``(trainer devices, engine devices)`` for the split placement: the last ``engine_devices``
-    (None: half) generate, the others train."""
+    (None: half) generate, the others train; one count must divide the other (see ``handover``)."""
     devices = list(devices)
     n = len(devices) // 2 if engine_devices is None else engine_devices
     if not 0 < n < len(devices):
         raise ValueError(f"the split placement needs 1 to {len(devices) - 1} engine devices of this process's "
                          f"{len(devices)} ({devices[0].platform}); got {n}. One device: use the shared placement")
+    if not _divides(len(devices) - n, n):
+        raise ValueError(f"the split placement's {len(devices) - n} trainer and {n} engine devices must divide one "
+                         f"another (the handover copies whole shards between them); choose rollout.local."
+                         f"engine_devices among {[k for k in range(1, len(devices)) if _divides(k, len(devices) - k)]}")
     return devices[:-n], devices[-n:]
+
+
+def _divides(a: int, b: int) -> bool:
+    return a % b == 0 or b % a == 0
 
 
 def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh: Any = None,
@@ -95,9 +107,9 @@ def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh
 def handover(params: Any, like: Any) -> tuple[Any, int]:
     """``params`` placed like ``like`` (an engine's state: the same parameters by path), device to
     device: a leaf whose dtype and layout already match is passed through as is; the others are
-    cast where they are (fewer bytes to move) and resharded onto ``like``'s shardings. Returns the
-    new state, in ``like``'s tree (its variables' metadata), and the bytes copied. Blocks until
-    the arrays are in place."""
+    cast and resharded onto ``like``'s shardings without a trip through host memory (see
+    ``_place``). Returns the new state, in ``like``'s tree (its variables' metadata), and the
+    bytes copied. Blocks until the arrays are in place."""
     keystr = jax.tree_util.keystr
     given = {keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
     paths, olds = zip(*jax.tree_util.tree_leaves_with_path(like), strict=True)
@@ -106,25 +118,90 @@ def handover(params: Any, like: Any) -> tuple[Any, int]:
         diff = sorted(set(given) ^ set(wanted))
         raise ValueError(f"handover: the trainer's params and the engine's state differ in parameters {diff[:5]}; "
                          "load the engine from a checkpoint of the same model")
-    copied = 0
-    leaves = []
-    for key, old in zip(wanted, olds, strict=True):
-        x = given[key]
+    leaves = [given[key] for key in wanted]
+    moving: dict[tuple[Mesh, Mesh], list[int]] = {}  # (trainer mesh, engine mesh) -> leaves to place
+    kept = []  # leaves that match: the same buffers, under the engine's sharding object
+    for i, (key, x, old) in enumerate(zip(wanted, leaves, olds, strict=True)):
         if x.shape != old.shape:
             raise ValueError(f"handover: {key} is {x.shape} in the trainer but {old.shape} in the engine")
-        same = x.dtype == old.dtype and x.sharding.is_equivalent_to(old.sharding, x.ndim)
-        copied += 0 if same else old.nbytes
-        leaves.append(x if x.dtype == old.dtype else x.astype(old.dtype))
-    # One call for all leaves: the runtime batches the transfers. A leaf that matches keeps its
-    # buffers (only the sharding object becomes the engine's).
-    placed = jax.device_put(leaves, [old.sharding for old in olds])
-    state = jax.tree.unflatten(jax.tree.structure(like), placed)
-    return jax.block_until_ready(state), copied
+        if x.dtype != old.dtype or not x.sharding.is_equivalent_to(old.sharding, x.ndim):
+            moving.setdefault((_mesh_and_spec(x.sharding)[0], _mesh_and_spec(old.sharding)[0]), []).append(i)
+        elif x.sharding != old.sharding:
+            kept.append(i)
+    # The engine's steps were compiled for its own sharding objects: an equivalent but different
+    # one (a one-device mesh for a single device) would compile them again. This re-wraps the
+    # buffers, it does not copy them.
+    for i, y in zip(kept, jax.device_put([leaves[i] for i in kept], [olds[i].sharding for i in kept]), strict=True):
+        leaves[i] = y
+    for idx in moving.values():
+        placed = _place([leaves[i] for i in idx], [olds[i].sharding for i in idx], [olds[i].dtype for i in idx])
+        for i, y in zip(idx, placed, strict=True):
+            leaves[i] = y
+    state = jax.tree.unflatten(jax.tree.structure(like), leaves)
+    return jax.block_until_ready(state), sum(olds[i].nbytes for idx in moving.values() for i in idx)
+
+
+_COPIES = "handover_copies"
+"""The mesh axis over which ``_place`` keeps copies of each shard when device counts differ."""
+
+
+def _place(xs: list[jax.Array], shardings: list[Sharding], dtypes: list[Any]) -> list[jax.Array]:
+    """``xs`` (on one mesh) cast to ``dtypes`` and placed on ``shardings`` (on one mesh).
+
+    ``jax.device_put`` onto other devices in another layout reads each array to host and writes
+    it back (JAX's slow path, where no source shard holds a slice the destination needs). So the
+    layout changes inside a jit on one device set, and the move between device sets copies whole
+    shards in one layout: on as many engine devices or fewer, the trainer reshards into the
+    engine's layout (cast first: fewer bytes to move) and the shards are copied; on more, the
+    trainer's shards are copied in its layout (several copies of each) and the engine's devices
+    reshard. The same devices in another order are the first case, the copy a reordering."""
+    src, dst = _mesh_and_spec(xs[0].sharding)[0], _mesh_and_spec(shardings[0])[0]
+    if tuple(src.devices.flat) == tuple(dst.devices.flat):  # shared: reshard where the arrays are
+        return _cast_to(tuple(shardings), tuple(dtypes))(xs)
+    n_src, n_dst = src.devices.size, dst.devices.size
+    if n_src % n_dst == 0:
+        mid_mesh = Mesh(src.devices.reshape(n_src // n_dst, *dst.devices.shape), (_COPIES, *dst.axis_names))
+        mid = _cast_to(tuple(NamedSharding(mid_mesh, _mesh_and_spec(s)[1]) for s in shardings), tuple(dtypes))(xs)
+        return jax.device_put(mid, shardings)
+    if n_dst % n_src == 0:
+        mid_mesh = Mesh(dst.devices.reshape(n_dst // n_src, *src.devices.shape), (_COPIES, *src.axis_names))
+        mid = jax.device_put(xs, [NamedSharding(mid_mesh, _mesh_and_spec(x.sharding)[1]) for x in xs])
+        return _cast_to(tuple(shardings), tuple(dtypes))(mid)
+    raise ValueError(f"handover: the trainer's {n_src} devices and the engine's {n_dst} do not divide one another; "
+                     "the handover copies whole shards between them (rollout.local.engine_devices)")
+
+
+@functools.lru_cache(maxsize=16)
+def _cast_to(shardings: tuple[Sharding, ...], dtypes: tuple[Any, ...]) -> Any:
+    """One jitted function that casts a list of arrays and lays them out on ``shardings`` (cached:
+    every handover of a run reuses the compiled program)."""
+    def cast(xs: list[jax.Array]) -> list[jax.Array]:
+        return [x.astype(d) for x, d in zip(xs, dtypes, strict=True)]
+    return jax.jit(cast, out_shardings=list(shardings))
+
+
+def _mesh_and_spec(sharding: Sharding) -> tuple[Mesh, PartitionSpec]:
+    """A sharding as mesh and spec; a single device is a one-device mesh."""
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh, sharding.spec
+    if isinstance(sharding, SingleDeviceSharding):
+        (device,) = sharding.device_set
+        return Mesh(np.array([device]), ("device",)), PartitionSpec()
+    raise ValueError(f"handover: arrays must be on a NamedSharding or one device, not {sharding}")
 
 
 class LocalRolloutClient(RolloutClient):
     """``RolloutClient`` over an in-process ``Engine`` (see the module docstring). ``config``
-    brings the re-send bound and the back-off of a full queue; its timeouts do not apply."""
+    brings the re-send bound and the back-off of a full queue; its timeouts do not apply.
+
+    It answers ``HttpRolloutClient``'s calls with the same names, arguments and reply shapes
+    (one reply, from ``"local"``): generation, ``abort``, pause modes, ``continue_generation``,
+    ``flush_cache``, ``update_weights_from_disk``, ``update_weight_version``, ``check_health``,
+    the version records and ``get_model_info``; ``check_versions`` has nothing to check (the
+    engine cannot restart behind the client's back). Left out on purpose, as they only mean
+    something over HTTP: ``push_tensor_bucket`` (use ``update_weights_from_tensors`` or, on
+    device, ``update_params``), the ``servers`` records, the HTTP sessions and the health loop.
+    """
 
     def __init__(self, engine: Engine, *, config: ClientConfig | None = None, manage_engine: bool = True):
         self.engine = engine
@@ -252,12 +329,25 @@ class LocalRolloutClient(RolloutClient):
         await self.engine.update_weights(tensors, version=version)
         return self._replies()
 
-    async def update_weights_from_disk(self, model_path: str, *, version: int,
-                                       abort_all_requests: bool = False) -> list[dict[str, Any]]:
+    async def update_weights_from_disk(self, model_path: str, *, version: int, abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> list[dict[str, Any]]:
+        """Load the HF checkpoint at ``model_path`` as ``version``. As the HTTP server does, the
+        cache is then flushed if asked and nothing is running (refused silently otherwise)."""
         if abort_all_requests:
             await self.engine.abort(abort_all=True)
         await self.engine.update_weights(model_dir=model_path, version=version)
+        if flush_cache:
+            await self.engine.flush_cache()
         return self._replies()
+
+    async def update_weight_version(self, version: int, *, abort_all_requests: bool = False) -> list[dict[str, Any]]:
+        """Serve the same weights as ``version`` (a relabel: tokens sampled from now on carry it)."""
+        if abort_all_requests:
+            await self.engine.abort(abort_all=True)
+        await self.engine.set_state(self.engine.state, version=version)
+        reply = {"success": True, "message": f"Weight version updated to {str(version)!r}.",
+                 "new_version": str(version)}
+        return [{"server": LOCAL, "status": 200, "reply": reply}]
 
     @property
     def current_version(self) -> int:
@@ -269,6 +359,17 @@ class LocalRolloutClient(RolloutClient):
 
     async def versions(self) -> dict[str, int]:
         return self.server_versions()
+
+    async def reported_versions(self) -> dict[str, str | None]:
+        """``{"local": label}``: the version the engine reports, as a label like a server's."""
+        return {LOCAL: str(self.engine.version)}
+
+    async def check_versions(self) -> None:
+        """Nothing to check: the client's record is the engine's own version."""
+
+    async def check_health(self) -> list[bool]:
+        """``[alive]``: whether the engine runs (started, its loops going), as one server's health."""
+        return [self.engine.alive]
 
     def in_rotation(self) -> list[str]:
         return [LOCAL]

@@ -20,7 +20,8 @@ class LocalRolloutConfig:
     ``engine_devices`` of this process's devices generate while the others train (``mesh`` then
     applies to the trainer's devices); a weight update reshards device to device."""
     engine_devices: int | None = None
-    """With ``split``: how many devices generate; None: half of them."""
+    """With ``split``: how many devices generate; None: half of them. It and the number left to
+    train must divide one another (the handover copies whole shards between the two groups)."""
     engine_mesh: MeshConfig = field(default_factory=lambda: MeshConfig(data=1, fsdp=1, tensor=-1))
     """With ``split``: the engine's mesh over its devices (``tensor``: heads and MLP columns split;
     ``data``: KV slots split)."""

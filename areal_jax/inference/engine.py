@@ -156,6 +156,12 @@ class Engine:
         return self.cfg.max_seq_len
 
     @property
+    def alive(self) -> bool:
+        """Started, not stopped, and every lane's loop still running (a failed step does not end
+        a loop; only a bug would)."""
+        return self._running and all(lane.task is not None and not lane.task.done() for lane in self._lanes)
+
+    @property
     def paused(self) -> str | None:
         """The pause mode in force, or None while running."""
         return self._paused
