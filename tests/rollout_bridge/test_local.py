@@ -146,9 +146,10 @@ def test_handover_during_generation_resumes_answers_with_per_token_versions(
             await client.update_params(trainer.lend_params(), version=1)
             tasks = [asyncio.create_task(client.generate([7, 8, 9 + i], {"max_new_tokens": budget, "ignore_eos": True}))
                      for i in range(3)]
-            start = engine.stats["generated_tokens"]
-            while engine.stats["generated_tokens"] - start < 8:  # every answer has started, none is done
-                await asyncio.sleep(0.005)
+            # Every answer has started (a token of version 1 each; counting tokens in all let one
+            # request that was still queued through), none is done.
+            while len(engine._live) < 3 or not all(seq.out_ids for seq in engine._live.values()):
+                await asyncio.sleep(0.002)
             await client.pause(mode)
             await client.update_params(trainer.lend_params(), version=2)
             await client.continue_generation()
