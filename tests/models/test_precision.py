@@ -59,6 +59,23 @@ def test_float32_mode_multiplies_at_highest_precision(family: str) -> None:
         assert not low, low[:2]
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_float32_dot_product_attention_multiplies_at_highest_precision(window: int | None) -> None:
+    """``attention_impl="dot_product"`` hands attention to ``jax.nn.dot_product_attention``, which
+    takes no precision argument; a ``default_matmul_precision`` context sets it. Every matmul of
+    the lowered forward, attention's included, is HIGHEST."""
+    model = load_pretrained(FIXTURES / "hf_qwen2", attention_impl="dot_product")
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    segments = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2]])
+    forward = lambda s: nnx.merge(graphdef, s)(ids, segment_ids=segments, attention_window=window)
+    dots = [line.strip() for line in jax.jit(forward).lower(state).as_text().splitlines()
+            if "stablehlo.dot_general" in line]
+    assert len(dots) >= 7 + 2 + 1  # projections, attention's two matmuls, the head
+    low = [d for d in dots if "precision = [HIGHEST, HIGHEST]" not in d]
+    assert not low, low[:2]
+
+
 def test_graphdef_with_rope_scaling_is_a_static_jit_argument() -> None:
     """Llama 3.1 configs carry a rope_scaling mapping; the config, and so the GraphDef, hash."""
     model = load_pretrained(FIXTURES / "hf_llama")
