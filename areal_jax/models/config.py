@@ -124,7 +124,9 @@ class ModelConfig:
     decode_unroll: int = 1
     """Decoder layers per iteration of the KV-cache path's scan over layers (prefill and decode):
     1 compiles one layer whatever the depth; ``num_hidden_layers`` (or more) unrolls them all,
-    which compiles in time growing with depth. Not a HF config key."""
+    which compiles in time growing with depth. On CPU unrolling measured no faster (see
+    benchmarks/README.md); it is there for backends where the loop itself costs. Not a HF
+    config key."""
     extra_hf: dict[str, Any] = field(default_factory=dict, compare=False)
     """Keys of the source config.json we do not interpret, written back unchanged on save."""
 
