@@ -56,8 +56,8 @@ def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> flo
 
 
 def make_engine(ckpt: Path, prompts: list[list[int]], new_tokens: int, decode_steps: int,
-                lanes: int | None = None) -> Engine:
-    model = load_pretrained(ckpt)
+                lanes: int | None = None, decode_unroll: int | None = None) -> Engine:
+    model = load_pretrained(ckpt, **({} if decode_unroll is None else {"decode_unroll": decode_unroll}))
     cfg = EngineConfig(num_slots=len(prompts), max_seq_len=len(prompts[0]) + new_tokens + decode_steps,
                        max_prefill_batch=min(len(prompts), 64), decode_steps=decode_steps, lanes=lanes)
     return Engine(model, cfg)
@@ -139,6 +139,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--decode-steps", type=int, default=8, help="tokens per compiled decode call")
     ap.add_argument("--lanes", type=int, default=None, help="engine lanes (default: the engine's own choice)")
+    ap.add_argument("--decode-unroll", type=int, default=None,
+                    help="ModelConfig.decode_unroll: decoder layers per iteration of the decode scan (default 1)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--rounds", type=int, default=3, help="alternating timed rounds per side (best is kept)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -162,7 +164,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         for c in args.concurrency:
             prompts = rng.integers(4, 128, (c, args.prompt_len)).tolist()
-            engine = make_engine(ckpt, prompts, args.new_tokens, args.decode_steps, args.lanes)
+            engine = make_engine(ckpt, prompts, args.new_tokens, args.decode_steps, args.lanes, args.decode_unroll)
             warmup = engine_run(engine, prompts, args.new_tokens)  # compiles every shape the timed runs meet
             hf_run = None if args.skip_transformers else make_transformers_run(ckpt, prompts, args.new_tokens)
             # This machine's speed drifts: alternate the two sides and keep each one's best round.

@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
                         "travels alone, so this must hold the largest tensor); bigger ones get 413")
     p.add_argument("--weight-transfer-timeout", type=float, default=DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
                    help="seconds an unfinished bucketed weight push may go without a bucket before it is dropped")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="parameter and compute dtype (default: the checkpoint's config)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="parameter, compute and KV-cache dtype (default: the checkpoint's config)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices (heads and MLP columns split)")
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel devices (KV slots split)")
     p.add_argument("--max-running-requests", type=int, default=32, help="KV slots: most requests decoded at once")

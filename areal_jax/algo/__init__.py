@@ -16,7 +16,7 @@ from areal_jax.algo.advantages import (
     terminal_token_rewards,
 )
 from areal_jax.algo.config import AlgoConfig, OverlongPenalty, compute_advantages, ppo_loss_kwargs
-from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3, kl_penalized_rewards
+from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3
 from areal_jax.algo.ppo import decoupled_ppo_loss
 from areal_jax.algo.value import clipped_value_loss, explained_variance
 
@@ -35,7 +35,6 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
-    "kl_penalized_rewards",
     "normalize_advantages",
     "overlong_penalty",
     "ppo_loss_kwargs",

@@ -1,7 +1,9 @@
-"""Per-token KL estimators, the KL reward penalty, and the log-linear proximal-logprob approximation.
+"""Per-token KL estimators and the log-linear proximal-logprob approximation.
 
 The KL penalty is against a frozen reference policy. ``AlgoConfig.kl_coef`` controls it, and
-``kl_coef == 0`` means the trainer builds no reference model at all and never calls these.
+``kl_coef == 0`` means the trainer builds no reference model at all and never calls these. The
+penalty itself, ``-kl_coef * kl`` per masked token, joins the task reward inside
+``compute_advantages`` (``algo/config.py``), where AReaL adds it.
 """
 
 from __future__ import annotations
@@ -27,27 +29,6 @@ def kl_k3(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
-
-
-def kl_penalized_rewards(
-    token_rewards: jax.Array,
-    logprobs: jax.Array,
-    ref_logprobs: jax.Array,
-    loss_mask: jax.Array,
-    *,
-    kl_coef: float,
-    estimator: str = "k1",
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Per-token rewards minus ``kl_coef * kl`` on masked tokens, and the masked mean KL.
-
-    ``logprobs`` are the behavior (or proximal) policy's, computed without gradient: the
-    penalty shapes the reward, it is not a loss term.
-    """
-    kl = KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
-    mask = loss_mask.astype(token_rewards.dtype)
-    kl = jax.lax.stop_gradient(jnp.where(mask > 0, kl, 0.0))
-    stats = {"kl_mean": jnp.sum(kl) / jnp.maximum(jnp.sum(mask), 1.0)}
-    return token_rewards - kl_coef * kl, stats
 
 
 def approx_proximal_logprobs(

@@ -503,8 +503,7 @@ class Engine:
             state = SlotState.empty(self.lane_slots)
             if self.mesh is not None:
                 shard = lambda x, axes: jax.device_put(x, logical_to_sharding(axes, self.mesh))
-                cache = KVCache(*(tuple(map(shard, xs, axes)) for xs, axes in zip(cache, KVCache.axes(len(cache.k)),
-                                                                                 strict=True)))
+                cache = KVCache(*map(shard, cache, KVCache.axes()))
                 state = jax.device_put(state, logical_to_sharding((None,), self.mesh))
         return self._committed(cache), self._committed(state)
 

@@ -121,6 +121,12 @@ class ModelConfig:
     XLA elsewhere); ``splash``, the Pallas splash kernel (TPU); ``auto``, dense on CPU and in
     float32, cuDNN on GPU and splash on TPU in bfloat16/float16. KV-cache decoding always uses
     the dense path. Not a HF config key: set it as a ``load_pretrained`` override."""
+    decode_unroll: int = 1
+    """Decoder layers per iteration of the KV-cache path's scan over layers (prefill and decode):
+    1 compiles one layer whatever the depth; ``num_hidden_layers`` (or more) unrolls them all,
+    which compiles in time growing with depth. On CPU unrolling measured no faster (see
+    benchmarks/README.md); it is there for backends where the loop itself costs. Not a HF
+    config key."""
     extra_hf: dict[str, Any] = field(default_factory=dict, compare=False)
     """Keys of the source config.json we do not interpret, written back unchanged on save."""
 
@@ -139,6 +145,8 @@ class ModelConfig:
         object.__setattr__(self, "remat", remat_policy(self.remat))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose one of {list(ATTENTION_IMPLS)}")
+        if self.decode_unroll < 1:
+            raise ValueError(f"decode_unroll={self.decode_unroll}: layers per scan iteration must be >= 1")
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
             kind = self.rope_scaling.get("rope_type", "default")

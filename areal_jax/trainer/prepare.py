@@ -4,7 +4,7 @@ the device, scored with the weights before the update, with advantages (and retu
 In order: plan the micro-batches (``trainer/batching.py``) and place each on the mesh, once;
 recompute the proximal logprobs with the current policy on exactly those micro-batches (unless
 they are approximated from versions inside the loss); reference logprobs for a KL reward penalty
-when there is a reference; the critic's values when there is a critic; then advantages (and
+(on the behaviour logprobs) when there is a reference; the critic's values when there is a critic; then advantages (and
 returns) group-wise on the host, placed on the mesh next to the rest. Nothing is updated.
 
 Multi-host: every process holds the whole batch of trajectories and plans it the same way (the
@@ -206,12 +206,13 @@ class BatchPreparer:
         token_kl = None
         if reference is not None:
             ref = self.logprobs(policy, micro, lengths, reference)
-            if "proximal_logprobs" in micro[0].arrays:
-                current = unpack_key(micro, "proximal_logprobs", lengths)
-            else:
-                current = [t.behavior_logprobs for t in trajectories]
+            # Against the behaviour (inference) logprobs even when proximal ones were recomputed,
+            # as AReaL's PPOActor.compute_advantages: it takes recomputed logprobs only for naive
+            # PPO with recompute_logprob, a mode this trainer does not have (its naive PPO is
+            # against the behaviour policy).
             est = KL_ESTIMATORS[self.algo.kl_estimator]
-            token_kl = [np.asarray(est(p, r)) * t.loss_mask for p, r, t in zip(current, ref, trajectories, strict=True)]
+            token_kl = [np.asarray(est(t.behavior_logprobs, r)) * t.loss_mask
+                        for r, t in zip(ref, trajectories, strict=True)]
             stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(t.loss_mask.sum() for t in trajectories))
         values = last_values = None
         if critic is not None:

@@ -38,7 +38,7 @@ mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=2))
 model = load_pretrained(ckpt, mesh=mesh)
 engine = Engine(model, cfg, mesh=mesh)
 sharded = asyncio.run(generate(engine))
-specs = {str(engine._lanes[0].cache.k[0].sharding.spec), str(model.layers.mlp.up_proj.kernel[...].sharding.spec)}
+specs = {str(engine._lanes[0].cache.k.sharding.spec), str(model.layers.mlp.up_proj.kernel[...].sharding.spec)}
 print(json.dumps({"single": single, "sharded": sharded, "specs": sorted(specs)}))
 """
 

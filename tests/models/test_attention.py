@@ -1,7 +1,9 @@
 """Fused attention paths (``jax.nn.dot_product_attention``, Pallas splash) against the dense
-reference, on packed rows with local windows, in value and gradient; and how ``attention_impl``
-resolves per backend."""
+reference, on packed rows with local windows (also windows shorter than the segments, where they
+bind), in value and gradient; the compiled kernels where the backend has them (cuDNN on NVIDIA
+GPUs, splash on TPUs; skipped elsewhere); and how ``attention_impl`` resolves per backend."""
 
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -11,7 +13,7 @@ import pytest
 
 from areal_jax.models import ModelConfig, load_pretrained
 from areal_jax.models import attention as attn
-from areal_jax.models.decoder import attend_packed
+from areal_jax.models.decoder import attend, attend_packed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -33,11 +35,36 @@ def _qkv(rng: np.random.Generator, b: int, t: int, heads: int = 4, kv_heads: int
     return q, k, v
 
 
-def _check_equals_dense(fn, seg: np.ndarray, q, k, v, atol: float = 1e-5) -> None:
-    """``fn(q, k, v)`` equals dense attention on real tokens, and so do the gradients of a loss
-    that reads real tokens only."""
+def _segments_of(lengths: list[list[int]], t: int) -> np.ndarray:
+    """Rows of segments 1, 2, ... of the given lengths, then padding (0)."""
+    seg = np.zeros((len(lengths), t), np.int32)
+    for r, row in enumerate(lengths):
+        seg[r, : sum(row)] = np.repeat(np.arange(1, len(row) + 1), row)
+    return seg
+
+
+def _banded_dense(seg: np.ndarray, window: int):
+    """Dense attention under an explicit mask: causal, within a segment, and at most
+    ``window - 1`` keys back (the local-window contract), whatever the segments' lengths."""
+    i = np.arange(seg.shape[1])
+    band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    mask = band[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+    return lambda q, k, v: attend(q, k, v, jnp.asarray(mask))
+
+
+def _assert_window_binds(seg: np.ndarray, window: int, q, k, v) -> None:
+    """The banded reference is not full attention on these rows: a path that ignored the window
+    would fail the comparison."""
+    real = np.asarray(seg > 0)[..., None, None]
+    gap = np.abs(np.where(real, _banded_dense(seg, window)(q, k, v) - attend_packed(q, k, v, jnp.asarray(seg)), 0))
+    assert gap.max() > 0.1, gap.max()
+
+
+def _check_equals_dense(fn, seg: np.ndarray, q, k, v, atol: float = 1e-5, reference=None) -> None:
+    """``fn(q, k, v)`` equals dense attention (``reference``, default full attention within
+    segments) on real tokens, and so do the gradients of a loss that reads real tokens only."""
     real = jnp.asarray(seg > 0)[..., None, None]
-    dense = lambda q, k, v: attend_packed(q, k, v, jnp.asarray(seg))
+    dense = reference or (lambda q, k, v: attend_packed(q, k, v, jnp.asarray(seg)))
 
     def loss(f, q, k, v):
         return jnp.sum(jnp.where(real, f(q, k, v), 0.0) ** 2)
@@ -76,6 +103,35 @@ def test_local_window_really_limits_the_look_back() -> None:
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [5, 24])
+def test_dot_product_window_shorter_than_segments(window: int) -> None:
+    """Packed segments longer than the window (the window binds): value and gradient equal the
+    banded dense reference."""
+    rng = np.random.default_rng(5)
+    seg = _segments_of([[40, 20], [7, 50]], 64)
+    q, k, v = _qkv(rng, 2, 64)
+    _assert_window_binds(seg, window, q, k, v)
+    fn = lambda q, k, v: attn.dot_product_attention_packed(q, k, v, jnp.asarray(seg), window=window,
+                                                           implementation="xla")
+    _check_equals_dense(fn, seg, q, k, v, reference=_banded_dense(seg, window))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("t", "lengths", "window"), [(160, [[100, 50], [30, 120]], 9),
+                                                      (300, [[190, 100], [60, 230]], 130)],
+                         ids=["one_block", "across_blocks"])
+def test_splash_interpret_window_shorter_than_segments(t: int, lengths: list, window: int) -> None:
+    """Splash (Pallas interpret mode) with packed segments longer than the window, in value and
+    gradient against the banded dense reference: within one 256-token block, and with 128-token
+    blocks where the window reaches back across a block boundary."""
+    rng = np.random.default_rng(6)
+    seg = _segments_of(lengths, t)
+    q, k, v = _qkv(rng, 2, t)
+    _assert_window_binds(seg, window, q, k, v)
+    fn = lambda q, k, v: attn.splash_attention_packed(q, k, v, jnp.asarray(seg), window=window, interpret=True)
+    _check_equals_dense(fn, seg, q, k, v, reference=_banded_dense(seg, window))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("window", [None, 40])
 def test_splash_interpret_equals_dense_on_packed_rows(window) -> None:
@@ -85,6 +141,53 @@ def test_splash_interpret_equals_dense_on_packed_rows(window) -> None:
     q, k, v = _qkv(rng, 2, 200)
     fn = lambda q, k, v: attn.splash_attention_packed(q, k, v, jnp.asarray(seg), window=window, interpret=True)
     _check_equals_dense(fn, seg, q, k, v)
+
+
+def _cuda_gpu() -> bool:
+    """An NVIDIA GPU backend, where ``dot_product`` runs cuDNN's fused flash attention."""
+    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+
+
+def _check_bfloat16_kernel_equals_dense(fn, window: int | None) -> None:
+    """``fn(q, k, v, segment_ids)`` on bfloat16 inputs (two rows packed with segments longer than the window)
+    against float32 dense attention over the same, bfloat16-representable values: outputs within
+    bfloat16 rounding, gradients within 2% in norm."""
+    rng = np.random.default_rng(7)
+    t = 256
+    seg = _segments_of([[150, 80], [40, 200]], t)
+    q, k, v = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in _qkv(rng, 2, t, heads=8, kv_heads=2, d=64))
+    if window is not None:
+        _assert_window_binds(seg, window, q, k, v)
+    dense = _banded_dense(seg, window) if window is not None else (lambda *x: attend_packed(*x, jnp.asarray(seg)))
+    kernel = lambda *x: fn(*(a.astype(jnp.bfloat16) for a in x), jnp.asarray(seg)).astype(jnp.float32)
+    real = jnp.asarray(seg > 0)[..., None, None]
+    np.testing.assert_allclose(np.where(real, kernel(q, k, v), 0), np.where(real, dense(q, k, v), 0), atol=3e-2)
+    loss = lambda f, *x: jnp.sum(jnp.where(real, f(*x), 0.0) ** 2)
+    got = jax.grad(lambda *x: loss(kernel, *x), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *x: loss(dense, *x), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert rel < 2e-2, (name, rel)
+
+
+@pytest.mark.skipif(not _cuda_gpu(), reason=f"cuDNN flash attention needs an NVIDIA GPU; the backend here is "
+                                            f"{jax.default_backend()}")
+@pytest.mark.parametrize("window", [None, 48])
+def test_cudnn_bfloat16_equals_dense_on_packed_rows(window: int | None) -> None:
+    """``attention_impl="dot_product"`` on GPU: cuDNN in bfloat16, packed segments as its mask,
+    the local window as its sliding window."""
+    fn = partial(attn.dot_product_attention_packed, window=window, implementation="cudnn")
+    _check_bfloat16_kernel_equals_dense(fn, window)
+
+
+@pytest.mark.skipif(not (jax.default_backend() == "tpu" and attn.splash_available()),
+                    reason=f"the compiled splash kernel needs a TPU with Pallas TPU ops; the backend here is "
+                           f"{jax.default_backend()}")
+@pytest.mark.parametrize("window", [None, 48])
+def test_splash_on_tpu_bfloat16_equals_dense_on_packed_rows(window: int | None) -> None:
+    """``attention_impl="splash"`` compiled for the TPU (not interpreted), in bfloat16."""
+    fn = partial(attn.splash_attention_packed, window=window, interpret=False)
+    _check_bfloat16_kernel_equals_dense(fn, window)
 
 
 def _packed_model_input(rows: int, t: int, seed: int = 3) -> tuple[jax.Array, jax.Array, jax.Array]:

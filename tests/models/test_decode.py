@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from areal_jax.models import load_pretrained
+from areal_jax.models import Decoder, ModelConfig, load_pretrained
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -48,3 +49,22 @@ def test_decode_into_chosen_slots() -> None:
     assert float(jnp.abs(cache.k[0][0]).max()) == 0.0  # slot 0 never written
     step, _ = decode(model, a[:, 9:], jnp.array([[9]]), cache, kv_len=16, slots=jnp.array([2]))
     np.testing.assert_allclose(np.asarray(step[0, 0]), full[0, 9], atol=1e-4)
+
+
+def test_unrolled_layers_decode_like_the_scan() -> None:
+    """``decode_unroll`` changes only how the layer scan is compiled: 2 layers per iteration (with
+    a remainder, at 3 layers) or all 3 give the scan's logits and cache."""
+    rng = np.random.default_rng(2)
+    ids = jnp.asarray(rng.integers(0, 128, (2, 7)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    outs = []
+    for unroll in (1, 2, 3):
+        model = Decoder(ModelConfig(num_hidden_layers=3, decode_unroll=unroll), rngs=nnx.Rngs(0))
+        logits, cache = decode(model, ids, pos, model.init_cache(2, 16), kv_len=8)
+        step, cache = decode(model, ids[:, -1:], jnp.full((2, 1), 7), cache, kv_len=8)
+        outs.append((logits, step, cache))
+    for other in outs[1:]:
+        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(other), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    with pytest.raises(ValueError, match="decode_unroll=0"):
+        ModelConfig(decode_unroll=0)

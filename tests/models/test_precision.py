@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from areal_jax.models import load_pretrained
+from tests.models.jaxprs import dot_generals
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -36,21 +37,6 @@ def test_bfloat16_logprobs_carry_only_float32_noise(family: str) -> None:
     assert err < 1e-4, err
 
 
-def _dot_generals(jaxpr) -> list:
-    """Every dot_general equation of a closed jaxpr, sub-jaxprs (scan, remat, pjit) included."""
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append(eqn)
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, list | tuple) else [v]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    out += _dot_generals(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    out += _dot_generals(sub)
-    return out
-
-
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 def test_float32_mode_multiplies_at_highest_precision(family: str) -> None:
     """Projections, attention (packed, windowed and cached) and the head, tied or not: no matmul
@@ -67,10 +53,27 @@ def test_float32_mode_multiplies_at_highest_precision(family: str) -> None:
         return m.decode(ids, jnp.broadcast_to(jnp.arange(8), (1, 8)), m.init_cache(1, 16), kv_len=16)[0]
 
     for fn in (lambda s: forward(s, None), lambda s: forward(s, 4), decode):
-        dots = _dot_generals(jax.make_jaxpr(fn)(state).jaxpr)
+        dots = dot_generals(jax.make_jaxpr(fn)(state).jaxpr)
         assert len(dots) >= 7 + 1  # q, k, v, o, gate, up, down (once: layers run in a scan), the head
         low = [str(e) for e in dots if e.params["precision"] != (jax.lax.Precision.HIGHEST,) * 2]
         assert not low, low[:2]
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_float32_dot_product_attention_multiplies_at_highest_precision(window: int | None) -> None:
+    """``attention_impl="dot_product"`` hands attention to ``jax.nn.dot_product_attention``, which
+    takes no precision argument; a ``default_matmul_precision`` context sets it. Every matmul of
+    the lowered forward, attention's included, is HIGHEST."""
+    model = load_pretrained(FIXTURES / "hf_qwen2", attention_impl="dot_product")
+    graphdef, state = nnx.split(model)
+    ids = jnp.zeros((1, 8), jnp.int32)
+    segments = jnp.array([[1, 1, 1, 1, 1, 2, 2, 2]])
+    forward = lambda s: nnx.merge(graphdef, s)(ids, segment_ids=segments, attention_window=window)
+    dots = [line.strip() for line in jax.jit(forward).lower(state).as_text().splitlines()
+            if "stablehlo.dot_general" in line]
+    assert len(dots) >= 7 + 2 + 1  # projections, attention's two matmuls, the head
+    low = [d for d in dots if "precision = [HIGHEST, HIGHEST]" not in d]
+    assert not low, low[:2]
 
 
 def test_graphdef_with_rope_scaling_is_a_static_jit_argument() -> None:

@@ -15,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from areal_jax.models import load_pretrained
@@ -98,6 +99,33 @@ def test_context_length_defaults_to_the_model_and_exceeds_it_only_when_allowed(
     assert served("--context-length", str(2 * model_max), "--allow-overwrite-longer-context-len") == 2 * model_max
     monkeypatch.setenv(LONGER_CONTEXT_ENV, "1")
     assert served("--context-length", str(2 * model_max)) == 2 * model_max
+
+
+def test_a_bfloat16_checkpoint_is_served_in_bfloat16_and_float16_on_request(tmp_path: Path) -> None:
+    """``serve`` keeps a bfloat16 checkpoint's dtype in the engine's parameters and KV cache (no
+    float32 copy at twice the memory); ``--dtype float16`` serves it in float16, with logprobs
+    a float16 full forward pass agrees with."""
+    import jax
+    import jax.numpy as jnp
+
+    from areal_jax.inference import GenerateRequest, SamplingParams
+    from areal_jax.models.tiny import make_tiny_checkpoint
+    from rollout_bridge.serve import build, parser
+    from tests.inference.reference import generate_all, reference_logprobs
+
+    ckpt = make_tiny_checkpoint(tmp_path / "bf16", param_dtype="bfloat16", dtype="bfloat16")
+    assert json.loads((ckpt / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    base = ["--model-path", str(ckpt), "--max-running-requests", "2", "--lanes", "1", "--context-length", "64",
+            "--skip-server-warmup"]
+    for flags, dtype in (([], jnp.bfloat16), (["--dtype", "float16"], jnp.float16)):
+        engine = build(parser().parse_args([*base, *flags]))[1]
+        assert {x.dtype for x in jax.tree.leaves(engine.state)} == {jnp.dtype(dtype)}, flags
+        assert {x.dtype for x in jax.tree.leaves(engine._lanes[0].cache)} == {jnp.dtype(dtype)}, flags
+    prompt = [5, 17, 3, 42]
+    out = generate_all(engine, [GenerateRequest(prompt, SamplingParams(max_new_tokens=6, temperature=0,
+                                                                       ignore_eos=True), return_logprob=True)])[0]
+    want = reference_logprobs(load_pretrained(ckpt, dtype="float16"), prompt, out.output_ids, 0)
+    np.testing.assert_allclose(out.output_logprobs, want, atol=1e-2)
 
 
 def _post(url: str, body: dict) -> dict:

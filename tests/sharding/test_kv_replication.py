@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingParams
-from areal_jax.models import load_pretrained
+from areal_jax.models import KVCache, load_pretrained
 from areal_jax.models.tiny import make_tiny_checkpoint
 from sharding import MeshConfig, activate, logical_to_sharding, make_mesh
 
@@ -52,10 +52,10 @@ def test_forward_and_decode_match_single_device(ckpt: Path) -> None:
         cache = model.init_cache(4, 16)
         # Each of the 2 KV heads is held by 2 of the 4 tensor shards: the cache has 4 heads and
         # every device keeps one of them.
-        assert cache.k[0].shape == (4, 4, 16, 16) and cache.v[0].shape == (4, 4, 16, 16)
-        cache = jax.tree.map(lambda x: jax.device_put(x, logical_to_sharding(
-            ("cache_batch", "cache_kv_heads", None, None), mesh)), cache)
-        assert {s.data.shape[1] for s in cache.k[0].addressable_shards} == {1}
+        assert cache.k.shape == (2, 4, 4, 16, 16) and cache.v.shape == (2, 4, 4, 16, 16)
+        cache = KVCache(*(jax.device_put(x, logical_to_sharding(axes, mesh))
+                          for x, axes in zip(cache, KVCache.axes(), strict=True)))
+        assert {s.data.shape[2] for s in cache.k.addressable_shards} == {1}
         got = jax.jit(prefill_then_step)(model, cache)
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
@@ -81,7 +81,7 @@ def test_engine_greedy_on_a_wide_tensor_mesh(ckpt: Path) -> None:
     ids, lp = asyncio.run(generate(engine))
     assert ids == single_ids
     np.testing.assert_allclose(np.concatenate(lp), np.concatenate(single_lp), atol=1e-4)
-    assert engine._lanes[0].cache.k[0].shape[1] == 4
+    assert engine._lanes[0].cache.k.shape[2] == 4
 
 
 def test_tensor_axis_that_does_not_fit_the_kv_heads_is_a_clear_error(ckpt: Path) -> None:

@@ -142,8 +142,7 @@ def test_kl_reference_only_when_kl_coef_positive() -> None:
     trainer = Trainer(tiny_model(), AlgoConfig(kl_coef=0.5), cfg)
     assert trainer.ref_params is not None
     initial = jax.device_get(trainer.ref_params)
-    first = trainer.train_batch(trajs, 0)
-    assert first["kl_ref_mean"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before any update
+    trainer.train_batch(trajs, 0)
     prepared = trainer.prepare_batch(trajs, 1)
     assert abs(prepared.stats["kl_ref_mean"]) > 1e-4
     without, _, _ = trainer.preparer.advantages(trajs, None)
@@ -151,6 +150,34 @@ def test_kl_reference_only_when_kl_coef_positive() -> None:
     assert diff > 1e-3  # the penalty changed the rewards the advantages came from
     for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(jax.device_get(trainer.ref_params)), strict=True):
         np.testing.assert_array_equal(a, b)  # the reference stays frozen
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_kl_penalty_takes_behavior_logprobs(decoupled: bool) -> None:
+    """The per-token KL against the reference (``kl_ref_mean`` and the advantages' penalty) is
+    taken on the behaviour logprobs, as AReaL's ``compute_advantages``, also when the decoupled
+    loss recomputed proximal ones. The policy is first moved off the reference, so the candidates
+    (behaviour, current policy: a small step away) give different KLs."""
+    trajs = random_trajectories(np.random.default_rng(6), 2, 4)
+    algo = AlgoConfig(kl_coef=0.5, kl_estimator="k3", adv_estimator="reinforce_pp", use_decoupled_loss=decoupled)
+    trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-3,
+                                                      temperature=TEMPERATURE))
+    trainer.train_batch(trajs, 0)
+    prepared = trainer.prepare_batch(trajs, 1)
+    ref = trainer.compute_logprobs(trajs, reference=True)
+    mask_sum = sum(t.loss_mask.sum() for t in trajs)
+
+    def penalty(candidate: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
+        log_ratio = [r - c for c, r in zip(candidate, ref, strict=True)]
+        kl = [(np.exp(d) - d - 1) * t.loss_mask for d, t in zip(log_ratio, trajs, strict=True)]  # k3
+        return sum(k.sum() for k in kl) / mask_sum, trainer.preparer.advantages(trajs, kl)[0]
+
+    behavior_kl, behavior_adv = penalty([t.behavior_logprobs for t in trajs])
+    current_kl, _ = penalty(trainer.compute_logprobs(trajs))
+    assert abs(behavior_kl - current_kl) > 0.5 * behavior_kl  # the candidates are told apart
+    assert prepared.stats["kl_ref_mean"] == pytest.approx(behavior_kl, rel=1e-4)
+    for got, want in zip(prepared.advantages, behavior_adv, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_compiled_shapes_bounded_by_buckets() -> None:
