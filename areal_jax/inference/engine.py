@@ -318,14 +318,14 @@ class Engine:
 
     def placement(self) -> dict[str, Any]:
         """Where the served weights and the KV cache live, as JSON (for /get_server_info): the
-        mesh's axis sizes, and each parameter's and the first lane's cache arrays' partition
-        spec and per-device shape; ``{"mesh": None}`` on one device."""
+        mesh's axis sizes, and each parameter's and the first lane's cache arrays' (stacked over
+        layers) partition spec and per-device shape; ``{"mesh": None}`` on one device."""
         if self.mesh is None:
             return {"mesh": None}
         cache = self._lanes[0].cache
         return {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
                 "params": _placement(self._state),
-                "kv_cache": {} if cache is None else _placement({"k": cache.k[0], "v": cache.v[0]})}
+                "kv_cache": {} if cache is None else _placement({"k": cache.k, "v": cache.v})}
 
     async def set_state(self, state: Any, *, version: int) -> None:
         """Serve ``state`` (device arrays already on this engine's shardings and dtypes, e.g. an

@@ -166,9 +166,9 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         assert up == {"spec": [None, "fsdp", "tensor"], "shard_shape": [hf["num_hidden_layers"], hf["hidden_size"],
                                                                          hf["intermediate_size"] // 2]}
         assert placement["params"]["layers.self_attn.o_proj.kernel"]["spec"] == [None, "tensor", "fsdp"]
-        for name, kv in placement["kv_cache"].items():
-            assert kv["spec"][:2] == [["data", "fsdp"], "tensor"], name
-            assert kv["shard_shape"][:2] == [4 // 2, hf["num_key_value_heads"] // 2], name
+        for name, kv in placement["kv_cache"].items():  # [layers, slots, kv heads, ...]
+            assert kv["spec"][:3] == [None, ["data", "fsdp"], "tensor"], name
+            assert kv["shard_shape"][:3] == [hf["num_hidden_layers"], 4 // 2, hf["num_key_value_heads"] // 2], name
         prompt = [5, 17, 3, 42]
         reply = _post(url + "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8,
                                                                                    "temperature": 0}})
