@@ -166,8 +166,10 @@ def attention_block_pairs(lengths: Sequence[int], row_length: int, block: int) -
     """The (query block, key block) pairs that causal attention within segments needs in one
     packed row: the row holds sequences of ``lengths`` back to back, then padding up to
     ``row_length`` (a multiple of ``block``). A query block needs every key block from the one
-    where the sequence of its first token starts up to itself; the padding at the end counts as
-    one more sequence (padding attends to padding). ``int32 [n, 2]``, by query block then key block."""
+    where the sequence of its first token starts up to itself. Padding only has to see some
+    padding (its output is never used, but must be finite): a block of padding gets its own
+    block alone, so a mostly empty row costs one pair per block, not the square of its padding.
+    ``int32 [n, 2]``, by query block then key block."""
     if row_length % block:
         raise ValueError(f"row_length={row_length} is not a multiple of block={block}")
     starts = np.cumsum([0, *lengths])  # each sequence's first position; the last is where padding starts
@@ -175,7 +177,7 @@ def attention_block_pairs(lengths: Sequence[int], row_length: int, block: int) -
         raise ValueError(f"{starts[-1]} tokens do not fit in row_length={row_length}")
     first = np.arange(0, row_length, block)  # each query block's first position
     seq = np.searchsorted(starts, first, side="right") - 1  # the sequence (or the padding) it belongs to
-    begin = np.minimum(starts[seq], starts[-1]) // block
+    begin = np.where(first >= starts[-1], np.arange(len(first)), np.minimum(starts[seq], starts[-1]) // block)
     query = np.arange(len(first))
     counts = query - begin + 1
     return np.stack([np.repeat(query, counts),

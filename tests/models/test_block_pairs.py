@@ -12,12 +12,13 @@ from areal_jax.models.decoder import attend_packed
 
 
 def _needed(lengths: list[int], row: int, block: int) -> set[tuple[int, int]]:
-    """Block pairs holding a query and a key of one segment, the key not after the query (brute
-    force; padding is one more segment)."""
-    seg = np.full(row, len(lengths) + 1)
+    """Block pairs holding a query and a key of one sequence, the key not after the query, and
+    each block holding padding with itself (brute force)."""
+    seg = np.full(row, -1)
     seg[:sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
-    qi, kj = np.nonzero(np.tril(seg[:, None] == seg[None, :]))
-    return set(zip((qi // block).tolist(), (kj // block).tolist(), strict=True))
+    qi, kj = np.nonzero(np.tril((seg[:, None] == seg[None, :]) & (seg[:, None] > 0)))
+    pads = {(i // block, i // block) for i in np.flatnonzero(seg < 0).tolist()}
+    return set(zip((qi // block).tolist(), (kj // block).tolist(), strict=True)) | pads
 
 
 @pytest.mark.parametrize("seed", range(30))
