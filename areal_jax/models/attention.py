@@ -1,7 +1,10 @@
-"""Fused attention kernels for packed training input, and the choice between them.
+"""Attention over packed training input: the dense path's block-sparse form, the fused kernels,
+and the choice between them.
 
 The decoder's own dense attention (``decoder.attend_packed``, ``attend_packed_local``) is the CPU
-path and the reference. Where the backend has a fused kernel, ``ModelConfig.attention_impl``
+path and the reference. Given the block pairs a packed row needs (``data.packing
+.attention_block_pairs``, planned by the trainer), ``attend_packed_pairs`` computes the same
+attention on those blocks only. Where the backend has a fused kernel, ``ModelConfig.attention_impl``
 selects it:
 
 - ``dot_product``: ``jax.nn.dot_product_attention``, cuDNN flash attention on GPU (bfloat16 or
