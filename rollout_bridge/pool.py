@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,7 +279,7 @@ class ServerPool:
 
 
     async def _request(self, server: _Server, method: str, path: str, *, json_body: Any = None,
-                       data: bytes | None = None, params: dict[str, str] | None = None,
+                       data: Any = None, params: dict[str, str] | None = None,
                        timeout: float, headers: dict[str, str] | None = None,
                        session: aiohttp.ClientSession | None = None,
                        reply_headers: dict[str, str] | None = None) -> tuple[int, Any]:
@@ -434,11 +435,15 @@ class ServerPool:
         return await self._broadcast("/update_weight_version", body, timeout=self.cfg.control_timeout_s,
                                      version=version)
 
-    async def push_tensor_bucket(self, payload: bytes, *, version: int, transfer_id: str, bucket: int, last: bool,
-                                 flush_cache: bool = True, skip: Any = ()) -> list[dict[str, Any]]:
-        """One safetensors bucket of a version to every embedded server but those in ``skip`` (URLs
-        that failed an earlier bucket of this transfer, see ``HttpBucketSink``); after the ``last``
-        one, the servers that applied it are recorded as holding ``version``."""
+    async def push_tensor_bucket(self, payload: bytes | Sequence[bytes | memoryview], *, version: int,
+                                 transfer_id: str, bucket: int, last: bool, flush_cache: bool = True,
+                                 skip: Any = ()) -> list[dict[str, Any]]:
+        """One safetensors bucket of a version (its bytes, or the pieces of them in order, as
+        ``protocol.tensor_bucket_parts`` makes them) to every embedded server but those in
+        ``skip`` (URLs that failed an earlier bucket of this transfer, see ``HttpBucketSink``);
+        after the ``last`` one, the servers that applied it are recorded as holding ``version``."""
+        parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+        size = sum(memoryview(p).nbytes for p in parts)
         params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
                   "last": "true" if last else "false", "flush_cache": "true" if flush_cache else "false"}
         targets = [s for s in self.servers if s.healthy and s.url not in skip]
@@ -450,9 +455,12 @@ class ServerPool:
 
         async def one(s: _Server) -> tuple[_Server, int, Any]:
             try:
+                # Streamed in slices of the pieces with the length given: aiohttp writes one large
+                # body several times slower (it buffers what the socket does not take at once).
                 status, reply = await self._request(
-                    s, "POST", "/update_weights_from_tensor", data=payload, params=params,
-                    headers={"Content-Type": "application/octet-stream"}, timeout=self.cfg.weight_timeout_s)
+                    s, "POST", "/update_weights_from_tensor", data=_slices(parts), params=params,
+                    headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                    timeout=self.cfg.weight_timeout_s)
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 self._mark_down(s, e)
                 return s, 0, str(e)
@@ -503,3 +511,10 @@ def _confirms_label(reply: Any, label: str) -> bool:
     return (reply.get("weight_version") == label or reply.get("new_version") == label
             or f"Weight version updated to {label}" in str(reply.get("message", "")))
 
+
+async def _slices(parts: Sequence[bytes | memoryview], size: int = 1 << 20) -> AsyncIterator[memoryview]:
+    """``parts`` in slices of at most ``size`` bytes, views all (a request body streamed)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, view.nbytes, size):
+            yield view[start:start + size]

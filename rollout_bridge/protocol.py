@@ -357,9 +357,9 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": m
 _ST_TAGS = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 
 
-def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> bytes:
-    """One bucket as safetensors bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``): the header,
-    then every tensor's bytes, copied once into the result (the library's ``save`` copies twice)."""
+def tensor_bucket_parts(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> list[bytes | memoryview]:
+    """One bucket in safetensors layout as the pieces to send one after another, copying nothing:
+    the header, then a view of every tensor's bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``)."""
     items = [(k, np.ascontiguousarray(v)) for k, v in (tensors.items() if isinstance(tensors, dict) else tensors)]
     header: dict[str, Any] = {}
     offset = 0
@@ -371,8 +371,12 @@ def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.nda
         offset += arr.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as the format asks
-    return b"".join([len(head).to_bytes(8, "little"), head,
-                     *(memoryview(arr.reshape(-1).view(np.uint8)) for _, arr in items)])
+    return [len(head).to_bytes(8, "little") + head, *(memoryview(arr.reshape(-1).view(np.uint8)) for _, arr in items)]
+
+
+def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> bytes:
+    """One bucket as safetensors bytes, copied once (the library's ``save`` copies twice)."""
+    return b"".join(tensor_bucket_parts(tensors))
 
 
 def decode_tensor_bucket(body: bytes) -> dict[str, np.ndarray]:

@@ -36,7 +36,7 @@ import numpy as np
 
 from areal_jax.models.hf_write import is_url, write_hf_dir
 from rollout_bridge.pool import WeightUpdateError
-from rollout_bridge.protocol import encode_tensor_bucket
+from rollout_bridge.protocol import tensor_bucket_parts
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 
@@ -152,8 +152,9 @@ class DiskSink(WeightSink):
 class HttpBucketSink(WeightSink):
     """Safetensors buckets POSTed to every embedded server's ``/update_weights_from_tensor``.
 
-    Tensors are gathered and serialised in a worker thread, one bucket ahead of the one on the
-    wire, so host memory holds about two buckets, never the whole model.
+    Tensors are gathered in a worker thread, one bucket ahead of the one on the wire, so host
+    memory holds about two buckets, never the whole model; a bucket goes out as its header and
+    views of its tensors' bytes, never copied into one body first.
     """
 
     def __init__(self, client: Any, *, bucket_bytes: int = 256 * 1024**2, flush_cache: bool = True):
@@ -170,7 +171,7 @@ class HttpBucketSink(WeightSink):
         # One bucket of look-ahead tells whether the current one is the last.
         cur = await asyncio.to_thread(next, groups, None)
         while cur is not None:
-            payload = await asyncio.to_thread(encode_tensor_bucket, cur)
+            payload = await asyncio.to_thread(tensor_bucket_parts, cur)
             nxt = await asyncio.to_thread(next, groups, None)
             try:
                 replies = await self.client.push_tensor_bucket(

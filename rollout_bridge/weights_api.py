@@ -150,7 +150,27 @@ async def update_weight_version(request: web.Request) -> web.Response:
                   "new_version": req.new_version})
 
 
-def _decode_bucket(body: bytes) -> dict[str, np.ndarray]:
+async def _read_body(request: web.Request) -> bytes | bytearray:
+    """The body: with a ``Content-Length`` (the middleware already refused one over the bound), read
+    into one buffer of that size as it arrives; ``request.read()`` gathers the pieces and copies
+    them again, at about half the speed. A chunked body goes through ``read()``, bounded."""
+    n = request.content_length
+    if n is None:
+        return await request.read()
+    body = bytearray(n)
+    view, got = memoryview(body), 0
+    while got < n:
+        chunk = await request.content.readany()
+        if not chunk:
+            break
+        view[got:got + len(chunk)] = chunk
+        got += len(chunk)
+    if got != n:
+        raise P.ProtocolError("body", f"{got} bytes arrived of the {n} the Content-Length announced")
+    return body
+
+
+def _decode_bucket(body: bytes | bytearray) -> dict[str, np.ndarray]:
     """The bucket's tensors; a malformed buffer (truncated, a header of the wrong shape) is a 400."""
     try:
         return P.decode_tensor_bucket(body)
@@ -171,7 +191,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     except msgspec.ValidationError as e:
         raise P.ProtocolError("query", str(e)) from None
     label = q.weight_version
-    tensors = _decode_bucket(await request.read())
+    tensors = _decode_bucket(await _read_body(request))
     async with st.weight_lock:
         staged = st.staged
         if q.bucket == 0:

@@ -79,14 +79,31 @@ def from_hf(old: jax.Array, blocks: Sequence[np.ndarray], layers: Sequence[int] 
 
     ``layers``: None for an unstacked parameter (``blocks`` is its one tensor); else the layer
     index of each block, and the layers not given keep ``old``'s values. The host stacks the
-    blocks (a plain copy), one transfer puts them on the devices in the HF layout, and a compiled
-    program transposes and casts them there."""
-    host = blocks[0] if layers is None else np.stack(blocks)
+    blocks (a plain copy, into aligned memory), one transfer puts them on the devices in the HF
+    layout (none on CPU), and a compiled program transposes and casts them there."""
+    host = _aligned(blocks, stack=layers is not None)
     where = hf_sharding(old.sharding, host.ndim, transpose)
-    device = jax.device_put(host, where) if where is not None else jax.device_put(host)
+    # 64-byte aligned host bytes become a device array without a copy on the CPU backend (the copy
+    # into fresh device memory ran at a fifth of memcpy speed); elsewhere it is the transfer.
+    device = jax.device_put(host, where, may_alias=True) if where is not None else \
+        jax.device_put(host, may_alias=True)
     if layers is None or list(layers) == list(range(old.shape[0])):
         return _from_hf_fn(transpose, old.dtype, old.sharding, False)(device)
     return _from_hf_fn(transpose, old.dtype, old.sharding, True)(old, device, np.asarray(layers, np.int32))
+
+
+def _aligned(blocks: Sequence[np.ndarray], *, stack: bool, align: int = 64) -> np.ndarray:
+    """``blocks`` stacked (or the one block) in a fresh ``align``-byte aligned host array."""
+    shape = (len(blocks), *blocks[0].shape) if stack else blocks[0].shape
+    nbytes = int(np.prod(shape)) * blocks[0].dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    out = raw[start:start + nbytes].view(blocks[0].dtype).reshape(shape)
+    if stack:
+        np.stack(blocks, out=out)
+    else:
+        np.copyto(out, blocks[0])
+    return out
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
