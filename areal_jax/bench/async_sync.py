@@ -30,7 +30,7 @@ def split_cores() -> tuple[list[int], list[int]]:
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
-    steps, warmup = (4, 1) if quick else (20, 3)
+    steps, warmup = (4, 1) if quick else (30, 3)
     rollout_cores, trainer_cores = split_cores()
     rows = []
     for mode, eta in modes(quick):

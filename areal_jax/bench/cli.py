@@ -61,8 +61,15 @@ def main(argv: list[str]) -> dict[str, Any]:
         from areal_jax.bench import runs
 
         task = runs.task_config(args.quick)
-        print(f"warm start of the benchmark task ({task['warm_start']['steps']} supervised steps) ...", flush=True)
-        checkpoint = runs.warm_checkpoint({**task, "seed": args.seed}, out / "checkpoint")
+        if "async" in rl_parts or "interrupt" in rl_parts:
+            print(f"warm start of the long-tailed task ({task['warm_start']['steps']} supervised steps) ...",
+                  flush=True)
+            checkpoint = runs.warm_checkpoint({**task, "seed": args.seed}, out / "checkpoint")
+        if "staleness" in rl_parts:
+            demo_task = runs.task_config(args.quick, runs.DEMO_TASK)
+            print(f"warm start of the demo task ({demo_task['warm_start']['steps']} supervised steps) ...", flush=True)
+            demo_checkpoint = runs.warm_checkpoint({**demo_task, "seed": args.seed}, out / "checkpoint_demo",
+                                                   scratch=False)
     for part in args.parts:
         t = time.perf_counter()
         print(f"[{part}]", flush=True)
@@ -73,7 +80,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         elif part == "staleness":
             from areal_jax.bench import staleness
 
-            results[part] = staleness.run(out, checkpoint, task, quick=args.quick, seed=args.seed)
+            results[part] = staleness.run(out, demo_checkpoint, demo_task, quick=args.quick, seed=args.seed)
         elif part == "interrupt":
             from areal_jax.bench import interrupt
 

@@ -13,7 +13,7 @@ from areal_jax.bench import async_sync, report, runs
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
-    steps, warmup, eta = (4, 1, 4) if quick else (20, 3, 4)
+    steps, warmup, eta = (4, 1, 4) if quick else (30, 3, 4)
     rollout_cores, trainer_cores = async_sync.split_cores()
     rows = []
     for interruptible in (False, True):

@@ -17,7 +17,7 @@ from areal_jax.bench import report, runs
 
 def settings(quick: bool) -> tuple[list[int], int]:
     """``(max_staleness values, steps)``."""
-    return ([4], 3) if quick else ([0, 1, 2, 4, 8], 10)
+    return ([4], 3) if quick else ([0, 1, 2, 4, 8], 40)
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:

@@ -12,30 +12,43 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
+def _acc(p: float | None, n: int | None) -> str:
+    """An accuracy with its standard error over ``n`` held-out prompts."""
+    if p is None or not n:
+        return _pct(p)
+    return f"{100 * p:.0f} ± {100 * (p * (1 - p) / n) ** 0.5:.0f}%"
+
+
 def async_table(d: dict[str, Any]) -> list[str]:
     lines = [f"Rollout on cores {d['rollout_cores']}, trainer on cores {d['trainer_cores']} (asynchronous runs); "
              f"the synchronous run on every core. {d['steps']} steps each, the first {d['warmup_steps']} left out "
              "of the timings.", "",
-             "| mode | s / step | generated tok/s | trained tok/s | trainer idle | rollout idle | mean staleness "
-             "| longest answer | accuracy before -> after | sync / this wall-clock |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | s / step | train s / step | generated tok/s | trained tok/s | trainer idle "
+             "| rollout idle | mean staleness | longest answer | groups filtered | accuracy before -> after "
+             "| sync / this wall-clock |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in d["modes"]:
-        lines.append(f"| {m['name']} | {m['wall_s_per_step']:.2f} | {m['generated_tokens_per_s']:.0f} | "
-                     f"{m['trained_tokens_per_s']:.0f} | {_pct(m['trainer_idle_fraction'])} | "
-                     f"{_pct(m['rollout_idle_fraction'])} | {m['staleness_mean']:.2f} | {m['answer_len_max']} | "
-                     f"{_pct(m['accuracy_before'])} -> {_pct(m['accuracy_after'])} | {m['sync_over_this_wall']:.2f}x |")
+        n = m.get("eval_prompts")
+        lines.append(f"| {m['name']} | {m['wall_s_per_step']:.2f} | {m['train_s_per_step']:.2f} | "
+                     f"{m['generated_tokens_per_s']:.0f} | {m['trained_tokens_per_s']:.0f} | "
+                     f"{_pct(m['trainer_idle_fraction'])} | {_pct(m['rollout_idle_fraction'])} | "
+                     f"{m['staleness_mean']:.2f} | {m['answer_len_max']} | {_pct(m.get('filtered_fraction'))} | "
+                     f"{_pct(m['accuracy_before'])} -> {_acc(m['accuracy_after'], n)} | "
+                     f"{m['sync_over_this_wall']:.2f}x |")
     return lines
 
 
 def staleness_table(d: dict[str, Any]) -> list[str]:
-    lines = [f"{d['steps']} steps each; held-out accuracy: one sample per prompt at temperature 1.", "",
+    lines = [f"{d['steps']} steps each from the same warm start; held-out accuracy as the run config evaluates it "
+             f"({d['runs'][0].get('eval_prompts') or '?'} prompts).", "",
              "| max_staleness | naive PPO: accuracy | naive: mean staleness | decoupled PPO: accuracy "
              "| decoupled: mean staleness |", "|---|---|---|---|---|"]
     for eta in d["max_staleness"]:
         n = next(r for r in d["runs"] if r["algorithm"] == "naive" and r["max_staleness"] == eta)
         c = next(r for r in d["runs"] if r["algorithm"] == "decoupled" and r["max_staleness"] == eta)
-        lines.append(f"| {eta} | {_pct(n['accuracy_before'])} -> {_pct(n['accuracy_after'])} | "
-                     f"{n['staleness_mean']:.2f} | {_pct(c['accuracy_before'])} -> {_pct(c['accuracy_after'])} | "
+        k = n.get("eval_prompts")
+        lines.append(f"| {eta} | {_pct(n['accuracy_before'])} -> {_acc(n['accuracy_after'], k)} | "
+                     f"{n['staleness_mean']:.2f} | {_pct(c['accuracy_before'])} -> {_acc(c['accuracy_after'], k)} | "
                      f"{c['staleness_mean']:.2f} |")
     return lines
 
