@@ -63,22 +63,28 @@ def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
 
 
 def test_summarize_takes_the_window_after_warmup() -> None:
-    """Three steps ending at 10, 12 and 15 s, one left out: a 5 s window of two steps; the server
-    polled idle in half of its samples there and generated 300 tokens."""
+    """Three steps ending at 10, 12 and 15 s, one left out: a 5 s window of two steps, less the
+    last step's 1 s held-out evaluation; the server polled idle in half of its samples there and
+    generated 300 tokens; 4 groups of 2-group batches were filtered over the run."""
     poller = runs.ServerPoller("127.0.0.1:1")
     poller.samples = [(9.0, 5, 0.0), (10.0, 0, 100.0), (12.0, 3, 250.0), (13.0, 0, 300.0), (15.0, 2, 400.0),
                       (16.0, 0, 999.0)]
     step = {"trajectories": 4, "answer_len_mean": 10.0, "rollout_seconds": 0.5, "train_seconds": 1.0,
-            "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5}
-    metrics = [{**step, "time": t} for t in (4.0, 6.0, 9.0)]
-    out = runs.summarize(metrics, [10.0, 12.0, 15.0], poller, 1, {"eval_accuracy": 0.1}, {"eval_accuracy": 0.3})
-    assert out["timed_steps"] == 2 and out["wall_s_per_step"] == pytest.approx(2.5)
-    assert out["generated_tokens_per_s"] == pytest.approx(300 / 5)
-    assert out["trained_tokens_per_s"] == pytest.approx(2 * 40 / 5)
-    assert out["trainer_idle_fraction"] == pytest.approx(1.0 / 5)
+            "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5,
+            "prompt_ids": ["a", "b"]}
+    metrics = [{**step, "time": t, "step": i + 1, "filtered": 2 * i} for i, t in enumerate((4.0, 6.0, 9.0))]
+    metrics[-1].update(eval_accuracy=0.3, eval_seconds=1.0)
+    out = runs.summarize(metrics, [10.0, 12.0, 15.0], poller, 1, {"eval_accuracy": 0.1, "eval_prompts": 50},
+                         {"eval_accuracy": 0.3, "eval_prompts": 50})
+    assert out["timed_steps"] == 2 and out["wall_s_per_step"] == pytest.approx(2.0)
+    assert out["generated_tokens_per_s"] == pytest.approx(300 / 4)
+    assert out["trained_tokens_per_s"] == pytest.approx(2 * 40 / 4)
+    assert out["trainer_idle_fraction"] == pytest.approx(1.0 / 4)
     assert out["rollout_idle_fraction"] == pytest.approx(0.5)
     assert out["step_end_s"] == pytest.approx([4.0, 6.0, 9.0])
     assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
+    assert out["accuracy_curve"] == [[0, 0.1], [3, 0.3]] and out["eval_prompts"] == 50
+    assert out["filtered_fraction"] == pytest.approx(4 / (4 + 3 * 2))
 
 
 @pytest.mark.slow
