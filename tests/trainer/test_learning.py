@@ -2,6 +2,10 @@
 
 Prompts are four random digits; the answer is six sampled tokens; the reward is the fraction of
 answer tokens equal to the prompt's first digit. A random policy scores about 1/128.
+
+The learning rate is chosen for margin, not speed: at 3e-3 one seed in four collapsed onto
+answering one digit whatever the prompt (reward stuck near 0.15), and which seed did changed with
+XLA's rounding; at 2e-3 each of six seeds, under two sets of XLA flags, ended above 0.85.
 """
 
 import time
@@ -27,7 +31,7 @@ def _reward(prompt: np.ndarray, answer: np.ndarray) -> float:
 
 @pytest.mark.slow
 def test_grpo_raises_reward_on_a_synthetic_task() -> None:
-    trainer = Trainer(tiny_model(seed=0), AlgoConfig(), TrainConfig(lr=3e-3, micro_batch_tokens=256,
+    trainer = Trainer(tiny_model(seed=0), AlgoConfig(), TrainConfig(lr=2e-3, micro_batch_tokens=256,
                                                                      length_buckets=(256,), grad_clip=1.0))
     sample = make_sampler(trainer.graphdef, PROMPT_LEN, ANSWER_LEN)
     rng = np.random.default_rng(0)
