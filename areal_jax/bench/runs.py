@@ -4,7 +4,7 @@ the figures of the run.
 
 The task is the demo's one-digit addition with a scratch pad of long-tailed length: the warm
 start teaches answers of the form ``"." * k + "\n" + sum`` with ``k`` drawn from a lognormal
-(median ``SCRATCH_MEDIAN``, clipped at ``SCRATCH_MAX``), and the reward reads the last line. The
+(``SCRATCH``: median 6, clipped at 80), and the reward reads the last line. The
 policy then samples its own scratch lengths, most short and a few long, as reasoning models do,
 so a synchronous step waits for its longest answer while most slots sit finished. Held-out
 accuracy samples at the policy's temperature (1): greedy decoding on this task writes dots
@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 POLL_S = 0.02
-SCRATCH_MEDIAN = 6
-SCRATCH_SIGMA = 1.0
-SCRATCH_MAX = 80
+SCRATCH: dict[str, float] = {"median": 6, "sigma": 1.0, "max": 80}
+"""``TASK``'s warm-start scratch lengths: lognormal (median, sigma of its log), clipped at max."""
+LONG_TAIL_SCRATCH: dict[str, float] = {"median": 6, "sigma": 1.5, "max": 400}
+"""``LONG_TAIL_TASK``'s: the same median, a tail five times longer."""
 
 TASK: dict[str, Any] = {
     "batch_size": 8,
@@ -56,6 +57,18 @@ TASK: dict[str, Any] = {
 }
 """The async and interrupt parts' run config (a dict in ``RunConfig``'s shape) before
 ``model.path`` is set: the scratch-pad task (long-tailed answers), warm-started to about 16%."""
+
+LONG_TAIL_TASK: dict[str, Any] = {
+    **TASK,
+    "warm_start": {**TASK["warm_start"], "max_len": 480},
+    "rollout": {**TASK["rollout"], "max_new_tokens": 448,
+                "server_args": ["--max-running-requests", "128", "--context-length", "512"]},
+    "train": {**TASK["train"], "max_seq_len": 512},
+}
+"""``areal-jax bench --long-tail``: ``TASK`` with ``LONG_TAIL_SCRATCH``'s scratch lengths and room
+for them, so generation is most of a synchronous step (the regime of AReaL's long reasoning
+answers) instead of training. Its warm start reaches only about 5%: a throughput setting, not a
+learning one."""
 
 DEMO_TASK: dict[str, Any] = {
     "batch_size": 16,
@@ -89,21 +102,22 @@ def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, An
     return cfg
 
 
-def scratch_examples(rows: list[Any], tokenizer: Any, seed: int) -> list[tuple[list[int], list[int]]]:
-    """Warm-start pairs ``(prompt_ids, "." * k + "\n" + answer + eos)``, ``k`` long-tailed."""
+def scratch_examples(rows: list[Any], tokenizer: Any, seed: int,
+                     scratch: dict[str, float] = SCRATCH) -> list[tuple[list[int], list[int]]]:
+    """Warm-start pairs ``(prompt_ids, "." * k + "\n" + answer + eos)``, ``k`` drawn as ``scratch`` says."""
     from areal_jax.trainer.sft import reference_answer
 
     rng = np.random.default_rng(seed)
-    ks = np.minimum(rng.lognormal(np.log(SCRATCH_MEDIAN), SCRATCH_SIGMA, len(rows)).astype(int), SCRATCH_MAX)
+    ks = np.minimum(rng.lognormal(np.log(scratch["median"]), scratch["sigma"], len(rows)).astype(int), scratch["max"])
     return [(list(r.prompt_ids),
              [*tokenizer.encode("." * int(k) + "\n" + reference_answer(r), add_special_tokens=False),
               tokenizer.eos_token_id]) for r, k in zip(rows, ks, strict=True)]
 
 
-def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: bool = True) -> Path:
-    """Build the tiny model, run the warm start once (on ``scratch_examples``, or with ``scratch``
-    off on the task's own reference answers) and save it; every run of the invocation that uses
-    ``cfg`` starts from this directory (``<out_dir>/warm_start``, reused when present)."""
+def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, float] | None = SCRATCH) -> Path:
+    """Build the tiny model, run the warm start once (on ``scratch_examples`` drawn as ``scratch``
+    says, or with ``scratch`` None on the task's own reference answers) and save it; every run of
+    the invocation that uses ``cfg`` starts from this directory (``<out_dir>/warm_start``, reused when present)."""
     from areal_jax.config import from_dict
     from areal_jax.data import load_prompts
     from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
@@ -120,8 +134,8 @@ def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: bool = True)
     model = load_pretrained(base)
     rows = load_prompts(run.data, tokenizer).train_rows
     examples = None
-    if scratch:
-        examples = [e for e in scratch_examples(rows, tokenizer, run.seed)
+    if scratch is not None:
+        examples = [e for e in scratch_examples(rows, tokenizer, run.seed, scratch)
                     if len(e[0]) + len(e[1]) <= run.warm_start.max_len]
     warm_start(model, run.warm_start, tokenizer, rows, examples=examples)
     return Path(save_pretrained(model, target, tokenizer_dir=base))
