@@ -67,7 +67,9 @@ def main(argv: list[str]) -> dict[str, Any]:
         if "async" in rl_parts or "interrupt" in rl_parts:
             print(f"warm start of the long-tailed task ({task['warm_start']['steps']} supervised steps) ...",
                   flush=True)
-            checkpoint = runs.warm_checkpoint({**task, "seed": args.seed}, out / "checkpoint",
+            # its own folder: a warm start is reused when present, and the two tasks' differ
+            checkpoint = runs.warm_checkpoint({**task, "seed": args.seed},
+                                              out / ("checkpoint_long_tail" if args.long_tail else "checkpoint"),
                                               scratch=runs.LONG_TAIL_SCRATCH if args.long_tail else runs.SCRATCH)
         if "staleness" in rl_parts:
             demo_task = runs.task_config(args.quick, runs.DEMO_TASK)
