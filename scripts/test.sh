@@ -9,7 +9,7 @@ echo "[setup] installing CPU torch (test-only reference for the model)"
 "$VPY" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null || echo "note: no CPU torch wheel found; live transformers cross-checks will skip"
 # SGLang's own API schema for the protocol contract test (one file from the sglang wheel).
 echo "[setup] fetching SGLang's API schema for the protocol contract test"
-PYTHON="$VPY" bash scripts/fetch_sglang_schema.sh >/dev/null || echo "note: could not fetch SGLang's schema; the contract test will skip"
+PYTHON="$VPY" bash scripts/fetch_sglang_schema.sh >/dev/null || echo "note: could not fetch SGLang's schema; the protocol contract and launch-flag tests will fail"
 # Two worker processes (pytest-xdist), one test file at a time each; tests marked `serial` run
 # alone. TEST_WORKERS=1 runs everything in this process, in order.
 WORKERS=${TEST_WORKERS:-2}

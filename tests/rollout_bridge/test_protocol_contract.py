@@ -29,7 +29,8 @@ SCHEMA = Path(__file__).resolve().parents[2] / ".cache" / "sglang" / "api_types.
 @pytest.fixture(scope="module")
 def sgl() -> Any:
     if not SCHEMA.exists():
-        pytest.skip(f"SGLang schema not fetched: run scripts/fetch_sglang_schema.sh (wants {SCHEMA})")
+        pytest.fail(f"SGLang's schema is missing at {SCHEMA}: run scripts/fetch_sglang_schema.sh "
+                    "(scripts/test.sh does) to check our protocol against it")
     spec = importlib.util.spec_from_file_location("sglang_api_types", SCHEMA)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
