@@ -350,11 +350,12 @@ def span_labels(meta: dict[str, Any], n_tokens: int) -> list[str | None] | None:
 
 # --- tensor buckets -------------------------------------------------------------------------------
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+ST_DTYPES: dict[str, Any] = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                             "BOOL": np.bool_}
+"""safetensors dtype tags -> NumPy dtypes (bfloat16 is ``ml_dtypes.bfloat16``)."""
 
-
-_ST_TAGS = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+_ST_TAGS = {np.dtype(v): k for k, v in ST_DTYPES.items()}
 
 
 def tensor_bucket_parts(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> list[bytes | memoryview]:
@@ -379,31 +380,42 @@ def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.nda
     return b"".join(tensor_bucket_parts(tensors))
 
 
-def decode_tensor_bucket(body: bytes) -> dict[str, np.ndarray]:
-    """Safetensors bytes -> arrays (views into ``body``). ``safetensors.numpy.load`` cannot read
-    BF16, so the format (8-byte header length, JSON header, raw little-endian data) is read here."""
-    if len(body) < 8:
-        raise ProtocolError("body", f"not a safetensors buffer: {len(body)} bytes")
-    n = int.from_bytes(body[:8], "little")
-    if n > len(body) - 8:
-        raise ProtocolError("body", f"not a safetensors buffer: header of {n} bytes in a {len(body)}-byte body")
+def safetensors_views(buffer: Any) -> dict[str, np.ndarray]:
+    """The tensors of a buffer in safetensors layout (8-byte little-endian header length, JSON
+    header, raw little-endian data) as views into it: bytes, a memoryview or a memory-mapped file.
+    ``safetensors.numpy.load`` cannot read BF16, so the format is read here.
+
+    Raises ``ValueError`` naming what is wrong: too short, a bad header, a dtype not in
+    ``ST_DTYPES``, offsets that do not hold the tensor's shape."""
+    raw = buffer.view(np.uint8) if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, np.uint8)
+    if raw.size < 8:
+        raise ValueError(f"{raw.size} bytes is too short for a safetensors buffer")
+    n = int(raw[:8].view("<u8")[0])
+    if n > raw.size - 8:
+        raise ValueError(f"not a safetensors buffer: header of {n} bytes in {raw.size} bytes")
     try:
-        header = json.loads(body[8:8 + n])
+        header = json.loads(raw[8:8 + n].tobytes())
     except ValueError as e:
-        raise ProtocolError("body", f"not a safetensors buffer: bad JSON header ({e})") from None
-    data = memoryview(body)[8 + n:]
-    out: dict[str, np.ndarray] = {}
+        raise ValueError(f"not a safetensors buffer: bad JSON header ({e})") from None
+    data, out = raw[8 + n:], {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _ST_DTYPES.get(info.get("dtype"))
+        dtype = ST_DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise ProtocolError("body", f"tensor {name!r}: dtype {info.get('dtype')!r} is not supported; "
-                                f"send one of {sorted(_ST_DTYPES)}")
+            raise ValueError(f"tensor {name!r}: dtype {info.get('dtype')!r} is not supported; "
+                             f"use one of {sorted(ST_DTYPES)}")
         start, end = info["data_offsets"]
         shape = tuple(info["shape"])
-        arr = np.frombuffer(data[start:end], dtype=np.dtype(dtype).newbyteorder("<"))
-        if arr.size != int(np.prod(shape)):
-            raise ProtocolError("body", f"tensor {name!r}: {end - start} bytes do not hold shape {list(shape)}")
-        out[name] = arr.reshape(shape)
+        if not 0 <= start <= end <= data.size or end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
+            raise ValueError(f"tensor {name!r}: offsets {[start, end]} do not hold shape {list(shape)}")
+        out[name] = data[start:end].view(np.dtype(dtype).newbyteorder("<")).reshape(shape)
     return out
+
+
+def decode_tensor_bucket(body: bytes) -> dict[str, np.ndarray]:
+    """A pushed bucket's safetensors bytes -> arrays (views into ``body``)."""
+    try:
+        return safetensors_views(body)
+    except ValueError as e:
+        raise ProtocolError("body", str(e)) from None

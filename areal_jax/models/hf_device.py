@@ -15,21 +15,16 @@ read once, by the copy to the device.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-ST_DTYPES: dict[str, Any] = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
-                             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                             "BOOL": np.bool_}
-"""safetensors dtype tags -> NumPy dtypes (the ones a checkpoint of this model family holds)."""
+from rollout_bridge.protocol import safetensors_views
 
 
 def _swap_last_two(x: jax.Array) -> jax.Array:
@@ -109,25 +104,9 @@ def _aligned(blocks: Sequence[np.ndarray], *, stack: bool, align: int = 64) -> n
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as read-only views of the file mapped into memory.
 
-    Raises ``ValueError`` for a file that is not a safetensors file (short, a bad header, a dtype
-    not listed in ``ST_DTYPES``, offsets outside the file)."""
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
-    if mapped.size < 8:
-        raise ValueError(f"{path}: {mapped.size} bytes is too short for a safetensors file")
-    n = int(np.frombuffer(mapped[:8], "<u8")[0])
-    if n > mapped.size - 8:
-        raise ValueError(f"{path}: header of {n} bytes in a {mapped.size}-byte file")
-    header = json.loads(bytes(mapped[8:8 + n]))
-    data, out = mapped[8 + n:], {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}, which is not read here")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if not 0 <= start <= end <= data.size or end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
-            raise ValueError(f"{path}: tensor {name!r} has offsets {[start, end]} that do not hold shape {list(shape)}")
-        out[name] = data[start:end].view(np.dtype(dtype).newbyteorder("<")).reshape(shape)
-    return out
+    Raises ``ValueError``, naming the file, for one that is not a safetensors file (see
+    ``rollout_bridge.protocol.safetensors_views``)."""
+    try:
+        return safetensors_views(np.memmap(path, dtype=np.uint8, mode="r"))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
