@@ -17,7 +17,14 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import CheckpointError, _hf_params, assign_hf_tensors, read_hf_dir
+from areal_jax.models.hf_io import (
+    CheckpointError,
+    _hf_params,
+    assign_hf_tensors,
+    check_hf_tensors,
+    hf_tensor_specs,
+    read_hf_dir,
+)
 
 
 class WeightStage:
@@ -26,12 +33,12 @@ class WeightStage:
 
     def __init__(self, model: Decoder):
         self.staged = nnx.clone(model)  # shares the untouched arrays: no copy of the model
-        self._param_of: dict[str, tuple[Any, tuple[int, ...]]] = {}
+        self._specs = hf_tensor_specs(model)
+        self._path_of: dict[str, Any] = {}
         self._names_of: dict[Any, set[str]] = {}
-        for group, var in _hf_params(model):
-            shape = var.get_value().shape
+        for group, _ in _hf_params(model):
             for p in group:
-                self._param_of[p.hf_name] = (p.path, p.hf_shape(shape))
+                self._path_of[p.hf_name] = p.path
                 self._names_of.setdefault(p.path, set()).add(p.hf_name)
         self._waiting: dict[Any, dict[str, np.ndarray]] = {}
         self.received: set[str] = set()
@@ -39,17 +46,10 @@ class WeightStage:
     def check(self, tensors: Mapping[str, np.ndarray]) -> None:
         """Raise ``CheckpointError`` for a tensor this model does not have, one of the wrong shape,
         or one already received; nothing is staged then."""
-        unknown = sorted(set(tensors) - set(self._param_of))
-        if unknown:
-            raise CheckpointError(f"tensors {unknown[:5]} are not parameters of this "
-                                  f"{self.staged.config.model_type} model")
+        check_hf_tensors(self._specs, tensors, self.staged.config.model_type)
         again = sorted(set(tensors) & self.received)
         if again:
             raise CheckpointError(f"tensors {again[:3]} sent twice in one update")
-        for name, arr in tensors.items():
-            want = self._param_of[name][1]
-            if tuple(arr.shape) != want:
-                raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
 
     def add(self, tensors: Mapping[str, np.ndarray], *, checked: bool = False) -> None:
         """Stage ``tensors`` (checked first unless ``checked``); every parameter now complete is
@@ -59,7 +59,7 @@ class WeightStage:
         self.received.update(tensors)
         complete: dict[str, np.ndarray] = {}
         for name, arr in tensors.items():
-            path = self._param_of[name][0]
+            path = self._path_of[name]
             waiting = self._waiting.setdefault(path, {})
             waiting[name] = arr
             if len(waiting) == len(self._names_of[path]):
@@ -69,7 +69,7 @@ class WeightStage:
 
     def missing(self) -> list[str]:
         """HF names not received yet."""
-        return sorted(set(self._param_of) - self.received)
+        return sorted(set(self._specs) - self.received)
 
     def finish(self, *, complete: bool = False) -> nnx.State:
         """The staged model's state: parameters only partly received keep the served values of the

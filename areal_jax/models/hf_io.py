@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -283,6 +283,17 @@ def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
     return {p.hf_name: p.hf_shape(var.get_value().shape) for group, var in _hf_params(model) for p in group}
 
 
+def check_hf_tensors(specs: dict[str, tuple[int, ...]], tensors: Mapping[str, np.ndarray], model_type: str) -> None:
+    """Raise ``CheckpointError`` for a tensor not in ``specs`` (HF name -> shape, as
+    ``hf_tensor_specs`` gives) or one of another shape."""
+    unknown = sorted(set(tensors) - set(specs))
+    if unknown:
+        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of this {model_type} model")
+    for name, arr in tensors.items():
+        if tuple(arr.shape) != specs[name]:
+            raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(specs[name])}")
+
+
 def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[str]:
     """Overwrite the model's parameters named (HF names) in ``tensors``, in place.
 
@@ -291,15 +302,11 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[st
     so a bad update never leaves a half-written model. Returns the names assigned.
     """
     by_name = {p.hf_name: (p, var) for group, var in _hf_params(model) for p in group}
-    unknown = sorted(set(tensors) - set(by_name))
-    if unknown:
-        raise CheckpointError(f"tensors {unknown[:5]} are not parameters of this {model.config.model_type} model")
+    check_hf_tensors({name: p.hf_shape(var.get_value().shape) for name, (p, var) in by_name.items()}, tensors,
+                     model.config.model_type)
     per_param: dict[tuple[Any, ...], tuple[nnx.Variable, list[tuple[HFParam, np.ndarray]]]] = {}
     for name, arr in tensors.items():
         param, var = by_name[name]
-        want = param.hf_shape(var.get_value().shape)
-        if tuple(arr.shape) != want:
-            raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(want)}")
         per_param.setdefault(param.path, (var, []))[1].append((param, np.asarray(arr)))
     new_flat = []
     for path, (var, items) in per_param.items():
