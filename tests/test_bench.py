@@ -33,7 +33,7 @@ def test_parse_args_rejects_unknown_parts() -> None:
         parse_args(["--parts", "async,nope"])
 
 
-def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
+def test_tail_examples_are_long_tailed_and_start_with_the_answer() -> None:
     class Tok:
         eos_token_id = 0
 
@@ -44,26 +44,26 @@ def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
         prompt_ids = [1, 2]
         reward_fields = {"answer": "12"}
 
-    p99s = {}
-    for name, scratch in (("task", runs.SCRATCH), ("long", runs.LONG_TAIL_SCRATCH)):
-        ex = runs.scratch_examples([Row()] * 2000, Tok(), seed=0, scratch=scratch)
-        lengths = sorted(len(a) for _, a in ex)
-        assert all(a[-4:] == [ord("\n"), ord("1"), ord("2"), 0] for _, a in ex)
-        median, p99s[name] = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
-        assert median <= scratch["median"] + 5 and p99s[name] >= 4 * median  # most short, a few long
-        assert max(lengths) <= scratch["max"] + 4
-    assert p99s["long"] >= 2 * p99s["task"]
+    tail = runs.TAIL
+    ex = runs.tail_examples([Row()] * 2000, Tok(), seed=0, tail=tail)
+    assert all(a[:2] == [ord("1"), ord("2")] and set(a[2:-1]) <= {ord(" ")} and a[-1] == 0 for _, a in ex)
+    lengths = sorted(len(a) for _, a in ex)
+    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+    assert median <= tail["median"] + 4 and p99 >= 30 * median  # most short, a few hundreds of tokens
+    assert max(lengths) == tail["max"] + 3  # the clip binds: answer, filler, eos
 
 
-def test_long_tail_task_has_room_for_its_answers() -> None:
-    task, scratch = runs.task_config(False, runs.LONG_TAIL_TASK), runs.LONG_TAIL_SCRATCH
-    answer = scratch["max"] + 4  # dots, newline, a two-digit sum, eos
-    assert task["rollout"]["max_new_tokens"] >= answer
+def test_task_has_room_for_its_answers_and_its_reward_reads_them() -> None:
+    from areal_jax.rewards.builtin import extract_answer
+
+    task = runs.task_config(False)
+    assert task["rollout"]["max_new_tokens"] >= runs.TAIL["max"] + 3
+    assert task["warm_start"]["max_len"] >= runs.TAIL["max"] + 3 + 30  # with a prompt of about 30 tokens
     context = int(task["rollout"]["server_args"][task["rollout"]["server_args"].index("--context-length") + 1])
     assert context >= task["rollout"]["max_new_tokens"] + 64  # room for the prompt, as in the measured run
     assert task["train"]["max_seq_len"] >= context
-    assert runs.TASK["rollout"]["max_new_tokens"] == 96  # the variant did not change the default task
-    assert parse_args(["--long-tail"]).long_tail and not parse_args([]).long_tail
+    assert extract_answer("12" + " " * 300) == "12"  # the filler is not read as the answer
+    assert "answer_warm_start" not in runs.run_config(task, Path("ck"), Path("run"))  # RunConfig has no such key
 
 
 def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
@@ -99,6 +99,50 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
     assert out["accuracy_curve"] == [[0, 0.1], [3, 0.3]] and out["eval_prompts"] == 50
     assert out["filtered_fraction"] == pytest.approx(4 / (4 + 3 * 2))
+    # the evaluation after step 3: one warm-up step at the steady 2 s, then 15 - 10 s less its own 1 s
+    assert [pytest.approx(x) for x in out["accuracy_clock"]] == [[0.0, 0.1], [6.0, 0.3]]
+    assert runs.seconds_to(out["accuracy_clock"], 0.3) == pytest.approx(6.0)
+    assert runs.seconds_to(out["accuracy_clock"], 0.05) == 0.0
+    assert runs.seconds_to(out["accuracy_clock"], 0.31) is None
+
+
+def test_compare_takes_ratios_to_the_synchronous_runs_final_accuracy() -> None:
+    from areal_jax.bench.async_sync import compare
+
+    def row(wall: float, tokens: float, clock: list) -> dict:
+        return {"wall_s_per_step": wall, "trained_tokens_per_s": tokens, "accuracy_clock": clock,
+                "accuracy_after": clock[-1][1]}
+
+    rows = [row(2.0, 100.0, [[0, 0.2], [50, 0.3], [100, 0.4]]),  # sync ends at 40%, first there at 100 s
+            row(1.0, 300.0, [[0, 0.2], [25, 0.45], [50, 0.35]]),  # there at 25 s, though it ends lower
+            row(0.5, 400.0, [[0, 0.2], [25, 0.3], [50, 0.39]])]  # never there
+    compare(rows)
+    assert [r["accuracy_target"] for r in rows] == [0.4] * 3
+    assert [r["sync_over_this_wall"] for r in rows] == [1.0, 2.0, 4.0]
+    assert [r["this_over_sync_trained_tokens"] for r in rows] == [1.0, 3.0, 4.0]
+    assert [r["seconds_to_accuracy"] for r in rows] == [100, 25, None]
+    assert [r["sync_over_this_to_accuracy"] for r in rows] == [1.0, 4.0, None]
+    flat = [row(2.0, 100.0, [[0, 0.4], [100, 0.4]]), row(1.0, 100.0, [[0, 0.4], [50, 0.5]])]
+    compare(flat)  # the baseline did not improve on its start: no ratio to it
+    assert [r["sync_over_this_to_accuracy"] for r in flat] == [None, None]
+
+
+def test_staleness_cells_average_over_seeds() -> None:
+    from areal_jax.bench.staleness import cells
+    from areal_jax.bench.tables import staleness_table
+
+    rows = [{"algorithm": a, "max_staleness": eta, "seed": s, "accuracy_after": acc, "accuracy_before": 0.4,
+             "staleness_mean": float(eta), "eval_prompts": 200}
+            for a, eta, s, acc in (("naive", 4, 0, 0.5), ("naive", 4, 1, 0.7), ("decoupled", 4, 0, 0.6),
+                                   ("decoupled", 4, 1, 0.9))]
+    out = cells(rows, [4])
+    naive, decoupled = out
+    assert naive["accuracy_after"] == [0.5, 0.7] and naive["accuracy_mean"] == pytest.approx(0.6)
+    assert naive["accuracy_std"] == pytest.approx(0.1414, abs=1e-3)  # sample sd: (0.1^2 * 2 / 1) ** 0.5
+    assert decoupled["accuracy_mean"] == pytest.approx(0.75) and decoupled["seeds"] == [0, 1]
+    table = "\n".join(staleness_table({"steps": 40, "seed": 0, "seeds": [0, 1], "max_staleness": [4],
+                                       "runs": rows, "cells": out}))
+    assert "60.0 ± 14.1% (50, 70)" in table and "75.0 ± 21.2% (60, 90)" in table and "+15.0 pts" in table
 
 
 @pytest.mark.slow
@@ -115,6 +159,9 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
         _check_run(m)
         assert m["sync_over_this_wall"] > 0
     assert a["modes"][0]["sync_over_this_wall"] == 1.0
+    assert a["accuracy_target"] == a["modes"][0]["accuracy_after"]
+    for m in a["modes"]:
+        assert m["accuracy_clock"][0] == [0.0, m["accuracy_before"]] and m["accuracy_clock"][-1][0] > 0
     assert set(a["rollout_cores"]).isdisjoint(a["trainer_cores"])
 
     s = load("staleness")
@@ -122,6 +169,8 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
         (algo, eta) for algo in ("naive", "decoupled") for eta in s["max_staleness"]}
     for r in s["runs"]:
         _check_run(r)
+    assert len(s["cells"]) == 2 * len(s["max_staleness"]) and all(len(c["seeds"]) == len(s["seeds"])
+                                                                  for c in s["cells"])
 
     i = load("interrupt")
     assert [r["interruptible"] for r in i["runs"]] == [False, True]

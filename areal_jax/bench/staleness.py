@@ -1,10 +1,12 @@
 """The staleness ablation (a small AReaL Table 2): naive PPO (the ratio taken against the
 behavior policy) against decoupled PPO (against the recomputed proximal policy, behavior
-importance weights capped) at several ``max_staleness``, same checkpoint, seed and steps.
+importance weights capped) at several ``max_staleness``, same checkpoint and steps, over several
+RL seeds (one RL run's final accuracy moves by more than the held-out estimate's error from seed
+to seed, so one seed per cell cannot rank the losses).
 
 Reports each run's final held-out accuracy, its reward curve and the staleness it actually
 trained on (``max_staleness`` is a bound; rollout only runs that far ahead when it is faster
-than the trainer).
+than the trainer), and per cell the mean and spread over seeds.
 """
 
 from __future__ import annotations
@@ -12,50 +14,80 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from areal_jax.bench import report, runs
 
+ALGORITHMS = ("naive", "decoupled")
 
-def settings(quick: bool) -> tuple[list[int], int]:
-    """``(max_staleness values, steps)``."""
-    return ([4], 3) if quick else ([0, 1, 2, 4, 8], 40)
+
+def settings(quick: bool) -> tuple[list[int], int, int]:
+    """``(max_staleness values, steps, seeds)``."""
+    return ([4], 3, 1) if quick else ([0, 1, 2, 4, 8], 40, 3)
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
-    etas, steps = settings(quick)
+    """Every (algorithm, max_staleness) cell at RL seeds ``seed, seed + 1, ...``, all from one warm start."""
+    etas, steps, n_seeds = settings(quick)
+    seeds = list(range(seed, seed + n_seeds))
     rows = []
-    for eta in etas:
-        for decoupled in (False, True):
-            name = f"{'decoupled' if decoupled else 'naive'}_eta{eta}"
-            cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=seed,
-                                  **{"rollout.mode": "async", "rollout.max_staleness": eta,
-                                     "algo.use_decoupled_loss": decoupled})
-            row = runs.measured_run(cfg, rollout_cores=None, trainer_cores=None, warmup_steps=1)
-            row.update(name=name, algorithm="decoupled" if decoupled else "naive", max_staleness=eta)
-            rows.append(row)
-            print(f"  {name:<14} accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}, "
-                  f"mean staleness {row['staleness_mean']:.2f}", flush=True)
-    data = {"part": "staleness", "conditions": report.conditions(), "steps": steps, "seed": seed,
-            "max_staleness": etas, "runs": rows, "plots": plot(rows, etas, out)}
+    for s in seeds:
+        for eta in etas:
+            for algorithm in ALGORITHMS:
+                name = f"{algorithm}_eta{eta}_seed{s}"
+                cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=s,
+                                      **{"rollout.mode": "async", "rollout.max_staleness": eta,
+                                         "algo.use_decoupled_loss": algorithm == "decoupled"})
+                row = runs.measured_run(cfg, rollout_cores=None, trainer_cores=None, warmup_steps=1)
+                row.update(name=name, algorithm=algorithm, max_staleness=eta, seed=s)
+                rows.append(row)
+                print(f"  {name:<20} accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}, "
+                      f"mean staleness {row['staleness_mean']:.2f}", flush=True)
+    data = {"part": "staleness", "conditions": report.conditions(), "steps": steps, "seed": seed, "seeds": seeds,
+            "max_staleness": etas, "runs": rows, "cells": cells(rows, etas), "plots": plot(rows, etas, out)}
     report.write_json(out, "staleness", data)
     return data
+
+
+def cells(rows: list[dict[str, Any]], etas: list[int]) -> list[dict[str, Any]]:
+    """Per (algorithm, max_staleness): the seeds' final accuracies, their mean and sample standard
+    deviation (0 with one seed), and the mean staleness trained on."""
+    out = []
+    for eta in etas:
+        for algorithm in ALGORITHMS:
+            mine = [r for r in rows if r["algorithm"] == algorithm and r["max_staleness"] == eta]
+            acc = np.array([r["accuracy_after"] for r in mine], float)
+            out.append({"algorithm": algorithm, "max_staleness": eta, "seeds": [r["seed"] for r in mine],
+                        "accuracy_after": acc.tolist(), "accuracy_mean": float(acc.mean()),
+                        "accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+                        "accuracy_before": mine[0]["accuracy_before"],
+                        "staleness_mean": float(np.mean([r["staleness_mean"] for r in mine]))})
+    return out
 
 
 def plot(rows: list[dict[str, Any]], etas: list[int], out: Path) -> list[str]:
     plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for algo, style in (("naive", "o--"), ("decoupled", "s-")):
-        acc = [next(r["accuracy_after"] for r in rows if r["algorithm"] == algo and r["max_staleness"] == e)
-               for e in etas]
-        axes[0].plot([str(e) for e in etas], acc, style, label=algo)
-    before = rows[0]["accuracy_before"]
-    axes[0].axhline(before, color="gray", lw=0.8, ls=":", label="before RL")
+    table = cells(rows, etas)
+    for algorithm, style, shift in (("naive", "o--", -0.06), ("decoupled", "s-", 0.06)):
+        mine = [c for c in table if c["algorithm"] == algorithm]
+        x = np.arange(len(etas)) + shift
+        axes[0].errorbar(x, [c["accuracy_mean"] for c in mine], yerr=[c["accuracy_std"] for c in mine],
+                         fmt=style, capsize=3, label=f"{algorithm} (mean ± sd over seeds)")
+        for i, c in enumerate(mine):
+            axes[0].plot([x[i]] * len(c["accuracy_after"]), c["accuracy_after"], ".", color="gray", ms=4)
+    axes[0].set_xticks(range(len(etas)), [str(e) for e in etas])
+    axes[0].axhline(rows[0]["accuracy_before"], color="gray", lw=0.8, ls=":", label="before RL")
     axes[0].set_xlabel("max_staleness")
     axes[0].set_ylabel("final held-out accuracy")
-    axes[0].legend()
-    for r in rows:
-        axes[1].plot(range(1, len(r["reward_curve"]) + 1), r["reward_curve"],
-                     "--" if r["algorithm"] == "naive" else "-", label=r["name"], lw=1)
+    axes[0].legend(fontsize=8)
+    for algorithm, color in (("naive", "tab:orange"), ("decoupled", "tab:blue")):
+        for eta, lw in zip(etas, np.linspace(0.6, 2.0, len(etas)), strict=True):
+            curves = np.array([r["reward_curve"] for r in rows
+                               if r["algorithm"] == algorithm and r["max_staleness"] == eta], float)
+            axes[1].plot(range(1, curves.shape[1] + 1), curves.mean(0), "--" if algorithm == "naive" else "-",
+                         color=color, lw=lw, label=f"{algorithm} eta {eta}")
     axes[1].set_xlabel("step")
-    axes[1].set_ylabel("mean reward of the step's batch")
+    axes[1].set_ylabel("mean reward of the step's batch (mean over seeds)")
     axes[1].legend(fontsize=7, ncol=2)
     return [report.save(fig, out / "staleness.png")]

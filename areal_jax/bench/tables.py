@@ -25,8 +25,9 @@ def async_table(d: dict[str, Any]) -> list[str]:
              "of the timings.", "",
              "| mode | s / step | train s / step | generated tok/s | trained tok/s | trainer idle "
              "| rollout idle | mean staleness | longest answer | groups filtered | accuracy before -> after "
-             "| sync / this wall-clock |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| sync / this wall-clock | trained tok/s, this / sync | training s to sync's final accuracy "
+             "| sync / this, to that accuracy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in d["modes"]:
         n = m.get("eval_prompts")
         lines.append(f"| {m['name']} | {m['wall_s_per_step']:.2f} | {m['train_s_per_step']:.2f} | "
@@ -34,23 +35,42 @@ def async_table(d: dict[str, Any]) -> list[str]:
                      f"{_pct(m['trainer_idle_fraction'])} | {_pct(m['rollout_idle_fraction'])} | "
                      f"{m['staleness_mean']:.2f} | {m['answer_len_max']} | {_pct(m.get('filtered_fraction'))} | "
                      f"{_pct(m['accuracy_before'])} -> {_acc(m['accuracy_after'], n)} | "
-                     f"{m['sync_over_this_wall']:.2f}x |")
+                     f"{m['sync_over_this_wall']:.2f}x | {m.get('this_over_sync_trained_tokens', float('nan')):.2f}x | "
+                     f"{_seconds(m.get('seconds_to_accuracy'))} | {_ratio(m.get('sync_over_this_to_accuracy'))} |")
+    if "accuracy_target" in d:
+        lines += ["", f"Accuracy target: the synchronous run's final {_pct(d['accuracy_target'])}; training seconds "
+                      "are the run's clock at its first held-out evaluation at or above it, evaluations left out and "
+                      f"the first {d['warmup_steps']} (compiling) steps counted at the run's steady rate."]
     return lines
+
+
+def _seconds(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.0f} s"
+
+
+def _ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def staleness_table(d: dict[str, Any]) -> list[str]:
-    lines = [f"{d['steps']} steps each from the same warm start; held-out accuracy as the run config evaluates it "
-             f"({d['runs'][0].get('eval_prompts') or '?'} prompts).", "",
+    seeds = d.get("seeds", [d["seed"]])
+    lines = [f"{d['steps']} steps each from the same warm start, RL seeds {seeds}; held-out accuracy as the run "
+             f"config evaluates it ({d['runs'][0].get('eval_prompts') or '?'} prompts), before RL "
+             f"{_pct(d['runs'][0]['accuracy_before'])}. Each cell: mean ± sample standard deviation over the seeds "
+             "(the seeds' own figures in brackets).", "",
              "| max_staleness | naive PPO: accuracy | naive: mean staleness | decoupled PPO: accuracy "
-             "| decoupled: mean staleness |", "|---|---|---|---|---|"]
+             "| decoupled: mean staleness | decoupled - naive |", "|---|---|---|---|---|---|"]
     for eta in d["max_staleness"]:
-        n = next(r for r in d["runs"] if r["algorithm"] == "naive" and r["max_staleness"] == eta)
-        c = next(r for r in d["runs"] if r["algorithm"] == "decoupled" and r["max_staleness"] == eta)
-        k = n.get("eval_prompts")
-        lines.append(f"| {eta} | {_pct(n['accuracy_before'])} -> {_acc(n['accuracy_after'], k)} | "
-                     f"{n['staleness_mean']:.2f} | {_pct(c['accuracy_before'])} -> {_acc(c['accuracy_after'], k)} | "
-                     f"{c['staleness_mean']:.2f} |")
+        n, c = (next(x for x in d["cells"] if x["algorithm"] == a and x["max_staleness"] == eta)
+                for a in ("naive", "decoupled"))
+        lines.append(f"| {eta} | {_spread(n)} | {n['staleness_mean']:.2f} | {_spread(c)} | "
+                     f"{c['staleness_mean']:.2f} | {100 * (c['accuracy_mean'] - n['accuracy_mean']):+.1f} pts |")
     return lines
+
+
+def _spread(cell: dict[str, Any]) -> str:
+    each = ", ".join(f"{100 * a:.0f}" for a in cell["accuracy_after"])
+    return f"{100 * cell['accuracy_mean']:.1f} ± {100 * cell['accuracy_std']:.1f}% ({each})"
 
 
 def interrupt_table(d: dict[str, Any]) -> list[str]:
