@@ -14,6 +14,9 @@ from typing import Any
 
 from areal_jax.bench import report, runs
 
+STEPS = 60
+"""Training steps per mode in a full run."""
+
 
 def modes(quick: bool) -> list[tuple[str, int]]:
     """``(mode, max_staleness)`` pairs, the synchronous baseline first."""
@@ -30,7 +33,7 @@ def split_cores() -> tuple[list[int], list[int]]:
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
-    steps, warmup = (4, 1) if quick else (30, 3)
+    steps, warmup = (4, 1) if quick else (STEPS, 3)
     rollout_cores, trainer_cores = split_cores()
     rows = []
     for mode, eta in modes(quick):
@@ -45,14 +48,33 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
         print(f"  {name:<12} {row['wall_s_per_step']:.2f} s/step, {row['generated_tokens_per_s']:.0f} gen tok/s, "
               f"idle trainer {row['trainer_idle_fraction']:.0%} rollout {row['rollout_idle_fraction']:.0%}, "
               f"accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}", flush=True)
-    sync = rows[0]["wall_s_per_step"]
-    for r in rows:
-        r["sync_over_this_wall"] = sync / r["wall_s_per_step"]
+    compare(rows)
     data = {**report.core_split_header("async", steps=steps, warmup=warmup, seed=seed,
                                        rollout_cores=rollout_cores, trainer_cores=trainer_cores),
+            "accuracy_target": rows[0]["accuracy_target"],
             "config": runs.run_config(task, checkpoint, out / "runs"), "modes": rows, "plots": plot(rows, out)}
     report.write_json(out, "async", data)
     return data
+
+
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Add to each row (the synchronous baseline first) its ratios to the baseline: per step
+    (``sync_over_this_wall``), in trained tokens/s, and in training seconds to the synchronous
+    run's final held-out accuracy (``sync_over_this_to_accuracy``; None when the run never
+    reached it at an evaluation)."""
+    sync = rows[0]
+    target = sync["accuracy_after"]
+    sync_s = runs.seconds_to(sync["accuracy_clock"], target)
+    for r in rows:
+        r["accuracy_target"] = target
+        r["sync_over_this_wall"] = sync["wall_s_per_step"] / r["wall_s_per_step"]
+        r["this_over_sync_trained_tokens"] = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+        r["seconds_to_accuracy"] = runs.seconds_to(r["accuracy_clock"], target)
+        mine = r["seconds_to_accuracy"]
+        if not sync_s or mine is None:  # the baseline did not improve, or this run never got there
+            r["sync_over_this_to_accuracy"] = None
+        else:
+            r["sync_over_this_to_accuracy"] = sync_s / mine if mine > 0 else float("inf")
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
@@ -80,4 +102,13 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:
     ax.set_ylabel("mean reward of the step's batch")
     ax.legend()
     paths.append(report.save(fig, out / "async_reward_vs_time.png"))
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for r in rows:
+        clock = [(t, a) for t, a in r["accuracy_clock"] if a is not None]
+        ax.plot([t for t, _ in clock], [a for _, a in clock], marker="o", label=r["name"])
+    ax.axhline(rows[0]["accuracy_target"], color="gray", lw=0.8, ls=":", label="sync's final accuracy")
+    ax.set_xlabel("training seconds (held-out evaluations left out)")
+    ax.set_ylabel("held-out accuracy")
+    ax.legend()
+    paths.append(report.save(fig, out / "async_accuracy_vs_time.png"))
     return paths
