@@ -143,6 +143,11 @@ def test_staleness_cells_average_over_seeds() -> None:
     table = "\n".join(staleness_table({"steps": 40, "seed": 0, "seeds": [0, 1], "max_staleness": [4],
                                        "runs": rows, "cells": out}))
     assert "60.0 ± 14.1% (50, 70)" in table and "75.0 ± 21.2% (60, 90)" in table and "+15.0 pts" in table
+    check = [{**c, "ppo_n_minibatches": 4} for c in cells([{**r, "accuracy_after": 1 - r["accuracy_after"]}
+                                                           for r in rows], [4])]
+    table = "\n".join(staleness_table({"steps": 40, "seed": 0, "seeds": [0, 1], "max_staleness": [4],
+                                       "runs": rows, "cells": out, "minibatch_check": check}))
+    assert "| 4 | 4 | 40.0 ± 14.1% (50, 30) | 25.0 ± 21.2% (40, 10) | -15.0 pts |" in table
 
 
 @pytest.mark.slow

@@ -19,6 +19,12 @@ import numpy as np
 from areal_jax.bench import report, runs
 
 ALGORITHMS = ("naive", "decoupled")
+MINIBATCH_CHECK = {"max_staleness": 8, "ppo_n_minibatches": 4}
+"""A second set of cells: both losses at this staleness with this many optimizer steps per batch
+(AReaL's recipes take 4). With one step per batch the policy being trained is the proximal one,
+so decoupled PPO's ratio is exactly 1 and its clip never binds: it is then an importance-weighted
+policy gradient with no trust region, while naive PPO's ratio against the behavior policy still
+clips. Several steps per batch give the decoupled clip something to bind on."""
 
 
 def settings(quick: bool) -> tuple[list[int], int, int]:
@@ -30,23 +36,40 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
     """Every (algorithm, max_staleness) cell at RL seeds ``seed, seed + 1, ...``, all from one warm start."""
     etas, steps, n_seeds = settings(quick)
     seeds = list(range(seed, seed + n_seeds))
-    rows = []
-    for s in seeds:
-        for eta in etas:
-            for algorithm in ALGORITHMS:
-                name = f"{algorithm}_eta{eta}_seed{s}"
-                cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=s,
-                                      **{"rollout.mode": "async", "rollout.max_staleness": eta,
-                                         "algo.use_decoupled_loss": algorithm == "decoupled"})
-                row = runs.measured_run(cfg, rollout_cores=None, trainer_cores=None, warmup_steps=1)
-                row.update(name=name, algorithm=algorithm, max_staleness=eta, seed=s)
-                rows.append(row)
-                print(f"  {name:<20} accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}, "
-                      f"mean staleness {row['staleness_mean']:.2f}", flush=True)
+    rows = [one_run(out, checkpoint, task, algorithm, eta, s, steps)
+            for s in seeds for eta in etas for algorithm in ALGORITHMS]
+    check: list[dict[str, Any]] = []
+    if not quick:
+        check = minibatch_check(out, checkpoint, task, seeds, steps)
     data = {"part": "staleness", "conditions": report.conditions(), "steps": steps, "seed": seed, "seeds": seeds,
-            "max_staleness": etas, "runs": rows, "cells": cells(rows, etas), "plots": plot(rows, etas, out)}
+            "max_staleness": etas, "runs": rows, "cells": cells(rows, etas), "minibatch_check": check,
+            "plots": plot(rows, etas, out)}
     report.write_json(out, "staleness", data)
     return data
+
+
+def one_run(out: Path, checkpoint: Path, task: dict[str, Any], algorithm: str, eta: int, seed: int, steps: int,
+            minibatches: int = 1) -> dict[str, Any]:
+    name = f"{algorithm}_eta{eta}_seed{seed}" + (f"_mb{minibatches}" if minibatches > 1 else "")
+    cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=seed,
+                          **{"rollout.mode": "async", "rollout.max_staleness": eta,
+                             "algo.use_decoupled_loss": algorithm == "decoupled",
+                             "algo.ppo_n_minibatches": minibatches})
+    row = runs.measured_run(cfg, rollout_cores=None, trainer_cores=None, warmup_steps=1)
+    row.update(name=name, algorithm=algorithm, max_staleness=eta, seed=seed, ppo_n_minibatches=minibatches)
+    print(f"  {name:<24} accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}, "
+          f"mean staleness {row['staleness_mean']:.2f}", flush=True)
+    return row
+
+
+def minibatch_check(out: Path, checkpoint: Path, task: dict[str, Any], seeds: list[int],
+                    steps: int) -> list[dict[str, Any]]:
+    """``MINIBATCH_CHECK``'s cells (each seed's runs under ``runs``)."""
+    eta, mb = MINIBATCH_CHECK["max_staleness"], MINIBATCH_CHECK["ppo_n_minibatches"]
+    rows = [one_run(out, checkpoint, task, algorithm, eta, s, steps, minibatches=mb)
+            for s in seeds for algorithm in ALGORITHMS]
+    return [{**c, "ppo_n_minibatches": mb, "runs": [r for r in rows if r["algorithm"] == c["algorithm"]]}
+            for c in cells(rows, [eta])]
 
 
 def cells(rows: list[dict[str, Any]], etas: list[int]) -> list[dict[str, Any]]:

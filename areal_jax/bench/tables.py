@@ -65,6 +65,14 @@ def staleness_table(d: dict[str, Any]) -> list[str]:
                 for a in ("naive", "decoupled"))
         lines.append(f"| {eta} | {_spread(n)} | {n['staleness_mean']:.2f} | {_spread(c)} | "
                      f"{c['staleness_mean']:.2f} | {100 * (c['accuracy_mean'] - n['accuracy_mean']):+.1f} pts |")
+    if d.get("minibatch_check"):
+        n, c = (next(x for x in d["minibatch_check"] if x["algorithm"] == a) for a in ("naive", "decoupled"))
+        lines += ["", f"The same at max_staleness {n['max_staleness']} with {n['ppo_n_minibatches']} optimizer "
+                      "steps per batch (`algo.ppo_n_minibatches`; 1 above):", "",
+                  "| max_staleness | minibatches | naive PPO: accuracy | decoupled PPO: accuracy | decoupled - naive |",
+                  "|---|---|---|---|---|",
+                  f"| {n['max_staleness']} | {n['ppo_n_minibatches']} | {_spread(n)} | {_spread(c)} | "
+                  f"{100 * (c['accuracy_mean'] - n['accuracy_mean']):+.1f} pts |"]
     return lines
 
 
