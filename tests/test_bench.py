@@ -33,7 +33,7 @@ def test_parse_args_rejects_unknown_parts() -> None:
         parse_args(["--parts", "async,nope"])
 
 
-def test_tail_examples_are_long_tailed_and_start_with_the_answer() -> None:
+def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
     class Tok:
         eos_token_id = 0
 
@@ -44,26 +44,26 @@ def test_tail_examples_are_long_tailed_and_start_with_the_answer() -> None:
         prompt_ids = [1, 2]
         reward_fields = {"answer": "12"}
 
-    tail = runs.TAIL
-    ex = runs.tail_examples([Row()] * 2000, Tok(), seed=0, tail=tail)
-    assert all(a[:2] == [ord("1"), ord("2")] and set(a[2:-1]) <= {ord(" ")} and a[-1] == 0 for _, a in ex)
-    lengths = sorted(len(a) for _, a in ex)
-    median, p99 = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
-    assert median <= tail["median"] + 4 and p99 >= 30 * median  # most short, a few hundreds of tokens
-    assert max(lengths) == tail["max"] + 3  # the clip binds: answer, filler, eos
+    p99s = {}
+    for name, scratch in (("task", runs.SCRATCH), ("long", runs.LONG_TAIL_SCRATCH)):
+        ex = runs.scratch_examples([Row()] * 2000, Tok(), seed=0, scratch=scratch)
+        lengths = sorted(len(a) for _, a in ex)
+        assert all(a[-4:] == [ord("\n"), ord("1"), ord("2"), 0] for _, a in ex)
+        median, p99s[name] = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
+        assert median <= scratch["median"] + 5 and p99s[name] >= 4 * median  # most short, a few long
+        assert max(lengths) <= scratch["max"] + 4
+    assert p99s["long"] >= 2 * p99s["task"]
 
 
-def test_task_has_room_for_its_answers_and_its_reward_reads_them() -> None:
-    from areal_jax.rewards.builtin import extract_answer
-
-    task = runs.task_config(False)
-    assert task["rollout"]["max_new_tokens"] >= runs.TAIL["max"] + 3
-    assert task["warm_start"]["max_len"] >= runs.TAIL["max"] + 3 + 30  # with a prompt of about 30 tokens
+def test_long_tail_task_has_room_for_its_answers() -> None:
+    task, scratch = runs.task_config(False, runs.LONG_TAIL_TASK), runs.LONG_TAIL_SCRATCH
+    answer = scratch["max"] + 4  # dots, newline, a two-digit sum, eos
+    assert task["rollout"]["max_new_tokens"] >= answer
     context = int(task["rollout"]["server_args"][task["rollout"]["server_args"].index("--context-length") + 1])
     assert context >= task["rollout"]["max_new_tokens"] + 64  # room for the prompt, as in the measured run
     assert task["train"]["max_seq_len"] >= context
-    assert extract_answer("12" + " " * 300) == "12"  # the filler is not read as the answer
-    assert "answer_warm_start" not in runs.run_config(task, Path("ck"), Path("run"))  # RunConfig has no such key
+    assert runs.TASK["rollout"]["max_new_tokens"] == 96  # the variant did not change the default task
+    assert parse_args(["--long-tail"]).long_tail and not parse_args([]).long_tail
 
 
 def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from areal_jax.bench import report, runs
 
-STEPS = 60
+STEPS = 30
 """Training steps per mode in a full run."""
 
 

@@ -19,6 +19,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="small settings: every part in a few minutes")
+    p.add_argument("--long-tail", action="store_true",
+                   help="async and interrupt parts on runs.LONG_TAIL_TASK: answers up to 448 tokens with a long tail, "
+                        "so generation is most of a synchronous step")
     p.add_argument("--out", default="runs/bench", help="results folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile-cache", default=None,
@@ -60,16 +63,19 @@ def main(argv: list[str]) -> dict[str, Any]:
     if rl_parts:
         from areal_jax.bench import runs
 
-        task = runs.task_config(args.quick)
+        task = runs.task_config(args.quick, runs.LONG_TAIL_TASK if args.long_tail else runs.TASK)
         if "async" in rl_parts or "interrupt" in rl_parts:
-            print(f"warm start of the long-tailed task ({task['answer_warm_start']['steps']} + "
-                  f"{task['warm_start']['steps']} supervised steps) ...", flush=True)
-            checkpoint = runs.warm_checkpoint({**task, "seed": args.seed}, out / "checkpoint")
+            print(f"warm start of the long-tailed task ({task['warm_start']['steps']} supervised steps) ...",
+                  flush=True)
+            # its own folder: a warm start is reused when present, and the two tasks' differ
+            checkpoint = runs.warm_checkpoint({**task, "seed": args.seed},
+                                              out / ("checkpoint_long_tail" if args.long_tail else "checkpoint"),
+                                              scratch=runs.LONG_TAIL_SCRATCH if args.long_tail else runs.SCRATCH)
         if "staleness" in rl_parts:
             demo_task = runs.task_config(args.quick, runs.DEMO_TASK)
             print(f"warm start of the demo task ({demo_task['warm_start']['steps']} supervised steps) ...", flush=True)
             demo_checkpoint = runs.warm_checkpoint({**demo_task, "seed": args.seed}, out / "checkpoint_demo",
-                                                   tail=None)
+                                                   scratch=None)
     for part in args.parts:
         t = time.perf_counter()
         print(f"[{part}]", flush=True)

@@ -2,19 +2,13 @@
 a rollout server the benchmark starts itself (so it can pin it to CPU cores and watch it), and
 the figures of the run.
 
-The task (``TASK``) is the demo's one-digit addition with answers of long-tailed length: the
-warm start teaches ``answer + " " * k`` with ``k`` drawn from a lognormal (``TAIL``: median 6,
-clipped at 440), and the reward reads the answer (reasoning-gym's scorer on the last non-blank
-line). The policy then samples its own lengths, most short and a few hundreds of tokens long, as
-reasoning models do, so a synchronous step waits for its longest answers while most slots sit
-finished, and generation is most of a synchronous step (AReaL's regime), not training.
-
-The filler follows the answer rather than preceding it (as a reasoning trace would): a 2-layer
-model does not learn, in a short warm start, to read the prompt back across a filler of varying
-length (measured: 5-16% held-out accuracy with the filler first, against about 40% greedy with
-it after), and a task whose accuracy RL cannot move cannot show "to the same accuracy". The warm
-start runs in two phases for the same reason: the answers alone first (the demo's warm start),
-then the long answers, whose filler tokens would otherwise swamp the answer tokens' loss.
+The task is the demo's one-digit addition with a scratch pad of long-tailed length: the warm
+start teaches answers of the form ``"." * k + "\n" + sum`` with ``k`` drawn from a lognormal
+(``SCRATCH``: median 6, clipped at 80), and the reward reads the last line. The
+policy then samples its own scratch lengths, most short and a few long, as reasoning models do,
+so a synchronous step waits for its longest answer while most slots sit finished. Held-out
+accuracy samples at the policy's temperature (1): greedy decoding on this task writes dots
+to the token limit (every scratch position's likeliest next token is another dot).
 
 Figures are taken over the steps after ``warmup_steps`` (the first steps compile): wall-clock
 per step, generated tokens/s (the server's counter), trained answer tokens/s, the fraction of
@@ -39,36 +33,47 @@ from typing import Any
 import numpy as np
 
 POLL_S = 0.02
-TAIL: dict[str, float] = {"median": 6, "sigma": 2.0, "max": 440}
-"""``TASK``'s warm-start filler lengths: lognormal (median, sigma of its log), clipped at max."""
+SCRATCH: dict[str, float] = {"median": 6, "sigma": 1.0, "max": 80}
+"""``TASK``'s warm-start scratch lengths: lognormal (median, sigma of its log), clipped at max."""
+LONG_TAIL_SCRATCH: dict[str, float] = {"median": 6, "sigma": 1.5, "max": 400}
+"""``LONG_TAIL_TASK``'s: the same median, a tail five times longer."""
 
 TASK: dict[str, Any] = {
     "batch_size": 8,
-    "data": {"source": "reasoning_gym", "task": "basic_arithmetic", "size": 4000, "seed": 0, "eval_size": 200,
+    "data": {"source": "reasoning_gym", "task": "basic_arithmetic", "size": 4000, "seed": 0, "eval_size": 100,
              "task_options": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"],
                               "allow_parentheses": False, "allow_negation": False}},
     "model": {"tiny": "tiny", "tiny_options": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}},
     "reward": {"name": "reasoning_gym", "num_workers": 1},
-    # phase 1 (answers alone, the demo's warm start), then phase 2 (``warm_start``, the long answers)
-    "answer_warm_start": {"steps": 190, "batch_size": 64, "lr": 0.003, "max_len": 40},
-    "warm_start": {"steps": 60, "batch_size": 64, "lr": 0.003, "max_len": 480},
+    "warm_start": {"steps": 400, "batch_size": 64, "lr": 0.003, "max_len": 128},
     # DAPO's dynamic sampling, as AReaL's reasoning recipes run it: a group whose answers all score
     # the same teaches GRPO nothing and is dropped, so rollout generates more than is trained.
-    "rollout": {"group_size": 8, "max_new_tokens": 448, "temperature": 1.0, "filter_uniform_reward": True,
-                "server_args": ["--max-running-requests", "128", "--context-length", "512"]},
+    "rollout": {"group_size": 8, "max_new_tokens": 96, "temperature": 1.0, "filter_uniform_reward": True,
+                "server_args": ["--max-running-requests", "128", "--context-length", "160"]},
     "algo": {"adv_estimator": "grpo"},
-    "train": {"lr": 0.0003, "micro_batch_tokens": 4096, "length_buckets": [4096], "max_seq_len": 512},
-    "eval": {"every": 10, "temperature": 0.0},
+    "train": {"lr": 0.0003, "micro_batch_tokens": 2048, "length_buckets": [2048], "max_seq_len": 160},
+    "eval": {"every": 10, "temperature": 1.0},
     "export": False,
 }
 """The async and interrupt parts' run config (a dict in ``RunConfig``'s shape) before
-``model.path`` is set: the long-tailed task, warm-started to about 40% greedy held-out accuracy
-(``answer_warm_start`` is this module's: the first warm-start phase)."""
+``model.path`` is set: the scratch-pad task (long-tailed answers), warm-started to about 16%."""
+
+LONG_TAIL_TASK: dict[str, Any] = {
+    **TASK,
+    "warm_start": {**TASK["warm_start"], "max_len": 480},
+    "rollout": {**TASK["rollout"], "max_new_tokens": 448,
+                "server_args": ["--max-running-requests", "128", "--context-length", "512"]},
+    "train": {**TASK["train"], "max_seq_len": 512},
+}
+"""``areal-jax bench --long-tail``: ``TASK`` with ``LONG_TAIL_SCRATCH``'s scratch lengths and room
+for them, so generation is most of a synchronous step (the regime of AReaL's long reasoning
+answers) instead of training. Its warm start reaches only about 5%: a throughput setting, not a
+learning one."""
 
 DEMO_TASK: dict[str, Any] = {
     "batch_size": 16,
-    "data": TASK["data"],
+    "data": {**TASK["data"], "eval_size": 200},
     "model": TASK["model"],
     "reward": {"name": "reasoning_gym", "num_workers": 1},
     "warm_start": {"steps": 190, "batch_size": 64, "lr": 0.003, "max_len": 40},
@@ -86,12 +91,10 @@ learning in a short run for staleness to show in it."""
 
 def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, Any]:
     """``task`` (default ``TASK``), smaller with ``quick`` (shorter warm start, fewer held-out
-    prompts, smaller batches and answers)."""
+    prompts, smaller batches)."""
     cfg = copy.deepcopy(TASK if task is None else task)
     if quick:
-        for phase in ("answer_warm_start", "warm_start"):
-            if phase in cfg:
-                cfg[phase].update(steps=10, batch_size=16, max_len=min(cfg[phase]["max_len"], 64))
+        cfg["warm_start"].update(steps=10, batch_size=16)
         cfg["data"].update(size=300, eval_size=16)
         cfg["rollout"].update(group_size=4, max_new_tokens=min(32, cfg["rollout"]["max_new_tokens"]),
                               filter_uniform_reward=False)
@@ -100,27 +103,22 @@ def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, An
     return cfg
 
 
-def tail_examples(rows: list[Any], tokenizer: Any, seed: int,
-                  tail: dict[str, float] = TAIL) -> list[tuple[list[int], list[int]]]:
-    """Warm-start pairs ``(prompt_ids, answer + " " * k + eos)``, ``k`` drawn as ``tail`` says."""
+def scratch_examples(rows: list[Any], tokenizer: Any, seed: int,
+                     scratch: dict[str, float] = SCRATCH) -> list[tuple[list[int], list[int]]]:
+    """Warm-start pairs ``(prompt_ids, "." * k + "\n" + answer + eos)``, ``k`` drawn as ``scratch`` says."""
     from areal_jax.trainer.sft import reference_answer
 
     rng = np.random.default_rng(seed)
-    ks = np.minimum(rng.lognormal(np.log(tail["median"]), tail["sigma"], len(rows)).astype(int), tail["max"])
+    ks = np.minimum(rng.lognormal(np.log(scratch["median"]), scratch["sigma"], len(rows)).astype(int), scratch["max"])
     return [(list(r.prompt_ids),
-             [*tokenizer.encode(reference_answer(r) + " " * int(k), add_special_tokens=False),
+             [*tokenizer.encode("." * int(k) + "\n" + reference_answer(r), add_special_tokens=False),
               tokenizer.eos_token_id]) for r, k in zip(rows, ks, strict=True)]
 
 
-def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, tail: dict[str, float] | None = TAIL) -> Path:
-    """Build the tiny model, run the warm start once and save it; every run of the invocation
-    that uses ``cfg`` starts from this directory (``<out_dir>/warm_start``, reused when present).
-
-    With ``tail``: ``cfg["answer_warm_start"]`` on the reference answers, then ``cfg["warm_start"]``
-    on ``tail_examples`` drawn as ``tail`` says. With ``tail`` None: ``cfg["warm_start"]`` on the
-    reference answers (the demo's warm start)."""
-    import dataclasses
-
+def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, float] | None = SCRATCH) -> Path:
+    """Build the tiny model, run the warm start once (on ``scratch_examples`` drawn as ``scratch``
+    says, or with ``scratch`` None on the task's own reference answers) and save it; every run of
+    the invocation that uses ``cfg`` starts from this directory (``<out_dir>/warm_start``, reused when present)."""
     from areal_jax.config import from_dict
     from areal_jax.data import load_prompts
     from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
@@ -131,21 +129,16 @@ def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, tail: dict[str, float
     target = out_dir / "warm_start"
     if (target / "config.json").exists():
         return target
-    cfg = copy.deepcopy(cfg)
-    answers_first = cfg.pop("answer_warm_start", None)
     run = from_dict(RunConfig, {**cfg, "run_dir": str(out_dir)})
     base = prepare_model_dir(run, out_dir)
     tokenizer = load_tokenizer(base)
     model = load_pretrained(base)
     rows = load_prompts(run.data, tokenizer).train_rows
-    if tail is None:
-        warm_start(model, run.warm_start, tokenizer, rows)
-    else:
-        if answers_first:
-            warm_start(model, dataclasses.replace(run.warm_start, **answers_first), tokenizer, rows)
-        examples = [e for e in tail_examples(rows, tokenizer, run.seed, tail)
+    examples = None
+    if scratch is not None:
+        examples = [e for e in scratch_examples(rows, tokenizer, run.seed, scratch)
                     if len(e[0]) + len(e[1]) <= run.warm_start.max_len]
-        warm_start(model, run.warm_start, tokenizer, rows, examples=examples)
+    warm_start(model, run.warm_start, tokenizer, rows, examples=examples)
     return Path(save_pretrained(model, target, tokenizer_dir=base))
 
 
@@ -153,7 +146,6 @@ def run_config(task: dict[str, Any], checkpoint: Path, run_dir: Path, **override
     """A run of ``task`` from ``checkpoint``; ``overrides`` are dotted keys (``rollout.mode``)."""
     cfg = copy.deepcopy(task)
     cfg.pop("warm_start", None)
-    cfg.pop("answer_warm_start", None)
     cfg["model"] = {"path": str(checkpoint)}
     cfg["run_dir"] = str(run_dir)
     for key, value in overrides.items():
