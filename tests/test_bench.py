@@ -78,8 +78,9 @@ def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
 
 def test_summarize_takes_the_window_after_warmup() -> None:
     """Three steps ending at 10, 12 and 15 s, one left out: a 5 s window of two steps, less the
-    last step's 1 s held-out evaluation; the server polled idle in half of its samples there and
-    generated 300 tokens; 4 groups of 2-group batches were filtered over the run."""
+    second step's 1 s held-out evaluation (a step's time is taken before its evaluation, so the
+    last step's 0.5 s one falls after the window); the server polled idle in half of its samples
+    there and generated 300 tokens; 4 groups of 2-group batches were filtered over the run."""
     poller = runs.ServerPoller("127.0.0.1:1")
     poller.samples = [(9.0, 5, 0.0), (10.0, 0, 100.0), (12.0, 3, 250.0), (13.0, 0, 300.0), (15.0, 2, 400.0),
                       (16.0, 0, 999.0)]
@@ -87,7 +88,8 @@ def test_summarize_takes_the_window_after_warmup() -> None:
             "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5,
             "prompt_ids": ["a", "b"]}
     metrics = [{**step, "time": t, "step": i + 1, "filtered": 2 * i} for i, t in enumerate((4.0, 6.0, 9.0))]
-    metrics[-1].update(eval_accuracy=0.3, eval_seconds=1.0)
+    metrics[1].update(eval_accuracy=0.2, eval_seconds=1.0)
+    metrics[-1].update(eval_accuracy=0.3, eval_seconds=0.5)
     out = runs.summarize(metrics, [10.0, 12.0, 15.0], poller, 1, {"eval_accuracy": 0.1, "eval_prompts": 50},
                          {"eval_accuracy": 0.3, "eval_prompts": 50})
     assert out["timed_steps"] == 2 and out["wall_s_per_step"] == pytest.approx(2.0)
@@ -97,10 +99,10 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     assert out["rollout_idle_fraction"] == pytest.approx(0.5)
     assert out["step_end_s"] == pytest.approx([4.0, 6.0, 9.0])
     assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
-    assert out["accuracy_curve"] == [[0, 0.1], [3, 0.3]] and out["eval_prompts"] == 50
+    assert out["accuracy_curve"] == [[0, 0.1], [2, 0.2], [3, 0.3]] and out["eval_prompts"] == 50
     assert out["filtered_fraction"] == pytest.approx(4 / (4 + 3 * 2))
-    # the evaluation after step 3: one warm-up step at the steady 2 s, then 15 - 10 s less its own 1 s
-    assert [pytest.approx(x) for x in out["accuracy_clock"]] == [[0.0, 0.1], [6.0, 0.3]]
+    # one warm-up step at the steady 2 s; then step 2 ends at 12 s, step 3 at 15 s less step 2's evaluation
+    assert [pytest.approx(x) for x in out["accuracy_clock"]] == [[0.0, 0.1], [4.0, 0.2], [6.0, 0.3]]
     assert runs.seconds_to(out["accuracy_clock"], 0.3) == pytest.approx(6.0)
     assert runs.seconds_to(out["accuracy_clock"], 0.05) == 0.0
     assert runs.seconds_to(out["accuracy_clock"], 0.31) is None

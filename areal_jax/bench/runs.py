@@ -264,8 +264,9 @@ def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPo
     t0, t1 = ends[k - 1] if k > 0 else ends[0] - metrics[0]["time"], ends[-1]
     timed = metrics[k:]
     rollout_idle, generated = poller.window(t0, t1)
-    # Held-out evaluations fall inside the window: their seconds are not training's.
-    wall = t1 - t0 - sum(m.get("eval_seconds", 0.0) for m in timed)
+    # A step's "time" is taken before its own held-out evaluation, so the window holds the
+    # evaluations of steps k .. n-1 (not the last step's): their seconds are not training's.
+    wall = t1 - t0 - sum(m.get("eval_seconds", 0.0) for m in metrics[max(k - 1, 0):n - 1])
     trained = sum(m["trajectories"] * m["answer_len_mean"] for m in timed)
     waiting = sum(m["rollout_seconds"] for m in timed)
     per_step = wall / len(timed)
@@ -302,15 +303,14 @@ def accuracy_clock(metrics: list[dict[str, Any]], ends: list[float], warmup_step
     charged at the steady ``per_step`` rate, so runs that hit a warm compile cache and runs that
     did not are on one clock."""
     out = [[0.0, (eval_before or {}).get("eval_accuracy")]]
-    evals = 0.0
+    evals = 0.0  # seconds of the evaluations between t0 and the end of step i (steps warmup .. i - 1)
     for i, m in enumerate(metrics):
         step = i + 1
-        if step > warmup_steps:
+        if m.get("eval_accuracy") is not None:
+            clock = step * per_step if step <= warmup_steps else warmup_steps * per_step + ends[i] - t0 - evals
+            out.append([clock, m["eval_accuracy"]])
+        if step >= warmup_steps:
             evals += m.get("eval_seconds", 0.0)
-        if m.get("eval_accuracy") is None:
-            continue
-        clock = step * per_step if step <= warmup_steps else warmup_steps * per_step + ends[i] - t0 - evals
-        out.append([clock, m["eval_accuracy"]])
     return out
 
 
