@@ -41,9 +41,10 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
     check: list[dict[str, Any]] = []
     if not quick:
         check = minibatch_check(out, checkpoint, task, seeds, steps)
+    table = cells(rows, etas)
     data = {"part": "staleness", "conditions": report.conditions(), "steps": steps, "seed": seed, "seeds": seeds,
-            "max_staleness": etas, "runs": rows, "cells": cells(rows, etas), "minibatch_check": check,
-            "plots": plot(rows, etas, out)}
+            "max_staleness": etas, "runs": rows, "cells": table, "minibatch_check": check,
+            "plots": plot(rows, table, etas, out)}
     report.write_json(out, "staleness", data)
     return data
 
@@ -88,10 +89,9 @@ def cells(rows: list[dict[str, Any]], etas: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], etas: list[int], out: Path) -> list[str]:
+def plot(rows: list[dict[str, Any]], table: list[dict[str, Any]], etas: list[int], out: Path) -> list[str]:
     plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    table = cells(rows, etas)
     for algorithm, style, shift in (("naive", "o--", -0.06), ("decoupled", "s-", 0.06)):
         mine = [c for c in table if c["algorithm"] == algorithm]
         x = np.arange(len(etas)) + shift
