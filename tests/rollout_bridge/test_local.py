@@ -144,11 +144,22 @@ def test_handover_during_generation_resumes_answers_with_per_token_versions(
     async def run() -> list[GenerateResult]:
         async with client:
             await client.update_params(trainer.lend_params(), version=1)
+            # The same three requests once, short, so no compilation falls between their starts
+            # below (on a cold cache one answer could run to its end while another compiled).
+            await asyncio.gather(*(client.generate([7, 8, 9 + i], {"max_new_tokens": 4, "ignore_eos": True})
+                                   for i in range(3)))
             tasks = [asyncio.create_task(client.generate([7, 8, 9 + i], {"max_new_tokens": budget, "ignore_eos": True}))
                      for i in range(3)]
             # Every answer has started (a token of version 1 each; counting tokens in all let one
-            # request that was still queued through), none is done.
-            while len(engine._live) < 3 or not all(seq.out_ids for seq in engine._live.values()):
+            # request that was still queued through), none is done. An answer that finished first
+            # would leave fewer than three live forever: fail at once instead of waiting for it.
+            started: set[str] = set()
+            deadline = asyncio.get_running_loop().time() + 60.0
+            while len(started) < 3:
+                started |= {rid for rid, seq in engine._live.items() if seq.out_ids}
+                if any(t.done() for t in tasks) or asyncio.get_running_loop().time() > deadline:
+                    pytest.fail(f"the handover must come mid-answer: {len(started)} of 3 answers started, "
+                                f"{sum(t.done() for t in tasks)} already done")
                 await asyncio.sleep(0.002)
             await client.pause(mode)
             await client.update_params(trainer.lend_params(), version=2)
@@ -174,7 +185,7 @@ def test_the_http_clients_control_calls_work_in_process(shared: tuple[Trainer, L
     async def started(task: asyncio.Task) -> None:
         start = engine.stats["generated_tokens"]
         while engine.stats["generated_tokens"] - start < 4 and not task.done():
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0)  # each turn of the loop: a warm engine decodes 40 tokens within 5 ms
 
     async def run() -> dict[str, Any]:
         out: dict[str, Any] = {"health": [await client.check_health()]}
@@ -183,9 +194,13 @@ def test_the_http_clients_control_calls_work_in_process(shared: tuple[Trainer, L
             await client.update_params(trainer.lend_params(), version=1)
             task = asyncio.create_task(client.generate([7, 8, 9], sp, rid="gone"))
             await started(task)
+            # Held in its slot, so it cannot run to its end before the calls below (a warm engine
+            # decodes 40 tokens in a few milliseconds).
+            await client.pause("in_place")
             with pytest.raises(RolloutError, match="running"):
                 await client.flush_cache()  # refused while a request runs
             await client.abort("gone")
+            await client.continue_generation()
             out["aborted"] = await task
             await client.flush_cache()  # idle: done
 
