@@ -68,3 +68,19 @@ def test_build_md_run_configs_load(tmp_path: Path) -> None:
         (tmp_path / name).write_text(body)
         cfg = load_run_config(tmp_path / name)
         assert cfg.model.path, name
+
+
+def test_run_config_advises_against_one_step_decoupled_ppo_at_large_staleness() -> None:
+    from areal_jax.trainer.run_config import STALE_ONE_STEP, load_run_config
+
+    def advice(*overrides: str) -> list[str]:
+        return load_run_config("configs/demo.yaml", ["rollout.mode=async", *overrides]).advisories()
+
+    eta = f"rollout.max_staleness={STALE_ONE_STEP}"
+    (msg,) = advice(eta)
+    assert "algo.ppo_n_minibatches" in msg and f"max_staleness {STALE_ONE_STEP}" in msg
+    assert advice(f"rollout.max_staleness={STALE_ONE_STEP - 1}") == []
+    assert advice(eta, "algo.ppo_n_minibatches=2") == []
+    assert advice(eta, "algo.use_decoupled_loss=false") == []
+    assert advice(eta, "rollout.mode=sync") == []  # a synchronous run is never stale
+    assert load_run_config("configs/demo.yaml").advisories() == []

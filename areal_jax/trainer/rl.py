@@ -338,6 +338,11 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
         logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
+        for advice in cfg.advisories():
+            if logger.enabled:
+                logger.write(f"warning: {advice}")
+            else:
+                log.warning(advice)
         if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
             await client.update_weights_from_disk(str(serve_dir), version=0)
         sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else

@@ -68,6 +68,11 @@ class EvalConfig:
     """An answer counts as correct when its reward is at least this."""
 
 
+STALE_ONE_STEP = 4
+"""The ``max_staleness`` from which ``RunConfig.advisories`` warns about decoupled PPO with one
+optimizer step per batch (at 4 it lost 7 points on the benchmark task, at 8 it collapsed)."""
+
+
 @dataclass
 class RunConfig:
     """Everything one ``areal-jax train`` run needs."""
@@ -108,6 +113,19 @@ class RunConfig:
         if abs(self.train.temperature - self.rollout.temperature) > 1e-9 and self.rollout.temperature > 0:
             raise ValueError(f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
                              f"({self.rollout.temperature}): the trainer's logprobs must match the sampler's")
+
+    def advisories(self) -> list[str]:
+        """Settings that are valid but known to train badly, each with the fix; the run writes
+        them to its log at start."""
+        out = []
+        eta = self.rollout.effective_max_staleness
+        if self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches == 1 and eta >= STALE_ONE_STEP:
+            out.append(
+                f"algo.ppo_n_minibatches is 1 with the decoupled loss at rollout.max_staleness {eta}: with one "
+                "optimizer step per batch the proximal policy is the current one, so the clip never binds and "
+                "nothing bounds how far stale data moves the policy (docs/results.md, staleness ablation). "
+                "Set algo.ppo_n_minibatches >= 2, or lower rollout.max_staleness")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
