@@ -82,8 +82,10 @@ def micro_batch_loss(
         proximal = behavior  # ignored by the loss; naive PPO ratios against the behavior policy
     elif algo.proximal_logprobs == "loglinear":
         proximal = approx_proximal_logprobs(behavior, logprobs, batch["versions"], scalars["proximal_version"])
-    else:
+    elif "proximal_logprobs" in batch:
         proximal = batch["proximal_logprobs"]
+    else:  # one minibatch: nothing has been updated yet, the proximal policy is this one
+        proximal = jax.lax.stop_gradient(logprobs)
     loss, stats = decoupled_ppo_loss(
         logprobs, proximal, behavior, batch["advantages"], mask,
         seq_ids=packed_seq_ids(batch["segment_ids"]), **ppo_loss_kwargs(algo),

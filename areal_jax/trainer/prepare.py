@@ -3,7 +3,8 @@ the device, scored with the weights before the update, with advantages (and retu
 
 In order: plan the micro-batches (``trainer/batching.py``) and place each on the mesh, once;
 recompute the proximal logprobs with the current policy on exactly those micro-batches (unless
-they are approximated from versions inside the loss); reference logprobs for a KL reward penalty
+they are approximated from versions inside the loss, or there is one minibatch, when the loss's
+own logprobs are the proximal ones); reference logprobs for a KL reward penalty
 (on the behaviour logprobs) when there is a reference; the critic's values when there is a critic; then advantages (and
 returns) group-wise on the host, placed on the mesh next to the rest. Nothing is updated.
 
@@ -200,7 +201,10 @@ class BatchPreparer:
         minibatches = [self.pack(trajectories, idx) for idx in np.array_split(np.arange(len(trajectories)), n_mb)]
         micro = [m for mb in minibatches for m in mb]
         stats: dict[str, float] = {}
-        if self.algo.use_decoupled_loss and self.algo.proximal_logprobs == "recompute":
+        # With one optimizer step per batch every micro-batch is scored before any update, so the
+        # proximal policy is the policy being trained: the loss takes its own logprobs (gradient
+        # stopped), the same values a second forward pass would give, without that pass.
+        if self.algo.use_decoupled_loss and self.algo.proximal_logprobs == "recompute" and n_mb > 1:
             for m in micro:
                 m.arrays["proximal_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS))
         token_kl = None

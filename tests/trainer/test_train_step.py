@@ -10,7 +10,7 @@ import pytest
 from areal_jax.algo import AlgoConfig
 from areal_jax.models import logprobs_from_logits
 from areal_jax.trainer import TrainConfig, Trainer, batching
-from areal_jax.trainer.prepare import unpack_key
+from areal_jax.trainer.prepare import LOGPROB_KEYS, POLICY_KEYS, unpack_key
 from tests.trainer.helpers import random_trajectories, tiny_model
 
 TEMPERATURE = 0.8
@@ -98,8 +98,8 @@ def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
     for t in trajs:
         logits = model(jnp.asarray(t.input_ids)[None])[0]
         expected.append(np.asarray(logprobs_from_logits(logits[:-1], jnp.asarray(t.input_ids[1:]), TEMPERATURE)))
-    trainer = Trainer(model, AlgoConfig(), TrainConfig(micro_batch_tokens=64, length_buckets=(64,),
-                                                       temperature=TEMPERATURE, lr=1e-2))
+    trainer = Trainer(model, AlgoConfig(ppo_n_minibatches=2), TrainConfig(micro_batch_tokens=64, length_buckets=(64,),
+                                                                          temperature=TEMPERATURE, lr=1e-2))
     got = trainer.compute_logprobs(trajs)
     for g, e, t in zip(got, expected, trajs, strict=True):
         assert g[0] == 0.0 and g.shape == (len(t),)
@@ -113,6 +113,32 @@ def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
         np.testing.assert_allclose(g[1:], e, atol=2e-5)
     moved = trainer.compute_logprobs(trajs)
     assert max(np.abs(m - g).max() for m, g in zip(moved, got, strict=True)) > 1e-3
+
+
+def test_one_minibatch_takes_the_proximal_logprobs_from_its_own_forward_pass() -> None:
+    """With one optimizer step per batch nothing is updated before the loss runs, so the proximal
+    logprobs are the loss's own: no second forward pass, the same gradient and statistics as with
+    the recomputed ones."""
+    trajs = random_trajectories(np.random.default_rng(4), 3, 3, version=2)
+    for t in trajs:  # stale behaviour: importance weights away from 1, some above the cap
+        t.behavior_logprobs = t.behavior_logprobs + np.random.default_rng(5).normal(0, 1.0, len(t)) * t.loss_mask
+    trainer = Trainer(tiny_model(seed=2), AlgoConfig(behavior_imp_weight_cap=2.0),
+                      TrainConfig(micro_batch_tokens=64, length_buckets=(64,), temperature=TEMPERATURE))
+    prepared = trainer.prepare_batch(trajs, 4)
+    (micro,) = prepared.minibatches
+    assert all("proximal_logprobs" not in m.arrays for m in micro)
+    batches = [m.inputs(POLICY_KEYS) for m in micro]
+    recomputed = [{**b, "proximal_logprobs": trainer.policy.forward(m.inputs(LOGPROB_KEYS))}
+                  for b, m in zip(batches, micro, strict=True)]
+    own, own_aux = trainer.minibatch_grads(batches, 4)
+    ref, ref_aux = trainer.minibatch_grads(recomputed, 4)
+    for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+    assert float(np.max(np.abs(np.asarray(jax.tree.leaves(ref)[0])))) > 0
+    for a, b in zip(own_aux, ref_aux, strict=True):
+        for k in ("loss", "dropped_fraction", "behavior_imp_weight_mean", "clip_fraction"):
+            np.testing.assert_allclose(float(a[k]), float(b[k]), rtol=1e-4, atol=1e-6)
+    assert max(float(a["dropped_fraction"]) for a in own_aux) > 0  # the cap bit, identically in both
 
 
 def test_loglinear_proximal_needs_no_forward_and_interpolates() -> None:
