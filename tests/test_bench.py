@@ -41,24 +41,32 @@ def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
             return [ord(c) for c in text]
 
     class Row:
+        id = "basic_arithmetic:0"
         prompt_ids = [1, 2]
-        reward_fields = {"answer": "12"}
+        reward_fields = {"entry": {"answer": "12", "metadata": {"expression": "7 + 5"}}}
 
     p99s = {}
     for name, scratch in (("task", runs.SCRATCH), ("long", runs.LONG_TAIL_SCRATCH)):
         ex = runs.scratch_examples([Row()] * 2000, Tok(), seed=0, scratch=scratch)
-        lengths = sorted(len(a) for _, a in ex)
+        unit = "." if name == "task" else "7+5;"  # dots, or the sum written out again
+        pads = [bytes(a[:-4]).decode() for _, a in ex]
         assert all(a[-4:] == [ord("\n"), ord("1"), ord("2"), 0] for _, a in ex)
-        median, p99s[name] = lengths[len(lengths) // 2], lengths[int(0.99 * len(lengths))]
-        assert median <= scratch["median"] + 5 and p99s[name] >= 4 * median  # most short, a few long
-        assert max(lengths) <= scratch["max"] + 4
+        assert all(p == unit * (len(p) // len(unit)) for p in pads)
+        counts = sorted(len(p) // len(unit) for p in pads)
+        median, p99s[name] = counts[len(counts) // 2], counts[int(0.99 * len(counts))] * len(unit)
+        assert median <= scratch["median"] + 1 and counts[int(0.99 * len(counts))] >= 4 * median  # a long tail
+        assert max(counts) <= scratch["max"]
     assert p99s["long"] >= 2 * p99s["task"]
+    Row.reward_fields = {"answer": "12"}  # a GSM8K-style row has no expression to echo: named
+    with pytest.raises(ValueError, match="basic_arithmetic:0.*metadata.expression"):
+        runs.scratch_examples([Row()], Tok(), seed=0, scratch=runs.LONG_TAIL_SCRATCH)
 
 
 def test_long_tail_task_has_room_for_its_answers() -> None:
     task, scratch = runs.task_config(False, runs.LONG_TAIL_TASK), runs.LONG_TAIL_SCRATCH
-    answer = scratch["max"] + 4  # dots, newline, a two-digit sum, eos
-    assert task["rollout"]["max_new_tokens"] >= answer
+    answer = 4 * scratch["max"] + 4  # "a+b;" units, newline, a two-digit sum, eos
+    assert task["warm_start"]["max_len"] >= answer + 40  # and the prompt (35 tokens)
+    assert task["rollout"]["max_new_tokens"] >= 2 * answer  # RL grows the tail past the warm start's
     context = int(task["rollout"]["server_args"][task["rollout"]["server_args"].index("--context-length") + 1])
     assert context >= task["rollout"]["max_new_tokens"] + 64  # room for the prompt, as in the measured run
     assert task["train"]["max_seq_len"] >= context
@@ -110,23 +118,39 @@ def test_summarize_takes_the_window_after_warmup() -> None:
 
 def test_compare_takes_ratios_to_the_synchronous_runs_final_accuracy() -> None:
     from areal_jax.bench.async_sync import compare
+    from areal_jax.bench.tables import async_table
 
-    def row(wall: float, tokens: float, clock: list) -> dict:
+    def row(wall: float, tokens: float, clock: list, prompts: int = 400) -> dict:
         return {"wall_s_per_step": wall, "trained_tokens_per_s": tokens, "accuracy_clock": clock,
-                "accuracy_after": clock[-1][1]}
+                "accuracy_after": clock[-1][1], "eval_prompts": prompts}
 
     rows = [row(2.0, 100.0, [[0, 0.2], [50, 0.3], [100, 0.4]]),  # sync ends at 40%, first there at 100 s
-            row(1.0, 300.0, [[0, 0.2], [25, 0.45], [50, 0.35]]),  # there at 25 s, though it ends lower
-            row(0.5, 400.0, [[0, 0.2], [25, 0.3], [50, 0.39]])]  # never there
+            row(1.0, 300.0, [[0, 0.2], [25, 0.45], [50, 0.32]]),  # there at 25 s; ends 8 points lower
+            row(0.5, 400.0, [[0, 0.2], [25, 0.3], [50, 0.39]]),  # never there, ends 1 point lower
+            row(0.25, 800.0, [[0, 0.2], [25, 0.3], [50, 0.39]], prompts=4000)]
     compare(rows)
-    assert [r["accuracy_target"] for r in rows] == [0.4] * 3
-    assert [r["sync_over_this_wall"] for r in rows] == [1.0, 2.0, 4.0]
-    assert [r["this_over_sync_trained_tokens"] for r in rows] == [1.0, 3.0, 4.0]
-    assert [r["seconds_to_accuracy"] for r in rows] == [100, 25, None]
-    assert [r["sync_over_this_to_accuracy"] for r in rows] == [1.0, 4.0, None]
+    assert [r["accuracy_target"] for r in rows] == [0.4] * 4
+    assert [r["sync_over_this_wall"] for r in rows] == [1.0, 2.0, 4.0, 8.0]
+    assert [r["this_over_sync_trained_tokens"] for r in rows] == [1.0, 3.0, 4.0, 8.0]
+    assert [r["seconds_to_accuracy"] for r in rows] == [100, 25, None, None]
+    assert [r["sync_over_this_first_reach"] for r in rows] == [1.0, 4.0, None, None]
+    # binomial errors over 400 prompts: 8 points down is more than 2 se (2 x 3.4 pts) below, 1 point is not
+    assert rows[1]["accuracy_difference_se"] == pytest.approx((0.4 * 0.6 / 400 + 0.32 * 0.68 / 400) ** 0.5)
+    assert [r["accuracy_within_noise"] for r in rows[:3]] == [True, False, True]
+    assert [r["sync_over_this_to_accuracy"] for r in rows[:3]] == [1.0, None, 4.0]
+    # the errors add: more prompts for one run still leave the baseline's 2.4-point error
+    assert rows[3]["accuracy_within_noise"] and rows[3]["sync_over_this_to_accuracy"] == 8.0
+    for r, eta in zip(rows, (0, 1, 2, 4), strict=True):
+        r.update(name=f"eta{eta}", train_s_per_step=0.1, generated_tokens_per_s=1.0, trainer_idle_fraction=0.0,
+                 rollout_idle_fraction=0.0, staleness_mean=0.0, answer_len_max=10, accuracy_before=0.2)
+    table = "\n".join(async_table({"rollout_cores": [1], "trainer_cores": [0], "steps": 3, "warmup_steps": 1,
+                                    "accuracy_target": 0.4, "modes": rows}))
+    assert "| -8.0 ± 3.4 pts (below) | 2.00x | 3.00x | n/a | 25 s (4.00x) |" in table
+    assert "| -1.0 ± 3.5 pts (within noise) | 4.00x | 4.00x | 4.00x | not reached (n/a) |" in table
     flat = [row(2.0, 100.0, [[0, 0.4], [100, 0.4]]), row(1.0, 100.0, [[0, 0.4], [50, 0.5]])]
-    compare(flat)  # the baseline did not improve on its start: no ratio to it
-    assert [r["sync_over_this_to_accuracy"] for r in flat] == [None, None]
+    compare(flat)  # the baseline did not improve on its start: no first reach of it
+    assert [r["sync_over_this_first_reach"] for r in flat] == [None, None]
+    assert flat[1]["sync_over_this_to_accuracy"] == 2.0  # ended higher: the same accuracy at least
 
 
 def test_staleness_cells_average_over_seeds() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from areal_jax.bench import report, runs
 
 STEPS = 30
-"""Training steps per mode in a full run."""
+"""Training steps per mode in a full run, unless the task sets its own ``steps``."""
 
 
 def modes(quick: bool) -> list[tuple[str, int]]:
@@ -33,7 +33,7 @@ def split_cores() -> tuple[list[int], list[int]]:
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
-    steps, warmup = (4, 1) if quick else (STEPS, 3)
+    steps, warmup = (4, 1) if quick else (task.get("steps", STEPS), 3)
     rollout_cores, trainer_cores = split_cores()
     rows = []
     for mode, eta in modes(quick):
@@ -58,10 +58,21 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
 
 
 def compare(rows: list[dict[str, Any]]) -> None:
-    """Add to each row (the synchronous baseline first) its ratios to the baseline: per step
-    (``sync_over_this_wall``), in trained tokens/s, and in training seconds to the synchronous
-    run's final held-out accuracy (``sync_over_this_to_accuracy``; None when the run never
-    reached it at an evaluation)."""
+    """Add to each row (the synchronous baseline first) its ratios to the baseline.
+
+    - ``sync_over_this_wall``: per step; ``this_over_sync_trained_tokens``: in trained tokens/s.
+    - ``accuracy_difference`` (final held-out accuracy minus the baseline's), its standard error
+      ``accuracy_difference_se`` (both runs' binomial errors over their held-out prompts), and
+      ``accuracy_within_noise``: the difference is above -2 standard errors.
+    - ``sync_over_this_to_accuracy``, the ratio of wall-clock to the same accuracy, as AReaL's
+      comparison takes it: both runs train the same steps, so when the final accuracies agree
+      within noise it is the ratio of the runs' training time (the per-step ratio); None when this
+      run ended worse than the baseline by more than noise.
+    - ``seconds_to_accuracy`` and ``sync_over_this_first_reach``: the training seconds to the
+      first evaluation at or above the baseline's final accuracy, and the baseline's over this
+      run's (None when not reached, or when the baseline never improved on its start). With a
+      few noisy evaluations per run this is coarse; it is kept beside the ratio above.
+    """
     sync = rows[0]
     target = sync["accuracy_after"]
     sync_s = runs.seconds_to(sync["accuracy_clock"], target)
@@ -69,12 +80,27 @@ def compare(rows: list[dict[str, Any]]) -> None:
         r["accuracy_target"] = target
         r["sync_over_this_wall"] = sync["wall_s_per_step"] / r["wall_s_per_step"]
         r["this_over_sync_trained_tokens"] = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
+        diff, se = _difference(r, sync)
+        r["accuracy_difference"], r["accuracy_difference_se"] = diff, se
+        r["accuracy_within_noise"] = None if diff is None else bool(diff >= -2 * se)
+        r["sync_over_this_to_accuracy"] = r["sync_over_this_wall"] if r["accuracy_within_noise"] else None
         r["seconds_to_accuracy"] = runs.seconds_to(r["accuracy_clock"], target)
         mine = r["seconds_to_accuracy"]
         if not sync_s or mine is None:  # the baseline did not improve, or this run never got there
-            r["sync_over_this_to_accuracy"] = None
+            r["sync_over_this_first_reach"] = None
         else:
-            r["sync_over_this_to_accuracy"] = sync_s / mine if mine > 0 else float("inf")
+            r["sync_over_this_first_reach"] = sync_s / mine if mine > 0 else float("inf")
+
+
+def _difference(r: dict[str, Any], sync: dict[str, Any]) -> tuple[float | None, float]:
+    """``(this run's final accuracy - the baseline's, its standard error)``; (None, nan) without
+    both accuracies."""
+    a, b = r.get("accuracy_after"), sync.get("accuracy_after")
+    if a is None or b is None:
+        return None, float("nan")
+    na, nb = r.get("eval_prompts") or 0, sync.get("eval_prompts") or 0
+    var = (a * (1 - a) / na if na else 0.0) + (b * (1 - b) / nb if nb else 0.0)
+    return a - b, var ** 0.5
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> list[str]:

@@ -20,7 +20,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="small settings: every part in a few minutes")
     p.add_argument("--long-tail", action="store_true",
-                   help="async and interrupt parts on runs.LONG_TAIL_TASK: answers up to 448 tokens with a long tail, "
+                   help="async and interrupt parts on runs.LONG_TAIL_TASK: answers up to 768 tokens with a long tail, "
                         "so generation is most of a synchronous step")
     p.add_argument("--out", default="runs/bench", help="results folder")
     p.add_argument("--seed", type=int, default=0)

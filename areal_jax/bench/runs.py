@@ -4,7 +4,8 @@ the figures of the run.
 
 The task is the demo's one-digit addition with a scratch pad of long-tailed length: the warm
 start teaches answers of the form ``"." * k + "\n" + sum`` with ``k`` drawn from a lognormal
-(``SCRATCH``: median 6, clipped at 80), and the reward reads the last line. The
+(``SCRATCH``: median 6, clipped at 80), and the reward reads the last line (``--long-tail``'s
+scratch pad writes the sum out again instead of dots, with a longer tail). The
 policy then samples its own scratch lengths, most short and a few long, as reasoning models do,
 so a synchronous step waits for its longest answer while most slots sit finished. Held-out
 accuracy samples at the policy's temperature (1): greedy decoding on this task writes dots
@@ -33,10 +34,13 @@ from typing import Any
 import numpy as np
 
 POLL_S = 0.02
-SCRATCH: dict[str, float] = {"median": 6, "sigma": 1.0, "max": 80}
-"""``TASK``'s warm-start scratch lengths: lognormal (median, sigma of its log), clipped at max."""
-LONG_TAIL_SCRATCH: dict[str, float] = {"median": 6, "sigma": 1.5, "max": 400}
-"""``LONG_TAIL_TASK``'s: the same median, a tail five times longer."""
+SCRATCH: dict[str, Any] = {"median": 6, "sigma": 1.0, "max": 80, "unit": "."}
+"""``TASK``'s warm-start scratch pad: ``unit`` repeated k times, k lognormal (median, sigma of its
+log), clipped at max."""
+LONG_TAIL_SCRATCH: dict[str, Any] = {"median": 2, "sigma": 1.5, "max": 50, "unit": "echo"}
+"""``LONG_TAIL_TASK``'s: the sum itself written out again k times (``"3+5;"``), so the answer
+reads its operands from the line just before it and not across hundreds of dots (a warm start
+on dots that long reached 5% and RL did not move it)."""
 
 TASK: dict[str, Any] = {
     "batch_size": 8,
@@ -61,15 +65,19 @@ TASK: dict[str, Any] = {
 
 LONG_TAIL_TASK: dict[str, Any] = {
     **TASK,
-    "warm_start": {**TASK["warm_start"], "max_len": 480},
+    "data": {**TASK["data"], "eval_size": 400},
+    "warm_start": {**TASK["warm_start"], "max_len": 300},
     "rollout": {**TASK["rollout"], "max_new_tokens": 448,
                 "server_args": ["--max-running-requests", "128", "--context-length", "512"]},
+    "algo": {**TASK["algo"], "ppo_n_minibatches": 2},
     "train": {**TASK["train"], "max_seq_len": 512},
 }
-"""``areal-jax bench --long-tail``: ``TASK`` with ``LONG_TAIL_SCRATCH``'s scratch lengths and room
-for them, so generation is most of a synchronous step (the regime of AReaL's long reasoning
-answers) instead of training. Its warm start reaches only about 5%: a throughput setting, not a
-learning one."""
+"""``areal-jax bench --long-tail``: the regime of AReaL's long reasoning answers, where generation
+is most of a synchronous step. The echoed scratch pad (``LONG_TAIL_SCRATCH``) under RL grows a
+tail to the 448-token limit against a mean near 100, so a synchronous step waits on a few long
+answers decoding at low concurrency. Two optimizer steps per batch, as ``RunConfig.advisories``
+asks of decoupled PPO at ``max_staleness`` 4. Warm-started to about 20% (temperature 1); 400
+held-out prompts, so that a few points of learning stand out of the noise."""
 
 DEMO_TASK: dict[str, Any] = {
     "batch_size": 16,
@@ -104,18 +112,31 @@ def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, An
 
 
 def scratch_examples(rows: list[Any], tokenizer: Any, seed: int,
-                     scratch: dict[str, float] = SCRATCH) -> list[tuple[list[int], list[int]]]:
-    """Warm-start pairs ``(prompt_ids, "." * k + "\n" + answer + eos)``, ``k`` drawn as ``scratch`` says."""
+                     scratch: dict[str, Any] = SCRATCH) -> list[tuple[list[int], list[int]]]:
+    """Warm-start pairs ``(prompt_ids, unit * k + "\n" + answer + eos)``, ``k`` drawn as
+    ``scratch`` says; the unit ``"echo"`` is the row's expression without spaces and a ``;``."""
     from areal_jax.trainer.sft import reference_answer
 
     rng = np.random.default_rng(seed)
     ks = np.minimum(rng.lognormal(np.log(scratch["median"]), scratch["sigma"], len(rows)).astype(int), scratch["max"])
-    return [(list(r.prompt_ids),
-             [*tokenizer.encode("." * int(k) + "\n" + reference_answer(r), add_special_tokens=False),
-              tokenizer.eos_token_id]) for r, k in zip(rows, ks, strict=True)]
+    out = []
+    for r, k in zip(rows, ks, strict=True):
+        text = _unit(r, scratch.get("unit", ".")) * int(k) + "\n" + reference_answer(r)
+        out.append((list(r.prompt_ids), [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]))
+    return out
 
 
-def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, float] | None = SCRATCH) -> Path:
+def _unit(row: Any, unit: str) -> str:
+    if unit != "echo":
+        return unit
+    try:
+        return str(row.reward_fields["entry"]["metadata"]["expression"]).replace(" ", "") + ";"
+    except KeyError as e:
+        raise ValueError(f"row {row.id}: an echoed scratch pad needs a reasoning-gym entry with "
+                         "metadata.expression (basic_arithmetic's rows have it)") from e
+
+
+def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, Any] | None = SCRATCH) -> Path:
     """Build the tiny model, run the warm start once (on ``scratch_examples`` drawn as ``scratch``
     says, or with ``scratch`` None on the task's own reference answers) and save it; every run of
     the invocation that uses ``cfg`` starts from this directory (``<out_dir>/warm_start``, reused when present)."""
