@@ -153,6 +153,37 @@ def test_compare_takes_ratios_to_the_synchronous_runs_final_accuracy() -> None:
     assert flat[1]["sync_over_this_to_accuracy"] == 2.0  # ended higher: the same accuracy at least
 
 
+def test_async_summary_averages_each_mode_over_seeds_against_its_own_sync() -> None:
+    from areal_jax.bench.async_sync import compare, summary
+    from areal_jax.bench.tables import async_table
+
+    def row(name: str, seed: int, wall: float, acc: float) -> dict:
+        return {"name": name, "max_staleness": 0 if name == "sync" else 4, "seed": seed, "wall_s_per_step": wall,
+                "trained_tokens_per_s": 100.0 / wall, "accuracy_clock": [[0, 0.2], [10 * wall, acc]],
+                "accuracy_after": acc, "eval_prompts": 400, "answer_len_mean": 10.0, "train_s_per_step": 0.1,
+                "generated_tokens_per_s": 1.0, "trainer_idle_fraction": 0.0, "rollout_idle_fraction": 0.0,
+                "staleness_mean": 0.0, "answer_len_max": 10, "accuracy_before": 0.2}
+
+    # seed 1's sync run is slower: its async run's ratio is taken against it, not against seed 0's
+    by_seed = [[row("sync", 0, 2.0, 0.30), row("async_eta4", 0, 1.0, 0.32)],
+               [row("sync", 1, 3.0, 0.30), row("async_eta4", 1, 1.0, 0.20)]]
+    for rows in by_seed:
+        compare(rows)
+    sync, eta4 = summary(by_seed)
+    assert sync["sync_over_this_wall_mean"] == 1.0 and sync["within_noise"] == 2
+    assert eta4["seeds"] == [0, 1] and eta4["sync_over_this_wall_mean"] == pytest.approx(2.5)
+    assert eta4["sync_over_this_wall_std"] == pytest.approx(0.7071, abs=1e-4)  # (2, 3): sample sd
+    assert eta4["accuracy_difference_mean"] == pytest.approx(-0.04)
+    assert eta4["within_noise"] == 1 and eta4["sync_over_this_to_accuracy"] == [2.0, None]  # 10 points below
+    d = {"rollout_cores": [1], "trainer_cores": [0], "steps": 3, "warmup_steps": 1, "seed": 0, "seeds": [0, 1],
+         "accuracy_target": 0.3, "modes": by_seed[0], "seed_runs": by_seed[0] + by_seed[1],
+         "summary": [sync, eta4]}
+    table = "\n".join(async_table(d))
+    assert "| async_eta4, seed 1 | 1.00 |" in table
+    assert ("| async_eta4 | 1.00 ± 0.00 | 2.50 ± 0.71x | 2.50 ± 0.71x | 26.0 ± 8.5% | -4.0 ± 8.5 pts "
+            "| 1 of 2 | 2.00x, n/a |") in table
+
+
 def test_staleness_cells_average_over_seeds() -> None:
     from areal_jax.bench.staleness import cells
     from areal_jax.bench.tables import staleness_table
@@ -191,6 +222,7 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
         assert m["sync_over_this_wall"] > 0
     assert a["modes"][0]["sync_over_this_wall"] == 1.0
     assert a["accuracy_target"] == a["modes"][0]["accuracy_after"]
+    assert a["seeds"] == [0] and [r["name"] for r in a["summary"]] == ["sync", "async_eta4"]
     for m in a["modes"]:
         assert m["accuracy_clock"][0] == [0.0, m["accuracy_before"]] and m["accuracy_clock"][-1][0] > 0
     assert set(a["rollout_cores"]).isdisjoint(a["trainer_cores"])

@@ -1,6 +1,6 @@
 """Asynchronous RL against synchronous: the same config, seed, checkpoint and number of steps,
 run synchronously and then asynchronously at each ``max_staleness``, one after another in one
-process so machine drift hits them alike.
+process so machine drift hits them alike; the whole set at ``SEEDS`` RL seeds.
 
 Asynchronous runs split the cores the way a deployment would: the rollout server on the last
 core(s), the trainer process on the others. The synchronous baseline gets every core for each
@@ -12,8 +12,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from areal_jax.bench import report, runs
 
+SEEDS = 3
+"""RL seeds per mode in a full run: one run's answer lengths, and so its step time, drift with its
+own policy, and its final accuracy moves by more than the held-out error from seed to seed."""
 STEPS = 30
 """Training steps per mode in a full run, unless the task sets its own ``steps``."""
 
@@ -33,28 +38,59 @@ def split_cores() -> tuple[list[int], list[int]]:
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
+    """Every mode at RL seeds ``seed, seed + 1, ...`` (``SEEDS``; one with ``quick``), all from
+    one warm start. ``modes`` holds the first seed's runs (the plots are theirs), ``seed_runs``
+    every seed's, and ``summary`` each mode's ratios and accuracies over the seeds."""
     steps, warmup = (4, 1) if quick else (task.get("steps", STEPS), 3)
+    seeds = list(range(seed, seed + (1 if quick else SEEDS)))
     rollout_cores, trainer_cores = split_cores()
-    rows = []
-    for mode, eta in modes(quick):
-        name = "sync" if mode == "sync" else f"async_eta{eta}"
-        cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=seed,
-                              **{"rollout.mode": mode, "rollout.max_staleness": eta})
-        split = mode == "async"
-        row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
-                                trainer_cores=trainer_cores if split else None, warmup_steps=warmup)
-        row.update(name=name, mode=mode, max_staleness=eta)
-        rows.append(row)
-        print(f"  {name:<12} {row['wall_s_per_step']:.2f} s/step, {row['generated_tokens_per_s']:.0f} gen tok/s, "
-              f"idle trainer {row['trainer_idle_fraction']:.0%} rollout {row['rollout_idle_fraction']:.0%}, "
-              f"accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}", flush=True)
-    compare(rows)
+    by_seed = []
+    for s in seeds:
+        rows = []
+        for mode, eta in modes(quick):
+            name = "sync" if mode == "sync" else f"async_eta{eta}"
+            cfg = runs.run_config(task, checkpoint, out / "runs" / f"{name}_seed{s}", steps=steps, seed=s,
+                                  **{"rollout.mode": mode, "rollout.max_staleness": eta})
+            split = mode == "async"
+            row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
+                                    trainer_cores=trainer_cores if split else None, warmup_steps=warmup)
+            row.update(name=name, mode=mode, max_staleness=eta, seed=s)
+            rows.append(row)
+            print(f"  {name:<12} seed {s}: {row['wall_s_per_step']:.2f} s/step, "
+                  f"{row['generated_tokens_per_s']:.0f} gen tok/s, idle trainer {row['trainer_idle_fraction']:.0%} "
+                  f"rollout {row['rollout_idle_fraction']:.0%}, "
+                  f"accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}", flush=True)
+        compare(rows)
+        by_seed.append(rows)
     data = {**report.core_split_header("async", steps=steps, warmup=warmup, seed=seed,
                                        rollout_cores=rollout_cores, trainer_cores=trainer_cores),
-            "accuracy_target": rows[0]["accuracy_target"],
-            "config": runs.run_config(task, checkpoint, out / "runs"), "modes": rows, "plots": plot(rows, out)}
+            "seeds": seeds, "accuracy_target": by_seed[0][0]["accuracy_target"],
+            "config": runs.run_config(task, checkpoint, out / "runs"), "modes": by_seed[0],
+            "seed_runs": [r for rows in by_seed for r in rows], "summary": summary(by_seed),
+            "plots": plot(by_seed[0], out)}
     report.write_json(out, "async", data)
     return data
+
+
+def summary(by_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per mode, over the seeds (each compared with its own seed's synchronous run): the mean and
+    sample standard deviation (0 with one seed) of the per-step and trained-token ratios and of
+    the final accuracy and its difference from the synchronous run's, how many seeds ended within
+    noise of it, and each seed's ratio to the same accuracy."""
+    out = []
+    for i, first in enumerate(by_seed[0]):
+        mine = [rows[i] for rows in by_seed]
+        row: dict[str, Any] = {"name": first["name"], "max_staleness": first["max_staleness"],
+                               "seeds": [r["seed"] for r in mine]}
+        for key in ("sync_over_this_wall", "this_over_sync_trained_tokens", "accuracy_after", "accuracy_difference",
+                    "wall_s_per_step", "answer_len_mean"):
+            values = [r[key] for r in mine if r.get(key) is not None]
+            row[f"{key}_mean"] = float(np.mean(values)) if values else None
+            row[f"{key}_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+        row["within_noise"] = sum(bool(r.get("accuracy_within_noise")) for r in mine)
+        row["sync_over_this_to_accuracy"] = [r.get("sync_over_this_to_accuracy") for r in mine]
+        out.append(row)
+    return out
 
 
 def compare(rows: list[dict[str, Any]]) -> None:

@@ -28,9 +28,11 @@ def async_table(d: dict[str, Any]) -> list[str]:
              "| final accuracy - sync's | sync / this wall-clock | trained tok/s, this / sync "
              "| sync / this, to the same accuracy | first reach of sync's final accuracy: s (sync / this) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m in d["modes"]:
+    many = len(d.get("seeds", [])) > 1
+    for m in d.get("seed_runs", d["modes"]):
         n = m.get("eval_prompts")
-        lines.append(f"| {m['name']} | {m['wall_s_per_step']:.2f} | {m['train_s_per_step']:.2f} | "
+        name = f"{m['name']}, seed {m['seed']}" if many else m["name"]
+        lines.append(f"| {name} | {m['wall_s_per_step']:.2f} | {m['train_s_per_step']:.2f} | "
                      f"{m['generated_tokens_per_s']:.0f} | {m['trained_tokens_per_s']:.0f} | "
                      f"{_pct(m['trainer_idle_fraction'])} | {_pct(m['rollout_idle_fraction'])} | "
                      f"{m['staleness_mean']:.2f} | {m['answer_len_max']} | {_pct(m.get('filtered_fraction'))} | "
@@ -46,7 +48,28 @@ def async_table(d: dict[str, Any]) -> list[str]:
                       f"run's final {_pct(d['accuracy_target'])}, evaluations left out and the first "
                       f"{d['warmup_steps']} (compiling) steps counted at the run's steady rate; coarse, with one "
                       "evaluation every few steps."]
+    if many and d.get("summary"):
+        lines += ["", f"Over the seeds {d['seeds']} (each run against its own seed's synchronous run): mean ± sample "
+                      "standard deviation.", "",
+                  "| mode | s / step | sync / this wall-clock | trained tok/s, this / sync | final accuracy "
+                  "| final accuracy - sync's | within noise of sync | sync / this, to the same accuracy, per seed |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in d["summary"]:
+            per_seed = ", ".join(_ratio(x) for x in r["sync_over_this_to_accuracy"])
+            lines.append(f"| {r['name']} | {_mean_sd(r, 'wall_s_per_step', '.2f')} | "
+                         f"{_mean_sd(r, 'sync_over_this_wall', '.2f', 'x')} | "
+                         f"{_mean_sd(r, 'this_over_sync_trained_tokens', '.2f', 'x')} | "
+                         f"{_mean_sd(r, 'accuracy_after', '.1f', '%', 100)} | "
+                         f"{_mean_sd(r, 'accuracy_difference', '+.1f', ' pts', 100)} | "
+                         f"{r['within_noise']} of {len(r['seeds'])} | {per_seed} |")
     return lines
+
+
+def _mean_sd(row: dict[str, Any], key: str, fmt: str, unit: str = "", scale: float = 1.0) -> str:
+    mean, sd = row.get(f"{key}_mean"), row.get(f"{key}_std")
+    if mean is None:
+        return "n/a"
+    return f"{format(scale * mean, fmt)} ± {format(scale * sd, fmt.lstrip('+'))}{unit}"
 
 
 def _difference(m: dict[str, Any]) -> str:
