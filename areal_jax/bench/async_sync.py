@@ -83,7 +83,7 @@ def summary(by_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"name": first["name"], "max_staleness": first["max_staleness"],
                                "seeds": [r["seed"] for r in mine]}
         for key in ("sync_over_this_wall", "this_over_sync_trained_tokens", "accuracy_after", "accuracy_difference",
-                    "wall_s_per_step", "answer_len_mean"):
+                    "wall_s_per_step", "answer_len_mean", "split_bound"):
             values = [r[key] for r in mine if r.get(key) is not None]
             row[f"{key}_mean"] = float(np.mean(values)) if values else None
             row[f"{key}_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
@@ -115,6 +115,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         r["accuracy_target"] = target
         r["sync_over_this_wall"] = sync["wall_s_per_step"] / r["wall_s_per_step"]
+        r["split_bound"] = split_bound(sync, r)
         r["this_over_sync_trained_tokens"] = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
         diff, se = _difference(r, sync)
         r["accuracy_difference"], r["accuracy_difference_se"] = diff, se
@@ -126,6 +127,17 @@ def compare(rows: list[dict[str, Any]]) -> None:
             r["sync_over_this_first_reach"] = None
         else:
             r["sync_over_this_first_reach"] = sync_s / mine if mine > 0 else float("inf")
+
+
+def split_bound(sync: dict[str, Any], r: dict[str, Any]) -> float | None:
+    """The most an asynchronous run can gain per step over ``sync`` with the trainer it had: a
+    step is never shorter than its own training (on half the cores, slower than the synchronous
+    run's on all of them), so ``sync s/step / this run's train s/step``. Where the synchronous
+    trainer sat idle a fraction ``i`` of a step, that is ``1 / ((1 - i) x slowdown)``: 2x needs
+    generation to be well over half of a synchronous step. None for the synchronous run."""
+    if r is sync or r.get("mode") == "sync" or not r.get("train_s_per_step"):
+        return None
+    return sync["wall_s_per_step"] / r["train_s_per_step"]
 
 
 def _difference(r: dict[str, Any], sync: dict[str, Any]) -> tuple[float | None, float]:

@@ -50,14 +50,17 @@ def async_table(d: dict[str, Any]) -> list[str]:
                       "evaluation every few steps."]
     if many and d.get("summary"):
         lines += ["", f"Over the seeds {d['seeds']} (each run against its own seed's synchronous run): mean ± sample "
-                      "standard deviation.", "",
-                  "| mode | s / step | sync / this wall-clock | trained tok/s, this / sync | final accuracy "
-                  "| final accuracy - sync's | within noise of sync | sync / this, to the same accuracy, per seed |",
-                  "|---|---|---|---|---|---|---|---|"]
+                      "standard deviation. Most this trainer allows: the synchronous run's s / step over this run's "
+                  "train s / step, since a step is never shorter than its own training.", "",
+                  "| mode | s / step | sync / this wall-clock | most this trainer allows | trained tok/s, this / sync "
+                  "| final accuracy | final accuracy - sync's | within noise of sync "
+                  "| sync / this, to the same accuracy, per seed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in d["summary"]:
             per_seed = ", ".join(_ratio(x) for x in r["sync_over_this_to_accuracy"])
             lines.append(f"| {r['name']} | {_mean_sd(r, 'wall_s_per_step', '.2f')} | "
                          f"{_mean_sd(r, 'sync_over_this_wall', '.2f', 'x')} | "
+                         f"{_mean_sd(r, 'split_bound', '.2f', 'x')} | "
                          f"{_mean_sd(r, 'this_over_sync_trained_tokens', '.2f', 'x')} | "
                          f"{_mean_sd(r, 'accuracy_after', '.1f', '%', 100)} | "
                          f"{_mean_sd(r, 'accuracy_difference', '+.1f', ' pts', 100)} | "
