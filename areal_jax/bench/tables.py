@@ -41,11 +41,13 @@ def async_table(d: dict[str, Any]) -> list[str]:
                      f"{_ratio(m.get('sync_over_this_to_accuracy'))} | "
                      f"{_seconds(m.get('seconds_to_accuracy'))} ({_ratio(m.get('sync_over_this_first_reach'))}) |")
     if "accuracy_target" in d:
+        target = "its own seed's" if many else _pct(d["accuracy_target"])
         lines += ["", "Same accuracy: every mode trains the same steps, so where a run's final held-out accuracy is "
                       "within noise of the synchronous run's (above -2 standard errors of the difference) the "
                       "ratio of wall-clock to that accuracy is the ratio of training time; n/a where it ended "
                       f"worse. First reach: training seconds to the first evaluation at or above the synchronous "
-                      f"run's final {_pct(d['accuracy_target'])}, evaluations left out and the first "
+                      f"run's final accuracy ({target}), "
+                      "evaluations left out and the first "
                       f"{d['warmup_steps']} (compiling) steps counted at the run's steady rate; coarse, with one "
                       "evaluation every few steps."]
     if many and d.get("summary"):
