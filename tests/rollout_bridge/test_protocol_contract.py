@@ -243,7 +243,7 @@ def test_every_sglang_request_field_is_served_or_refused(sgl: Any, tiny_dir: Pat
         async with running_server(tiny_dir) as (addr, _), aiohttp.ClientSession() as s:
             body = {"input_ids": [5, 6, 7], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
                     "return_text_in_logprobs": True, "return_prompt_token_ids": True, "image_data": [],
-                    "sampling_params": {"max_new_tokens": 3}}
+                    "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}  # 3 tokens, always
             sgl.GenerateRequest.from_json_value(body)
             async with s.post(f"http://{addr}/generate", json=body) as r:
                 reply = sgl.GenerateResponse.from_json_value(await r.json())

@@ -93,7 +93,7 @@ def test_full_queue_answers_503_and_the_client_backs_off(tiny_dir: Path) -> None
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert "queue is full" in (await r.json())["error"]["message"]
             async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
-                task = asyncio.create_task(client.generate([5, 10], {"max_new_tokens": 4}))
+                task = asyncio.create_task(client.generate([5, 10], {"max_new_tokens": 4, "ignore_eos": True}))
                 await asyncio.sleep(0.3)  # refused at least once by now
                 await client.continue_generation()
                 result = await task
