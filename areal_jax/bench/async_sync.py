@@ -12,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from areal_jax.bench import report, runs
 
 SEEDS = 3
@@ -84,9 +82,7 @@ def summary(by_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
                                "seeds": [r["seed"] for r in mine]}
         for key in ("sync_over_this_wall", "this_over_sync_trained_tokens", "accuracy_after", "accuracy_difference",
                     "wall_s_per_step", "answer_len_mean", "split_bound"):
-            values = [r[key] for r in mine if r.get(key) is not None]
-            row[f"{key}_mean"] = float(np.mean(values)) if values else None
-            row[f"{key}_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+            row[f"{key}_mean"], row[f"{key}_std"] = report.mean_sd([r[key] for r in mine if r.get(key) is not None])
         row["within_noise"] = sum(bool(r.get("accuracy_within_noise")) for r in mine)
         row["sync_over_this_to_accuracy"] = [r.get("sync_over_this_to_accuracy") for r in mine]
         out.append(row)
@@ -135,7 +131,7 @@ def split_bound(sync: dict[str, Any], r: dict[str, Any]) -> float | None:
     run's on all of them), so ``sync s/step / this run's train s/step``. Where the synchronous
     trainer sat idle a fraction ``i`` of a step, that is ``1 / ((1 - i) x slowdown)``: 2x needs
     generation to be well over half of a synchronous step. None for the synchronous run."""
-    if r is sync or r.get("mode") == "sync" or not r.get("train_s_per_step"):
+    if r is sync or not r.get("train_s_per_step"):
         return None
     return sync["wall_s_per_step"] / r["train_s_per_step"]
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_jax.bench import PARTS, report
+from areal_jax.bench import PARTS, report, runs
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -20,7 +20,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="small settings: every part in a few minutes")
     p.add_argument("--long-tail", action="store_true",
-                   help="async and interrupt parts on runs.LONG_TAIL_TASK: answers up to 768 tokens with a long tail, "
+                   help="async and interrupt parts on runs.LONG_TAIL_TASK: answers up to "
+                        f"{runs.LONG_TAIL_TASK['rollout']['max_new_tokens']} tokens with a long tail, "
                         "so generation is most of a synchronous step")
     p.add_argument("--out", default="runs/bench", help="results folder")
     p.add_argument("--seed", type=int, default=0)
@@ -61,8 +62,6 @@ def main(argv: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     rl_parts = [p for p in args.parts if p in ("async", "staleness", "interrupt")]
     if rl_parts:
-        from areal_jax.bench import runs
-
         task = runs.task_config(args.quick, runs.LONG_TAIL_TASK if args.long_tail else runs.TASK)
         if "async" in rl_parts or "interrupt" in rl_parts:
             print(f"warm start of the long-tailed task ({task['warm_start']['steps']} supervised steps) ...",

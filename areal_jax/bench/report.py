@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,14 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def mean_sd(values: list[float]) -> tuple[float | None, float]:
+    """The mean and sample standard deviation of one figure over seeds: (None, 0) with no values,
+    a standard deviation of 0 with one."""
+    if not values:
+        return None, 0.0
+    return sum(values) / len(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def write_json(out: Path, name: str, data: dict[str, Any]) -> Path:

@@ -80,10 +80,10 @@ def cells(rows: list[dict[str, Any]], etas: list[int]) -> list[dict[str, Any]]:
     for eta in etas:
         for algorithm in ALGORITHMS:
             mine = [r for r in rows if r["algorithm"] == algorithm and r["max_staleness"] == eta]
-            acc = np.array([r["accuracy_after"] for r in mine], float)
+            acc = [float(r["accuracy_after"]) for r in mine]
+            mean, sd = report.mean_sd(acc)
             out.append({"algorithm": algorithm, "max_staleness": eta, "seeds": [r["seed"] for r in mine],
-                        "accuracy_after": acc.tolist(), "accuracy_mean": float(acc.mean()),
-                        "accuracy_std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+                        "accuracy_after": acc, "accuracy_mean": mean, "accuracy_std": sd,
                         "accuracy_before": mine[0]["accuracy_before"],
                         "staleness_mean": float(np.mean([r["staleness_mean"] for r in mine]))})
     return out
