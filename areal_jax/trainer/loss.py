@@ -71,7 +71,8 @@ def micro_batch_loss(
     count); ``scalars["loss_scale"]`` is this micro-batch's share of the minibatch's normaliser,
     so the scaled losses, and hence their gradients, sum to those of the whole minibatch's loss.
     ``scalars["proximal_version"]`` is the policy version the proximal policy stands for; it is
-    read only by the ``loglinear`` approximation.
+    read only by the ``loglinear`` approximation. ``scalars["own_proximal"]`` > 0 takes the loss's
+    own logprobs (gradient stopped) as the proximal ones in place of ``proximal_logprobs``.
     """
     logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
                                        with_entropy=True, attention_window=attention_window,
@@ -83,7 +84,11 @@ def micro_batch_loss(
     elif algo.proximal_logprobs == "loglinear":
         proximal = approx_proximal_logprobs(behavior, logprobs, batch["versions"], scalars["proximal_version"])
     elif "proximal_logprobs" in batch:
-        proximal = batch["proximal_logprobs"]
+        # ``own_proximal``: the batch's first minibatch, trained before any update, whose proximal
+        # policy is this one; its ``proximal_logprobs`` only hold the place (one compiled step
+        # serves every minibatch).
+        proximal = jnp.where(scalars.get("own_proximal", 0.0) > 0, jax.lax.stop_gradient(logprobs),
+                             batch["proximal_logprobs"])
     else:  # one minibatch: nothing has been updated yet, the proximal policy is this one
         proximal = jax.lax.stop_gradient(logprobs)
     loss, stats = decoupled_ppo_loss(

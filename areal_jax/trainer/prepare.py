@@ -2,11 +2,12 @@
 the device, scored with the weights before the update, with advantages (and returns).
 
 In order: plan the micro-batches (``trainer/batching.py``) and place each on the mesh, once;
-recompute the proximal logprobs with the current policy on exactly those micro-batches (unless
-they are approximated from versions inside the loss, or there is one minibatch, when the loss's
-own logprobs are the proximal ones); reference logprobs for a KL reward penalty
-(on the behaviour logprobs) when there is a reference; the critic's values when there is a critic; then advantages (and
-returns) group-wise on the host, placed on the mesh next to the rest. Nothing is updated.
+recompute the proximal logprobs with the current policy on exactly those micro-batches, for every
+minibatch but the first (trained before any update, its loss takes its own logprobs), unless
+they are approximated from versions inside the loss; reference logprobs for a KL reward penalty
+(on the behaviour logprobs) when there is a reference; the critic's values when there is a
+critic; then advantages (and returns) group-wise on the host, placed on the mesh next to the
+rest. Nothing is updated.
 
 Multi-host: every process holds the whole batch of trajectories and plans it the same way (the
 plan is deterministic), but packs and places only the rows of each micro-batch that live on its
@@ -68,6 +69,9 @@ class PreparedBatch:
     """With a critic: its pre-update value of each token, index-``i`` convention (0 off the mask)."""
     returns: list[np.ndarray] | None = None
     """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
+    own_proximal: bool = False
+    """The first minibatch's loss takes its own logprobs as the proximal ones (it is trained
+    before any update); its ``proximal_logprobs`` only hold the place."""
 
 
 def local_rows(sharding: Sharding, shape: tuple[int, ...]) -> list[int]:
@@ -201,11 +205,18 @@ class BatchPreparer:
         minibatches = [self.pack(trajectories, idx) for idx in np.array_split(np.arange(len(trajectories)), n_mb)]
         micro = [m for mb in minibatches for m in mb]
         stats: dict[str, float] = {}
-        # With one optimizer step per batch every micro-batch is scored before any update, so the
-        # proximal policy is the policy being trained: the loss takes its own logprobs (gradient
-        # stopped), the same values a second forward pass would give, without that pass.
+        # The first minibatch is trained before any update, so for it the proximal policy is the
+        # policy being trained: the loss takes its own logprobs (gradient stopped), the same values
+        # a second forward pass would give, without that pass. Later minibatches are trained after
+        # updates, so theirs are recomputed now, with the weights before the first.
+        # (The first minibatch's micro-batches carry the behaviour logprobs in their place, so that
+        # one compiled step serves them all; ``PreparedBatch.own_proximal`` says so.)
+        own_proximal = False
         if self.algo.use_decoupled_loss and self.algo.proximal_logprobs == "recompute" and n_mb > 1:
-            for m in micro:
+            own_proximal = True
+            for m in minibatches[0]:
+                m.arrays["proximal_logprobs"] = m.arrays["behavior_logprobs"]
+            for m in micro[len(minibatches[0]):]:
                 m.arrays["proximal_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS))
         token_kl = None
         if reference is not None:
@@ -236,7 +247,8 @@ class BatchPreparer:
                 for i, t in enumerate(trajectories)]
         for m in micro:
             m.arrays.update(self.place(seqs, m.plan, keys=list(per_token)))
-        return PreparedBatch(trajectories, version, minibatches, advantages, stats, values, returns)
+        return PreparedBatch(trajectories, version, minibatches, advantages, stats, values, returns,
+                             own_proximal=own_proximal)
 
     def advantages(
         self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None,

@@ -202,9 +202,10 @@ class Trainer:
         """The update half: per minibatch, accumulate gradients over its micro-batches, then step
         (the policy, and the critic on the same micro-batches when there is one)."""
         micro_aux, applied, critic_aux, critic_applied = [], [], [], []
-        for minibatch in prepared.minibatches:
+        for i, minibatch in enumerate(prepared.minibatches):
             acc, aux = self.minibatch_grads([m.inputs((*POLICY_KEYS, "proximal_logprobs")) for m in minibatch],
-                                            prepared.version, units=[m.loss_units for m in minibatch])
+                                            prepared.version, units=[m.loss_units for m in minibatch],
+                                            own_proximal=prepared.own_proximal and i == 0)
             micro_aux.extend(aux)
             applied.append(self.policy.apply(acc))
             if self.critic_learner is not None:
@@ -223,13 +224,14 @@ class Trainer:
         return stats
 
     def minibatch_grads(self, micro_batches: Sequence[dict[str, Any]], version: int = 0,
-                        units: Sequence[float] | None = None) -> tuple[nnx.State, list]:
+                        units: Sequence[float] | None = None, own_proximal: bool = False) -> tuple[nnx.State, list]:
         """Gradient of one minibatch's loss, accumulated over its micro-batches (``[rows, length]``
         dicts as ``batching.pack_rows`` makes them, plus ``advantages`` and, when recomputed,
         ``proximal_logprobs``). Each micro-batch's loss is scaled by its share of the minibatch's
         normaliser (``units``, counted from the arrays when not given), so the sum is the
         gradient of the minibatch's loss however it was split. Returns the gradients and each
-        micro-batch's statistics (device arrays)."""
+        micro-batch's statistics (device arrays). ``own_proximal``: the loss takes its own logprobs
+        as the proximal ones (the minibatch runs before any update), not ``proximal_logprobs``."""
         if self.algo.loss_aggregation == "constant":
             # Each micro-batch's loss is its token sum over the one constant: the shares add up to
             # the minibatch's sum / constant as they are, however the minibatch was packed.
@@ -242,7 +244,8 @@ class Trainer:
         acc, auxes = self.policy.zeros(), []
         for m, scale in zip(micro_batches, scales, strict=True):
             acc, aux = self.policy.grad(acc, m, {"loss_scale": np.float32(scale),
-                                                 "proximal_version": np.float32(version)})
+                                                 "proximal_version": np.float32(version),
+                                                 "own_proximal": np.float32(own_proximal)})
             auxes.append(aux)
         return acc, auxes
 

@@ -10,7 +10,7 @@ import pytest
 from areal_jax.algo import AlgoConfig
 from areal_jax.models import logprobs_from_logits
 from areal_jax.trainer import TrainConfig, Trainer, batching
-from areal_jax.trainer.prepare import LOGPROB_KEYS, POLICY_KEYS, unpack_key
+from areal_jax.trainer.prepare import LOGPROB_KEYS, POLICY_KEYS
 from tests.trainer.helpers import random_trajectories, tiny_model
 
 TEMPERATURE = 0.8
@@ -104,13 +104,30 @@ def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
     for g, e, t in zip(got, expected, trajs, strict=True):
         assert g[0] == 0.0 and g.shape == (len(t),)
         np.testing.assert_allclose(g[1:], e, atol=2e-5)
-    # Inside train_batch, every minibatch uses logprobs from before the first update.
+    # Inside train_batch, the minibatches after the first carry logprobs from before the first
+    # update. The first runs before any update: its loss takes its own, with no second pass.
+    twin = Trainer(tiny_model(seed=3), AlgoConfig(ppo_n_minibatches=2),
+                   TrainConfig(micro_batch_tokens=64, length_buckets=(64,), temperature=TEMPERATURE, lr=1e-2))
     prepared = trainer.prepare_batch(trajs, 0)
-    inside = unpack_key([m for mb in prepared.minibatches for m in mb], "proximal_logprobs",
-                                    [len(t) for t in trajs])
+    first, *later = prepared.minibatches
+    assert later and prepared.own_proximal
+    assert all(m.arrays["proximal_logprobs"] is m.arrays["behavior_logprobs"] for m in first)  # a placeholder
+    lengths = [len(t) for t in trajs]
+    inside: dict[int, np.ndarray] = {}
+    for m in (m for mb in later for m in mb):
+        inside.update(batching.unpack_rows(np.asarray(m.arrays["proximal_logprobs"]), m.plan, lengths))
+    assert inside
+    for i, g in inside.items():
+        np.testing.assert_allclose(batching.unshift(g)[1:], expected[i], atol=2e-5)
+    # ... and trains to the same weights as with recomputed ones for the first minibatch too
+    recomputed = twin.prepare_batch(trajs, 0)
+    for m in recomputed.minibatches[0]:
+        m.arrays["proximal_logprobs"] = twin.policy.forward(m.inputs(LOGPROB_KEYS))
+    recomputed.own_proximal = False
     trainer.train_prepared(prepared)
-    for g, e in zip(inside, expected, strict=True):
-        np.testing.assert_allclose(g[1:], e, atol=2e-5)
+    twin.train_prepared(recomputed)
+    for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(twin.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     moved = trainer.compute_logprobs(trajs)
     assert max(np.abs(m - g).max() for m, g in zip(moved, got, strict=True)) > 1e-3
 
