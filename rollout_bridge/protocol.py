@@ -21,6 +21,7 @@ Validation raises ``ProtocolError`` whose message names the field; servers answe
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import ml_dtypes
@@ -358,21 +359,37 @@ ST_DTYPES: dict[str, Any] = {"F64": np.float64, "F32": np.float32, "F16": np.flo
 _ST_TAGS = {np.dtype(v): k for k, v in ST_DTYPES.items()}
 
 
+def safetensors_header(layout: Iterable[tuple[str, tuple[int, ...], Any]],
+                       metadata: dict[str, str] | None = None) -> bytes:
+    """The first bytes of a safetensors buffer holding tensors of ``layout`` (name, shape, NumPy
+    dtype; bfloat16 is ``ml_dtypes.bfloat16``) back to back in that order: the header's length,
+    then the JSON header, padded so that the data starts 8-byte aligned, as the format asks."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, shape, dtype in layout:
+        dtype = np.dtype(dtype)
+        tag = _ST_TAGS.get(dtype.newbyteorder("="))
+        if tag is None:
+            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors tag")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": tag, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head
+
+
+def tensor_bytes(arr: np.ndarray) -> memoryview:
+    """A view of ``arr``'s bytes in C order (copied only if it is not C-contiguous)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
 def tensor_bucket_parts(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> list[bytes | memoryview]:
     """One bucket in safetensors layout as the pieces to send one after another, copying nothing:
     the header, then a view of every tensor's bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``)."""
     items = [(k, np.ascontiguousarray(v)) for k, v in (tensors.items() if isinstance(tensors, dict) else tensors)]
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, arr in items:
-        tag = _ST_TAGS.get(arr.dtype.newbyteorder("="))
-        if tag is None:
-            raise ValueError(f"tensor {name!r}: dtype {arr.dtype} has no safetensors tag")
-        header[name] = {"dtype": tag, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as the format asks
-    return [len(head).to_bytes(8, "little") + head, *(memoryview(arr.reshape(-1).view(np.uint8)) for _, arr in items)]
+    head = safetensors_header((name, arr.shape, arr.dtype) for name, arr in items)
+    return [head, *(tensor_bytes(arr) for _, arr in items)]
 
 
 def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> bytes:

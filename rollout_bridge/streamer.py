@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import itertools
 import os
 import shutil
 import time
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from areal_jax.models.hf_io import HFTensorStream
 from areal_jax.models.hf_write import is_url, write_hf_dir
 from rollout_bridge.pool import WeightUpdateError
 from rollout_bridge.protocol import tensor_bucket_parts
@@ -116,7 +118,9 @@ class DiskSink(WeightSink):
                 count["n"] += 1
                 yield name, arr
 
-        out = write_hf_dir(counted(), self.version_dir(version), self.hf_config, tokenizer_dir=self.tokenizer_dir,
+        layout = getattr(tensors, "layout", None)  # kept: the writer streams into a file laid out first
+        stream = counted() if layout is None else HFTensorStream(counted(), layout)
+        out = write_hf_dir(stream, self.version_dir(version), self.hf_config, tokenizer_dir=self.tokenizer_dir,
                            max_shard_bytes=self.max_shard_bytes)
         return out, count["bytes"], count["n"]
 
@@ -154,7 +158,10 @@ class HttpBucketSink(WeightSink):
 
     Tensors are gathered in a worker thread, one bucket ahead of the one on the wire, so host
     memory holds about two buckets, never the whole model; a bucket goes out as its header and
-    views of its tensors' bytes, never copied into one body first.
+    views of its tensors' bytes, never copied into one body first. When the tensors say their
+    ``layout`` up front (``iter_hf_tensors`` does), the buckets are planned from it and the next
+    one is gathered while this one is sent (and the servers convert the one before); otherwise
+    the next bucket is gathered first, to learn whether this one is the last.
     """
 
     def __init__(self, client: Any, *, bucket_bytes: int = 256 * 1024**2, flush_cache: bool = True):
@@ -167,33 +174,76 @@ class HttpBucketSink(WeightSink):
         transfer_id = uuid.uuid4().hex
         nbytes = n = sent = servers = 0
         failed: dict[str, str] = {}
-        groups = buckets(tensors, self.bucket_bytes)
-        # One bucket of look-ahead tells whether the current one is the last.
-        cur = await asyncio.to_thread(next, groups, None)
-        while cur is not None:
-            payload = await asyncio.to_thread(tensor_bucket_parts, cur)
+        layout = getattr(tensors, "layout", None)
+        if layout is not None:
+            it = iter(tensors)
+            counts = [len(b) for b in buckets(((name, _Sized(shape, dtype)) for name, shape, dtype in layout),
+                                              self.bucket_bytes)]
+            ahead = asyncio.ensure_future(asyncio.to_thread(_take, it, counts[0])) if counts else None
+        else:
+            groups = buckets(tensors, self.bucket_bytes)
+            # One bucket of look-ahead tells whether the current one is the last.
             nxt = await asyncio.to_thread(next, groups, None)
-            try:
-                replies = await self.client.push_tensor_bucket(
-                    payload, version=version, transfer_id=transfer_id, bucket=sent, last=nxt is None,
-                    flush_cache=self.flush_cache, skip=failed)
-            except WeightUpdateError as e:
-                # A server that refused a bucket gets no more of this transfer (it keeps its old
-                # weights and drops the part it staged); the others still get the whole version.
-                failed.update(e.failed)
-                if not any(s.healthy and s.url not in failed for s in self.client.servers):
-                    raise
-                replies = []
-            servers = len(replies)
-            nbytes += sum(a.nbytes for _, a in cur)
-            n += len(cur)
-            sent += 1
-            cur = nxt
+        try:
+            while True:
+                if layout is not None:
+                    if sent == len(counts):
+                        break
+                    cur = await ahead
+                    last = sent + 1 == len(counts)
+                    ahead = None if last else asyncio.ensure_future(asyncio.to_thread(_take, it, counts[sent + 1]))
+                else:
+                    cur = nxt
+                    if cur is None:
+                        break
+                    nxt = await asyncio.to_thread(next, groups, None)
+                    last = nxt is None
+                payload = tensor_bucket_parts(cur)
+                try:
+                    replies = await self.client.push_tensor_bucket(
+                        payload, version=version, transfer_id=transfer_id, bucket=sent, last=last,
+                        flush_cache=self.flush_cache, skip=failed)
+                except WeightUpdateError as e:
+                    # A server that refused a bucket gets no more of this transfer (it keeps its old
+                    # weights and drops the part it staged); the others still get the whole version.
+                    failed.update(e.failed)
+                    if not any(s.healthy and s.url not in failed for s in self.client.servers):
+                        raise
+                    replies = []
+                servers = len(replies)
+                nbytes += sum(a.nbytes for _, a in cur)
+                n += len(cur)
+                sent += 1
+        finally:
+            if layout is not None and ahead is not None:
+                # the gather in flight holds the iterator: let it finish before anyone else
+                # (a multi-process run drains the rest) touches it
+                await asyncio.gather(ahead, return_exceptions=True)
         if failed:
             raise WeightUpdateError(f"/update_weights_from_tensor of version {version} failed on "
                                     + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
                                buckets=sent, tensors=n, servers=servers)
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """A tensor not gathered yet, as ``buckets`` sizes it."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+def _take(tensors: Iterator[tuple[str, np.ndarray]], count: int) -> list[tuple[str, np.ndarray]]:
+    """The next ``count`` tensors (a bucket planned from the layout)."""
+    out = list(itertools.islice(tensors, count))
+    if len(out) != count:
+        raise ValueError(f"the tensors ended {count - len(out)} short of the layout they announced")
+    return out
 
 
 class LocalSink(WeightSink):

@@ -7,6 +7,7 @@ from areal_jax.models.critic import Critic
 from areal_jax.models.decoder import Decoder, KVCache
 from areal_jax.models.hf_io import (
     CheckpointError,
+    HFTensorStream,
     assign_hf_tensors,
     hf_tensor_specs,
     iter_hf_tensors,
@@ -19,6 +20,7 @@ from areal_jax.models.tokenizer import encode_chat, load_tokenizer
 __all__ = [
     "FAMILIES",
     "CheckpointError",
+    "HFTensorStream",
     "assign_hf_tensors",
     "Critic",
     "Decoder",

@@ -255,10 +255,26 @@ def _hf_params(model: Decoder) -> list[tuple[list[HFParam], nnx.Variable]]:
 
 # --- writing ----------------------------------------------------------------------------------
 
+class HFTensorStream(Iterator[tuple[str, np.ndarray]]):
+    """What ``iter_hf_tensors`` returns: an iterator of ``(hf_name, array)`` whose ``layout``
+    (name, shape and dtype of every tensor it will yield, in order) is known before any data is
+    gathered, so a writer can lay out a safetensors file and stream the bytes into it."""
+
+    def __init__(self, tensors: Iterator[tuple[str, np.ndarray]], layout: list[tuple[str, tuple[int, ...], np.dtype]]):
+        self._tensors = tensors
+        self.layout = layout
+
+    def __iter__(self) -> HFTensorStream:
+        return self
+
+    def __next__(self) -> tuple[str, np.ndarray]:
+        return next(self._tensors)
+
+
 def iter_hf_tensors(model: Decoder, dtype: Any = None,
-                    owned: Callable[[str], bool] | None = None) -> Iterator[tuple[str, np.ndarray]]:
+                    owned: Callable[[str], bool] | None = None) -> HFTensorStream:
     """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype`` (a name or
-    a JAX/NumPy dtype; default the parameters' own).
+    a JAX/NumPy dtype; default the parameters' own); the result's ``layout`` lists them first.
 
     Only one full tensor is held on the host at a time; this is what the weight streamer and
     ``save_pretrained`` build on. In a multi-process run every process must run the whole
@@ -266,16 +282,23 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None,
     device but never copied to this host, and not yielded.
     """
     cfg: ModelConfig = model.config
-    np_dtype = _NP_DTYPES[dtype_name(dtype if dtype is not None else cfg.param_dtype)]
-    for group, var in _hf_params(model):
-        value = var.get_value()
-        for param in group:
-            fetch = owned is None or owned(param.hf_name)
-            # Sliced (one layer of a stacked parameter), transposed and cast on the device, so the
-            # host receives one finished tensor at a time.
-            arr = gather_to_host(to_hf(value, param.layer, param.transpose, np_dtype), fetch)
-            if arr is not None:
-                yield param.hf_name, arr
+    np_dtype = np.dtype(_NP_DTYPES[dtype_name(dtype if dtype is not None else cfg.param_dtype)])
+    params = _hf_params(model)
+    layout = [(p.hf_name, p.hf_shape(var.get_value().shape), np_dtype) for group, var in params for p in group
+              if owned is None or owned(p.hf_name)]
+
+    def gather() -> Iterator[tuple[str, np.ndarray]]:
+        for group, var in params:
+            value = var.get_value()
+            for param in group:
+                fetch = owned is None or owned(param.hf_name)
+                # Sliced (one layer of a stacked parameter), transposed and cast on the device, so
+                # the host receives one finished tensor at a time.
+                arr = gather_to_host(to_hf(value, param.layer, param.transpose, np_dtype), fetch)
+                if arr is not None:
+                    yield param.hf_name, arr
+
+    return HFTensorStream(gather(), layout)
 
 
 def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:

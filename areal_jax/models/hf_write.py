@@ -6,11 +6,15 @@ run spreads the tensors over the processes, each writing whole tensors into its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from safetensors.numpy import save_file
 
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import _NP_DTYPES, TOKENIZER_FILES, hf_tensor_specs, iter_hf_tensors
+from rollout_bridge.protocol import safetensors_header, tensor_bytes
 
 
 def write_safetensors_shards(
@@ -29,34 +34,119 @@ def write_safetensors_shards(
 ) -> list[str]:
     """Write tensors into ``model-XXXXX-of-YYYYY.safetensors`` files and, for several, the index.
     ``on_written(file_name)`` is called after each file is complete (a remote export uploads it
-    and deletes the local copy, so local disk holds one shard at a time)."""
+    and deletes the local copy, so local disk holds one shard at a time).
+
+    When ``tensors`` says its ``layout`` up front (``iter_hf_tensors`` does), each file's header
+    is written first and every tensor's bytes go to disk as it is gathered, while the next one is
+    gathered in a worker thread: host memory holds a few tensors, not the model, and gathering
+    overlaps writing. Otherwise the tensors are collected, then written."""
     on_written = on_written or (lambda _: None)
-    shards: list[dict[str, np.ndarray]] = [{}]
+    layout = getattr(tensors, "layout", None)
+    shards: list[list[tuple[str, Any]]] = [[]]
     size = 0
-    for name, arr in tensors:
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
+    for name, arr in (((n, (shape, dtype)) for n, shape, dtype in layout) if layout is not None else tensors):
+        nbytes = _nbytes(*arr) if layout is not None else arr.nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = arr
-        size += arr.nbytes
+        shards[-1].append((name, arr))
+        size += nbytes
     n = len(shards)
+    fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map, total = {}, 0
+    with _gathered_ahead(tensors) if layout is not None else contextlib.nullcontext(None) as ahead:
+        for i, fname in enumerate(fnames):
+            shard, shards[i] = shards[i], []  # the host lets go of each shard once it is on disk
+            if layout is not None:
+                total += _write_streamed(out_dir / fname, [(k, *v) for k, v in shard], ahead)
+            else:
+                save_file(dict(shard), str(out_dir / fname), metadata=ST_METADATA)
+                total += sum(a.nbytes for _, a in shard)
+            on_written(fname)
+            weight_map.update({k: fname for k, _ in shard})
     if n == 1:
-        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        on_written("model.safetensors")
-        return ["model.safetensors"]
-    names, weight_map, total = [], {}, 0
-    for i in range(n):
-        shard, shards[i] = shards[i], {}  # the host lets go of each shard once it is on disk
-        fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        on_written(fname)
-        names.append(fname)
-        weight_map.update({k: fname for k in shard})
-        total += sum(a.nbytes for a in shard.values())
+        return fnames
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     on_written("model.safetensors.index.json")
-    return names
+    return fnames
+
+
+ST_METADATA = {"format": "pt"}
+"""The metadata HF's own writers put in a safetensors header (transformers checks for it)."""
+
+
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _write_streamed(path: Path, layout: list[tuple[str, tuple[int, ...], Any]],
+                    tensors: Iterator[tuple[str, np.ndarray]]) -> int:
+    """One safetensors file of ``layout``: the header, then each tensor's bytes as ``tensors``
+    yields it (they must come in ``layout``'s order, with its shapes and dtypes). Returns the
+    data bytes written."""
+    total = 0
+    with open(path, "wb") as f:
+        f.write(safetensors_header(layout, ST_METADATA))
+        for name, shape, dtype in layout:
+            got = next(tensors, None)
+            if got is None or got[0] != name or tuple(got[1].shape) != tuple(shape) or got[1].dtype != dtype:
+                what = "the end" if got is None else f"{got[0]!r} {list(got[1].shape)} {got[1].dtype}"
+                raise ValueError(f"{path.name}: expected tensor {name!r} {list(shape)} {np.dtype(dtype)} "
+                                 f"(the stream's layout), got {what}")
+            total += f.write(tensor_bytes(got[1]))
+    return total
+
+
+@contextlib.contextmanager
+def _gathered_ahead(tensors: Iterator[Any], depth: int = 2) -> Iterator[Iterator[Any]]:
+    """``tensors`` pulled ``depth`` items ahead in a worker thread (a gather runs while the
+    previous tensor is written). On exit the worker stops after the item in hand and is joined,
+    so the caller may go on iterating ``tensors`` itself (the collective gathers of a multi-process
+    run must be finished by every process)."""
+    items: queue.Queue[Any] = queue.Queue(depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for item in tensors:
+                if not put(item):
+                    return
+            put(end)
+        except BaseException as e:  # raised in the caller's thread, at the item it reaches
+            put(_Failed(e))
+
+    def taken() -> Iterator[Any]:
+        while True:
+            item = items.get()
+            if item is end:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    worker = threading.Thread(target=work, name="hf-gather", daemon=True)
+    worker.start()
+    try:
+        yield taken()
+    finally:
+        stop.set()
+        worker.join()
+
+
+@dataclass
+class _Failed:
+    error: BaseException
 
 
 def is_url(path: str | os.PathLike) -> bool:

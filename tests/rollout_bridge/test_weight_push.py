@@ -37,27 +37,46 @@ def _trained(tiny_dir: Path, scale: float) -> object:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_dtype_through_both_sinks(tiny_dir: Path, tmp_path: Path, dtype: str) -> None:
-    new = _trained(tiny_dir, 1.3)
-    tensors = list(iter_hf_tensors(new, dtype))
-    assert {a.dtype.name for _, a in tensors} == {dtype}
-    pushed = load_pretrained(tiny_dir)  # the served model's dtype (float32) holding the pushed values
-    assign_hf_tensors(pushed, dict(tensors))
+    def version_weights(version: int) -> tuple[object, list, object]:
+        """Weights of their own per version (so a push that changed nothing shows), as the trainer
+        holds them, as HF tensors in ``dtype``, and as the served (float32) model holds them."""
+        new = _trained(tiny_dir, 1.0 + 0.15 * version)
+        tensors = list(iter_hf_tensors(new, dtype))
+        assert {a.dtype.name for _, a in tensors} == {dtype}
+        pushed = load_pretrained(tiny_dir)
+        assign_hf_tensors(pushed, dict(tensors))
+        return new, tensors, pushed
+
     prompt = [5, 17, 3, 42]
 
     async def main() -> None:
         async with running_server(tiny_dir, max_seq_len=64, app_kw=_roots(tmp_path)) as (addr, engine), \
                 HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=30)) as client:
             url = f"http://{addr}"
+            config = load_pretrained(tiny_dir).config.to_hf_dict(dtype)
             sinks = [HttpBucketSink(client, bucket_bytes=16 * 1024),
-                     DiskSink(tmp_path / "w", new.config.to_hf_dict(dtype), client=client, tokenizer_dir=tiny_dir)]
-            for version, sink in enumerate(sinks, start=1):
-                metrics = await sink.push(version, iter(tensors))
+                     DiskSink(tmp_path / "w", config, client=client, tokenizer_dir=tiny_dir)]
+            # Each sink takes a plain iterator (collected, or sent a bucket behind its look-ahead)
+            # and the streamer's stream, whose layout lets it lay the file or the buckets out first.
+            pushes = [(sink, source) for sink in sinks for source in ("plain", "stream")]
+            before = None
+            for version, (sink, source) in enumerate(pushes, start=1):
+                new, tensors, pushed = version_weights(version)
+                stream = iter(tensors) if source == "plain" else iter_hf_tensors(new, dtype)
+                assert hasattr(stream, "layout") == (source == "stream")
+                metrics = await sink.push(version, stream)
                 assert metrics.servers == 1 and client.server_versions() == {url: version}
+                assert metrics.tensors == len(tensors) and metrics.bytes == sum(a.nbytes for _, a in tensors)
+                if isinstance(sink, HttpBucketSink):
+                    assert metrics.buckets > 1
                 r = await client.generate(prompt, SP)
                 assert r.output_versions == [version] * 8
-                np.testing.assert_allclose(r.output_logprobs, reference_logprobs(pushed, prompt, r.output_ids, 0.8),
-                                           atol=1e-4)
-            assert (await client.reported_versions()) == {url: "2"}
+                want = reference_logprobs(pushed, prompt, r.output_ids, 0.8)
+                np.testing.assert_allclose(r.output_logprobs, want, atol=1e-4)
+                if before is not None:  # the previous version's weights would score these tokens otherwise
+                    assert np.abs(reference_logprobs(before, prompt, r.output_ids, 0.8) - want).max() > 1e-3
+                before = pushed
+            assert (await client.reported_versions()) == {url: str(len(pushes))}
 
     asyncio.run(main())
 
