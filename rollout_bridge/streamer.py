@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from areal_jax.models.hf_io import HFTensorStream
-from areal_jax.models.hf_write import is_url, write_hf_dir
+from areal_jax.models.hf_write import is_url, layout_nbytes, size_groups, write_hf_dir
 from rollout_bridge.pool import WeightUpdateError
 from rollout_bridge.protocol import tensor_bucket_parts
 
@@ -61,16 +61,7 @@ class TransferMetrics:
 
 def buckets(tensors: Tensors, bucket_bytes: int) -> Iterator[list[tuple[str, np.ndarray]]]:
     """Group tensors into lists of at most ``bucket_bytes``; a bigger tensor travels alone."""
-    cur: list[tuple[str, np.ndarray]] = []
-    size = 0
-    for name, arr in tensors:
-        if cur and size + arr.nbytes > bucket_bytes:
-            yield cur
-            cur, size = [], 0
-        cur.append((name, arr))
-        size += arr.nbytes
-    if cur:
-        yield cur
+    return size_groups(tensors, bucket_bytes, lambda t: t[1].nbytes)
 
 
 class WeightSink(abc.ABC):
@@ -177,8 +168,7 @@ class HttpBucketSink(WeightSink):
         layout = getattr(tensors, "layout", None)
         if layout is not None:
             it = iter(tensors)
-            counts = [len(b) for b in buckets(((name, _Sized(shape, dtype)) for name, shape, dtype in layout),
-                                              self.bucket_bytes)]
+            counts = [len(b) for b in size_groups(layout, self.bucket_bytes, layout_nbytes)]
             ahead = asyncio.ensure_future(asyncio.to_thread(_take, it, counts[0])) if counts else None
         else:
             groups = buckets(tensors, self.bucket_bytes)
@@ -224,18 +214,6 @@ class HttpBucketSink(WeightSink):
                                     + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
                                buckets=sent, tensors=n, servers=servers)
-
-
-@dataclass(frozen=True)
-class _Sized:
-    """A tensor not gathered yet, as ``buckets`` sizes it."""
-
-    shape: tuple[int, ...]
-    dtype: Any
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
 def _take(tensors: Iterator[tuple[str, np.ndarray]], count: int) -> list[tuple[str, np.ndarray]]:

@@ -13,10 +13,10 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -42,15 +42,9 @@ def write_safetensors_shards(
     overlaps writing. Otherwise the tensors are collected, then written."""
     on_written = on_written or (lambda _: None)
     layout = getattr(tensors, "layout", None)
-    shards: list[list[tuple[str, Any]]] = [[]]
-    size = 0
-    for name, arr in (((n, (shape, dtype)) for n, shape, dtype in layout) if layout is not None else tensors):
-        nbytes = _nbytes(*arr) if layout is not None else arr.nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, arr))
-        size += nbytes
+    # per file: (name, shape, dtype) entries of the layout, or the collected (name, array) pairs
+    shards: list[list[Any]] = (list(size_groups(layout, max_shard_bytes, layout_nbytes)) if layout is not None
+                               else list(size_groups(tensors, max_shard_bytes, lambda t: t[1].nbytes)))
     n = len(shards)
     fnames = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map, total = {}, 0
@@ -58,12 +52,12 @@ def write_safetensors_shards(
         for i, fname in enumerate(fnames):
             shard, shards[i] = shards[i], []  # the host lets go of each shard once it is on disk
             if layout is not None:
-                total += _write_streamed(out_dir / fname, [(k, *v) for k, v in shard], ahead)
+                total += _write_streamed(out_dir / fname, shard, ahead)
             else:
                 save_file(dict(shard), str(out_dir / fname), metadata=ST_METADATA)
                 total += sum(a.nbytes for _, a in shard)
             on_written(fname)
-            weight_map.update({k: fname for k, _ in shard})
+            weight_map.update({entry[0]: fname for entry in shard})
     if n == 1:
         return fnames
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -76,7 +70,27 @@ ST_METADATA = {"format": "pt"}
 """The metadata HF's own writers put in a safetensors header (transformers checks for it)."""
 
 
-def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+T = TypeVar("T")
+
+
+def size_groups(items: Iterable[T], limit: int, nbytes: Callable[[T], int]) -> Iterator[list[T]]:
+    """Consecutive groups of ``items`` of at most ``limit`` bytes each; a bigger item goes alone."""
+    cur: list[T] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if cur and size + n > limit:
+            yield cur
+            cur, size = [], 0
+        cur.append(item)
+        size += n
+    if cur:
+        yield cur
+
+
+def layout_nbytes(entry: tuple[str, tuple[int, ...], Any]) -> int:
+    """Bytes of one ``(name, shape, dtype)`` entry of an ``HFTensorStream``'s layout."""
+    _, shape, dtype = entry
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
