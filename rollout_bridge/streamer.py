@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import itertools
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from rollout_bridge.pool import WeightUpdateError
 from rollout_bridge.protocol import tensor_bucket_parts
 
 Tensors = Iterable[tuple[str, np.ndarray]]
+Bucket = list[tuple[str, np.ndarray]]
 
 
 @dataclass
@@ -165,34 +167,12 @@ class HttpBucketSink(WeightSink):
         transfer_id = uuid.uuid4().hex
         nbytes = n = sent = servers = 0
         failed: dict[str, str] = {}
-        layout = getattr(tensors, "layout", None)
-        if layout is not None:
-            it = iter(tensors)
-            counts = [len(b) for b in size_groups(layout, self.bucket_bytes, layout_nbytes)]
-            ahead = asyncio.ensure_future(asyncio.to_thread(_take, it, counts[0])) if counts else None
-        else:
-            groups = buckets(tensors, self.bucket_bytes)
-            # One bucket of look-ahead tells whether the current one is the last.
-            nxt = await asyncio.to_thread(next, groups, None)
-        try:
-            while True:
-                if layout is not None:
-                    if sent == len(counts):
-                        break
-                    cur = await ahead
-                    last = sent + 1 == len(counts)
-                    ahead = None if last else asyncio.ensure_future(asyncio.to_thread(_take, it, counts[sent + 1]))
-                else:
-                    cur = nxt
-                    if cur is None:
-                        break
-                    nxt = await asyncio.to_thread(next, groups, None)
-                    last = nxt is None
-                payload = tensor_bucket_parts(cur)
+        async with contextlib.aclosing(_planned_buckets(tensors, self.bucket_bytes)) as planned:
+            async for cur, last in planned:
                 try:
                     replies = await self.client.push_tensor_bucket(
-                        payload, version=version, transfer_id=transfer_id, bucket=sent, last=last,
-                        flush_cache=self.flush_cache, skip=failed)
+                        tensor_bucket_parts(cur), version=version, transfer_id=transfer_id, bucket=sent,
+                        last=last, flush_cache=self.flush_cache, skip=failed)
                 except WeightUpdateError as e:
                     # A server that refused a bucket gets no more of this transfer (it keeps its old
                     # weights and drops the part it staged); the others still get the whole version.
@@ -204,16 +184,39 @@ class HttpBucketSink(WeightSink):
                 nbytes += sum(a.nbytes for _, a in cur)
                 n += len(cur)
                 sent += 1
-        finally:
-            if layout is not None and ahead is not None:
-                # the gather in flight holds the iterator: let it finish before anyone else
-                # (a multi-process run drains the rest) touches it
-                await asyncio.gather(ahead, return_exceptions=True)
         if failed:
             raise WeightUpdateError(f"/update_weights_from_tensor of version {version} failed on "
                                     + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
                                buckets=sent, tensors=n, servers=servers)
+
+
+async def _planned_buckets(tensors: Tensors, bucket_bytes: int) -> AsyncIterator[tuple[Bucket, bool]]:
+    """``(bucket, is the last)`` in order, each gathered in a worker thread. With a ``layout`` the
+    buckets are planned from it and the next one is gathered while the caller sends this one;
+    otherwise the next one is gathered first, to learn whether this one is the last."""
+    layout = getattr(tensors, "layout", None)
+    if layout is None:
+        groups = buckets(tensors, bucket_bytes)
+        nxt = await asyncio.to_thread(next, groups, None)
+        while nxt is not None:
+            cur, nxt = nxt, await asyncio.to_thread(next, groups, None)
+            yield cur, nxt is None
+        return
+    it = iter(tensors)
+    counts = [len(b) for b in size_groups(layout, bucket_bytes, layout_nbytes)]
+    ahead = None
+    try:
+        for i, count in enumerate(counts):
+            cur = await ahead if ahead is not None else await asyncio.to_thread(_take, it, count)
+            last = i + 1 == len(counts)
+            ahead = None if last else asyncio.ensure_future(asyncio.to_thread(_take, it, counts[i + 1]))
+            yield cur, last
+    finally:
+        if ahead is not None:
+            # the gather in flight holds the iterator: let it finish before anyone else (a
+            # multi-process run drains the rest) touches it
+            await asyncio.gather(ahead, return_exceptions=True)
 
 
 def _take(tensors: Iterator[tuple[str, np.ndarray]], count: int) -> list[tuple[str, np.ndarray]]:

@@ -303,7 +303,7 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None,
 
 def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
     """HF name -> HF shape for every tensor the model writes (no data moved)."""
-    return {p.hf_name: p.hf_shape(var.get_value().shape) for group, var in _hf_params(model) for p in group}
+    return {name: shape for name, shape, _ in iter_hf_tensors(model).layout}
 
 
 def check_hf_tensors(specs: dict[str, tuple[int, ...]], tensors: Mapping[str, np.ndarray], model_type: str) -> None:
