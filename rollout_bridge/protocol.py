@@ -11,7 +11,8 @@ SGLang or ours. JSON field names, types and defaults are SGLang's (0.5.x, ``io_s
   says ``"default"`` unless told otherwise, and the client never parses it into a number.
 * ``/update_weights_from_tensor`` with ``Content-Type: application/octet-stream``: the body is
   one bucket of tensors in safetensors format (any dtype, bfloat16 included), the query string
-  carries the transfer's ``weight_version``, ``transfer_id``, ``bucket`` index and ``last``.
+  carries the transfer's ``weight_version``, ``transfer_id``, ``bucket`` index and ``last``,
+  and ``layout=native`` when the kernels are in our own ``[in, out]`` layout rather than HF's.
   Buckets are staged by the server and applied together, atomically, when the one marked
   ``last`` arrives.
 
@@ -211,6 +212,9 @@ class TensorBucketParams(msgspec.Struct, kw_only=True):
     """The final bucket: apply everything staged under ``transfer_id`` as ``weight_version``."""
     flush_cache: bool = True
     abort_all_requests: bool = False
+    layout: Literal["hf", "native"] = "hf"
+    """``hf``: HF tensors (``[out, in]`` weights); ``native``: the same names with our own
+    ``[in, out]`` kernels, which neither side transposes. One transfer keeps one layout."""
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

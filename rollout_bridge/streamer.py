@@ -11,6 +11,8 @@ one version and reports a ``TransferMetrics``. Sinks:
   read that store or mount it.
 * ``HttpBucketSink``: each bucket POSTed as safetensors bytes to our embedded servers'
   ``/update_weights_from_tensor``; the servers apply the whole version atomically at the end.
+  Between our own trainer and servers the kernels travel in our layout (``native_layout``), so
+  neither side transposes a matrix; the other sinks take HF tensors only.
 * ``LocalSink``: an engine in this process (``LocalRolloutClient``); ``push_params`` hands it
   the trainer's params on device (no HF names, no host memory), ``push`` takes host tensors.
 
@@ -69,6 +71,10 @@ def buckets(tensors: Tensors, bucket_bytes: int) -> Iterator[list[tuple[str, np.
 class WeightSink(abc.ABC):
     """Delivers one policy version's weights to the inference side."""
 
+    native_layout: bool = False
+    """Whether this sink takes kernels in our own layout (``iter_hf_tensors(hf_layout=False)``):
+    only the HTTP buckets to our own servers do; disk checkpoints and SGLang stay HF."""
+
     @abc.abstractmethod
     async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
         """Deliver ``tensors`` (HF names) as ``version``; returns once every server serves it."""
@@ -103,6 +109,7 @@ class DiskSink(WeightSink):
 
     def write(self, version: int, tensors: Tensors) -> tuple[Path | str, int, int]:
         """Write the checkpoint atomically; returns (dir, bytes, tensors). Blocking."""
+        _require_hf_layout(tensors, "DiskSink")
         count = {"bytes": 0, "n": 0}
 
         def counted() -> Iterator[tuple[str, np.ndarray]]:
@@ -157,22 +164,27 @@ class HttpBucketSink(WeightSink):
     the next bucket is gathered first, to learn whether this one is the last.
     """
 
-    def __init__(self, client: Any, *, bucket_bytes: int = 256 * 1024**2, flush_cache: bool = True):
+    def __init__(self, client: Any, *, bucket_bytes: int = 256 * 1024**2, flush_cache: bool = True,
+                 native_layout: bool = True):
+        """``native_layout``: ask the trainer for kernels in our own layout (see ``WeightSink``);
+        a stream says which it is (``HFTensorStream.hf_layout``) and the buckets say it on."""
         self.client = client
         self.bucket_bytes = bucket_bytes
         self.flush_cache = flush_cache
+        self.native_layout = native_layout
 
     async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
         t0 = time.perf_counter()
         transfer_id = uuid.uuid4().hex
         nbytes = n = sent = servers = 0
         failed: dict[str, str] = {}
+        layout = "hf" if getattr(tensors, "hf_layout", True) else "native"
         async with contextlib.aclosing(_planned_buckets(tensors, self.bucket_bytes)) as planned:
             async for cur, last in planned:
                 try:
                     replies = await self.client.push_tensor_bucket(
                         tensor_bucket_parts(cur), version=version, transfer_id=transfer_id, bucket=sent,
-                        last=last, flush_cache=self.flush_cache, skip=failed)
+                        last=last, flush_cache=self.flush_cache, skip=failed, layout=layout)
                 except WeightUpdateError as e:
                     # A server that refused a bucket gets no more of this transfer (it keeps its old
                     # weights and drops the part it staged); the others still get the whole version.
@@ -219,6 +231,12 @@ async def _planned_buckets(tensors: Tensors, bucket_bytes: int) -> AsyncIterator
             await asyncio.gather(ahead, return_exceptions=True)
 
 
+def _require_hf_layout(tensors: Tensors, who: str) -> None:
+    if not getattr(tensors, "hf_layout", True):
+        raise ValueError(f"{who} takes HF tensors; these keep our own kernel layout "
+                         "(iter_hf_tensors(..., hf_layout=False), for HttpBucketSink only): pass hf_layout=True")
+
+
 def _take(tensors: Iterator[tuple[str, np.ndarray]], count: int) -> list[tuple[str, np.ndarray]]:
     """The next ``count`` tensors (a bucket planned from the layout)."""
     out = list(itertools.islice(tensors, count))
@@ -242,6 +260,7 @@ class LocalSink(WeightSink):
 
     async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
         """HF-named host tensors, gathered off the event loop: the path through host memory."""
+        _require_hf_layout(tensors, "LocalSink.push")
         t0 = time.perf_counter()
         named = await asyncio.to_thread(dict, tensors)
         await self.client.update_weights_from_tensors(named, version=version)

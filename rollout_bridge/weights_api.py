@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ class _Staged:
     label: str
     stage: Any
     """The engine's ``WeightStage`` for this transfer."""
+    layout: str = "hf"
+    """``hf`` or ``native`` (``protocol.TensorBucketParams.layout``), the same for every bucket."""
     next_bucket: int = 0
     work: asyncio.Future | None = None
     """The conversion of the buckets staged so far (each chained after the one before)."""
@@ -110,6 +113,7 @@ async def _apply(st: ServerState, label: str | None, *, stage: Any = None, model
                  flush: bool = True) -> web.Response:
     """New weights under ``label`` (None keeps the current label, as SGLang does)."""
     label = st.weight_version if label is None else label
+    t0 = time.perf_counter()
     try:
         await st.engine.update_weights(model_dir=model_dir, stage=stage, version=st.engine.version + 1)
     except Exception as e:  # the engine keeps the old weights serving
@@ -117,9 +121,12 @@ async def _apply(st: ServerState, label: str | None, *, stage: Any = None, model
         return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
                                            weight_version=st.weight_version), 400)
     st.relabel(label)
-    log.info("serving weights %r (update %d)", label, st.engine.version)
+    t1 = time.perf_counter()
     if flush:
         await st.engine.flush_cache()
+    log.info("serving weights %r (update %d; %s in %.3f s, cache flushed in %.3f s)", label, st.engine.version,
+             "read and swapped" if model_dir is not None else "last bucket applied", t1 - t0,
+             time.perf_counter() - t1)
     return json_response(P.UpdateWeightsResult(success=True, message="Succeeded to update model weights.",
                                        weight_version=st.weight_version))
 
@@ -196,7 +203,8 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         staged = st.staged
         if q.bucket == 0:
             _drop(st, staged, f"transfer {q.transfer_id} started")
-            staged = st.staged = _Staged(q.transfer_id, label, st.engine.stage_weights())
+            staged = st.staged = _Staged(q.transfer_id, label, st.engine.stage_weights(hf_layout=q.layout == "hf"),
+                                         layout=q.layout)
         elif staged is None or staged.transfer_id != q.transfer_id:
             raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress (an unfinished "
                                   "transfer is dropped when it goes quiet); start at bucket 0")
@@ -205,6 +213,10 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             _drop(st, staged, "bucket out of order")
             raise P.ProtocolError("bucket", f"expected bucket {staged.next_bucket} of version {staged.label!r}, "
                                   f"got bucket {q.bucket} of version {label!r}; transfer dropped")
+        if q.layout != staged.layout:
+            _drop(st, staged, "layout changed")
+            raise P.ProtocolError("layout", f"bucket {q.bucket} says layout={q.layout!r}, the transfer began "
+                                  f"with {staged.layout!r}; send one transfer in one layout; transfer dropped")
         try:
             staged.stage.check(tensors)
         except CheckpointError as e:

@@ -72,7 +72,7 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
              "attention_share": s["profile"]["attention_share"],
              "scores_computed_over_needed": s["profile"]["scores_computed_over_needed"]} for s in train["sizes"]]},
         "weight_update": [{"model": r["model"], "params": r["params"], "mib": r["bytes"] / 2**20,
-                           "disk_s": r["disk_s"], "http_s": r["http_s"],
+                           "disk_s": r["disk_s"], "http_s": r["http_s"], "http_hf_s": r.get("http_hf_s"),
                            "raw_write_read_s": r["raw_write_s"] + r["raw_read_s"]} for r in raw["weight_update"]],
         "rewards": [{"reward": k, "inline_per_s": v["inline_per_s"], "pool_per_s": v["pool_per_s"],
                      "workers": v["workers"]} for k, v in raw["rewards"].items()],

@@ -147,11 +147,14 @@ def components_table(d: dict[str, Any]) -> list[str]:
     lines += [f"| {s['size']} | {s['params'] / 1e6:.2f}M | {s['tokens_per_s']:,.0f} | "
               f"{100 * s['fraction_of_matmul_peak']:.1f}% | {_pct(s.get('attention_share'))} | "
               f"{s.get('scores_computed_over_needed', float('nan')):.1f}x |" for s in t["sizes"]]
-    lines += ["", "| model | size | disk path | HTTP buckets | raw safetensors write + read | disk / raw "
-              "| HTTP / raw |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['mib']:.1f} MiB | {r['disk_s']:.2f} s | "
-              f"{r['http_s']:.2f} s | {r['raw_write_read_s']:.2f} s | {r['disk_s'] / r['raw_write_read_s']:.1f}x | "
-              f"{r['http_s'] / r['raw_write_read_s']:.1f}x |" for r in d["weight_update"]]
+    lines += ["", "| model | size | disk path | HTTP buckets | HTTP buckets, HF layout | raw safetensors write "
+              "+ read | disk / raw | HTTP / raw | HTTP, HF layout / raw |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in d["weight_update"]:
+        raw, hf = r["raw_write_read_s"], r.get("http_hf_s")
+        hf_s, hf_x = ("n/a", "n/a") if hf is None else (f"{hf:.2f} s", f"{hf / raw:.1f}x")
+        lines.append(f"| {r['model']} ({r['params'] / 1e6:.1f}M) | {r['mib']:.1f} MiB | {r['disk_s']:.2f} s | "
+                     f"{r['http_s']:.2f} s | {hf_s} | {raw:.2f} s | {r['disk_s'] / raw:.1f}x | "
+                     f"{r['http_s'] / raw:.1f}x | {hf_x} |")
     lines += ["", "| reward | inline rewards/s | pool rewards/s (workers) |", "|---|---|---|"]
     lines += [f"| {r['reward']} | {r['inline_per_s']:.1f} | {r['pool_per_s']:.1f} ({r['workers']}) |"
               for r in d["rewards"]]

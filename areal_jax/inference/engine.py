@@ -306,10 +306,11 @@ class Engine:
                 self._state = new_state
                 self._version = version
 
-    def stage_weights(self) -> WeightStage:
+    def stage_weights(self, *, hf_layout: bool = True) -> WeightStage:
         """An empty ``WeightStage`` for the next weights of the served model, to fill part by part
-        (the buckets of an HTTP push) while this version serves; then ``update_weights(stage=)``."""
-        return WeightStage(self.model)
+        (the buckets of an HTTP push) while this version serves; then ``update_weights(stage=)``.
+        ``hf_layout=False``: the kernels come in our own layout (see ``iter_hf_tensors``)."""
+        return WeightStage(self.model, hf_layout=hf_layout)
 
     @property
     def state(self) -> Any:

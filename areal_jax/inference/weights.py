@@ -31,9 +31,11 @@ class WeightStage:
     """The next weights of ``model``, HF-named tensors in any number of parts (see the module
     docstring). Not thread-safe: one part at a time."""
 
-    def __init__(self, model: Decoder):
+    def __init__(self, model: Decoder, *, hf_layout: bool = True):
         self.staged = nnx.clone(model)  # shares the untouched arrays: no copy of the model
-        self._specs = hf_tensor_specs(model)
+        self.hf_layout = hf_layout
+        """False: the kernels arrive in our own ``[in, out]`` layout (see ``iter_hf_tensors``)."""
+        self._specs = hf_tensor_specs(model, hf_layout=hf_layout)
         self._path_of: dict[str, Any] = {}
         self._names_of: dict[Any, set[str]] = {}
         for group, _ in _hf_params(model):
@@ -65,7 +67,7 @@ class WeightStage:
             if len(waiting) == len(self._names_of[path]):
                 complete.update(self._waiting.pop(path))
         if complete:
-            assign_hf_tensors(self.staged, complete)
+            assign_hf_tensors(self.staged, complete, hf_layout=self.hf_layout)
 
     def missing(self) -> list[str]:
         """HF names not received yet."""
@@ -80,7 +82,7 @@ class WeightStage:
         rest = {name: arr for waiting in self._waiting.values() for name, arr in waiting.items()}
         self._waiting.clear()
         if rest:
-            assign_hf_tensors(self.staged, rest)
+            assign_hf_tensors(self.staged, rest, hf_layout=self.hf_layout)
         return nnx.state(self.staged)
 
 

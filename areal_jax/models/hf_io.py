@@ -7,7 +7,9 @@ of every layer, ``{layer}`` in the template, stacked on read and sliced on write
 Loading reads each tensor straight onto its devices, one tensor at a time, and each device reads
 only its own slice from the memory-mapped safetensors file. ``iter_hf_tensors`` yields the model
 back as HF tensors (unfused names, exact HF shapes, no ``lm_head`` when embeddings are tied),
-one at a time; ``hf_write`` puts them on disk.
+one at a time; ``hf_write`` puts them on disk. With ``hf_layout=False`` the same tensors keep our
+``[in, out]`` kernels: a push between our own trainer and server (HTTP buckets that say so) then
+transposes nothing on either side, while everything written to disk or sent to SGLang is HF.
 """
 
 from __future__ import annotations
@@ -79,10 +81,11 @@ class HFParam:
     layer: int | None = None
     """Index into the parameter's leading ``layers`` axis; None for an unstacked parameter."""
 
-    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The HF tensor's shape, from our whole parameter's shape."""
+    def hf_shape(self, shape: tuple[int, ...], hf_layout: bool = True) -> tuple[int, ...]:
+        """The HF tensor's shape, from our whole parameter's shape (in our own layout, not
+        transposed, with ``hf_layout=False``)."""
         shape = tuple(shape[1:]) if self.layer is not None else tuple(shape)
-        return tuple(reversed(shape)) if self.transpose else shape
+        return tuple(reversed(shape)) if self.transpose and hf_layout else shape
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
@@ -260,9 +263,13 @@ class HFTensorStream(Iterator[tuple[str, np.ndarray]]):
     (name, shape and dtype of every tensor it will yield, in order) is known before any data is
     gathered, so a writer can lay out a safetensors file and stream the bytes into it."""
 
-    def __init__(self, tensors: Iterator[tuple[str, np.ndarray]], layout: list[tuple[str, tuple[int, ...], np.dtype]]):
+    def __init__(self, tensors: Iterator[tuple[str, np.ndarray]], layout: list[tuple[str, tuple[int, ...], np.dtype]],
+                 *, hf_layout: bool = True):
         self._tensors = tensors
         self.layout = layout
+        self.hf_layout = hf_layout
+        """False: the kernels are in our ``[in, out]`` layout (``iter_hf_tensors(hf_layout=False)``),
+        for our own servers only; a sink that must write HF refuses such a stream."""
 
     def __iter__(self) -> HFTensorStream:
         return self
@@ -271,10 +278,12 @@ class HFTensorStream(Iterator[tuple[str, np.ndarray]]):
         return next(self._tensors)
 
 
-def iter_hf_tensors(model: Decoder, dtype: Any = None,
-                    owned: Callable[[str], bool] | None = None) -> HFTensorStream:
+def iter_hf_tensors(model: Decoder, dtype: Any = None, owned: Callable[[str], bool] | None = None, *,
+                    hf_layout: bool = True) -> HFTensorStream:
     """Yield ``(hf_name, array)`` one tensor at a time, gathered and cast to ``dtype`` (a name or
     a JAX/NumPy dtype; default the parameters' own); the result's ``layout`` lists them first.
+    ``hf_layout=False`` leaves the kernels in our ``[in, out]`` layout (HF names, one tensor per
+    layer as ever): what our own servers take over HTTP without a transpose on either side.
 
     Only one full tensor is held on the host at a time; this is what the weight streamer and
     ``save_pretrained`` build on. In a multi-process run every process must run the whole
@@ -284,8 +293,8 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None,
     cfg: ModelConfig = model.config
     np_dtype = np.dtype(_NP_DTYPES[dtype_name(dtype if dtype is not None else cfg.param_dtype)])
     params = _hf_params(model)
-    layout = [(p.hf_name, p.hf_shape(var.get_value().shape), np_dtype) for group, var in params for p in group
-              if owned is None or owned(p.hf_name)]
+    layout = [(p.hf_name, p.hf_shape(var.get_value().shape, hf_layout), np_dtype) for group, var in params
+              for p in group if owned is None or owned(p.hf_name)]
 
     def gather() -> Iterator[tuple[str, np.ndarray]]:
         for group, var in params:
@@ -294,16 +303,17 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None,
                 fetch = owned is None or owned(param.hf_name)
                 # Sliced (one layer of a stacked parameter), transposed and cast on the device, so
                 # the host receives one finished tensor at a time.
-                arr = gather_to_host(to_hf(value, param.layer, param.transpose, np_dtype), fetch)
+                arr = gather_to_host(to_hf(value, param.layer, param.transpose and hf_layout, np_dtype), fetch)
                 if arr is not None:
                     yield param.hf_name, arr
 
-    return HFTensorStream(gather(), layout)
+    return HFTensorStream(gather(), layout, hf_layout=hf_layout)
 
 
-def hf_tensor_specs(model: Decoder) -> dict[str, tuple[int, ...]]:
-    """HF name -> HF shape for every tensor the model writes (no data moved)."""
-    return {name: shape for name, shape, _ in iter_hf_tensors(model).layout}
+def hf_tensor_specs(model: Decoder, *, hf_layout: bool = True) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF shape for every tensor the model writes (no data moved); our own kernels'
+    shapes with ``hf_layout=False``."""
+    return {name: shape for name, shape, _ in iter_hf_tensors(model, hf_layout=hf_layout).layout}
 
 
 def check_hf_tensors(specs: dict[str, tuple[int, ...]], tensors: Mapping[str, np.ndarray], model_type: str) -> None:
@@ -317,16 +327,17 @@ def check_hf_tensors(specs: dict[str, tuple[int, ...]], tensors: Mapping[str, np
             raise CheckpointError(f"tensor {name!r} has shape {list(arr.shape)}, expected {list(specs[name])}")
 
 
-def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[str]:
-    """Overwrite the model's parameters named (HF names) in ``tensors``, in place.
+def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray], *, hf_layout: bool = True) -> list[str]:
+    """Overwrite the model's parameters named (HF names) in ``tensors``, in place; with
+    ``hf_layout=False`` the kernels come in our own ``[in, out]`` layout.
 
     Each value keeps its parameter's dtype and sharding. Any name the model does not have, or a
     shape that differs from the model's, raises ``CheckpointError`` before anything is changed,
     so a bad update never leaves a half-written model. Returns the names assigned.
     """
     by_name = {p.hf_name: (p, var) for group, var in _hf_params(model) for p in group}
-    check_hf_tensors({name: p.hf_shape(var.get_value().shape) for name, (p, var) in by_name.items()}, tensors,
-                     model.config.model_type)
+    check_hf_tensors({name: p.hf_shape(var.get_value().shape, hf_layout) for name, (p, var) in by_name.items()},
+                     tensors, model.config.model_type)
     per_param: dict[tuple[Any, ...], tuple[nnx.Variable, list[tuple[HFParam, np.ndarray]]]] = {}
     for name, arr in tensors.items():
         param, var = by_name[name]
@@ -335,7 +346,7 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray]) -> list[st
     for path, (var, items) in per_param.items():
         items.sort(key=lambda item: item[0].layer or 0)
         layers = None if items[0][0].layer is None else [p.layer for p, _ in items]
-        value = from_hf(var.get_value(), [arr for _, arr in items], layers, items[0][0].transpose)
+        value = from_hf(var.get_value(), [arr for _, arr in items], layers, items[0][0].transpose and hf_layout)
         new_flat.append((path, value))
     nnx.update(model, nnx.from_flat_state(new_flat))
     return list(tensors)

@@ -173,9 +173,10 @@ async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, i
         shared = cfg.rollout.local.placement == "shared"
         await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
         return
+    hf_layout = not getattr(sink, "native_layout", False)  # our own servers over HTTP take our kernels untransposed
     if hub is not None:
-        await asyncio.to_thread(hub.announce, "push", version=version)
-    tensors = iter_hf_tensors(trainer.model())
+        await asyncio.to_thread(hub.announce, "push", version=version, hf_layout=hf_layout)
+    tensors = iter_hf_tensors(trainer.model(), hf_layout=hf_layout)
     try:
         await sink.push(version, tensors)
     finally:
@@ -207,7 +208,8 @@ def _follow(hub: Any, trainer: Any, ckpts: Any) -> None:
                 log.info("process %d: step %d trained %d trajectories of prompts %s", me, message["step"],
                          len(message["trajectories"]), message["prompt_ids"])
             elif op == "push":  # take part in the gathers; process 0 sends the tensors
-                collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False), 0)
+                collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False,
+                                                  hf_layout=message.get("hf_layout", True)), 0)
             elif op == "save":
                 ckpts.save(message["step"], trainer.checkpoint_state(), message["meta"])
             else:

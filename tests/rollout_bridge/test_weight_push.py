@@ -57,13 +57,16 @@ def test_every_dtype_through_both_sinks(tiny_dir: Path, tmp_path: Path, dtype: s
             sinks = [HttpBucketSink(client, bucket_bytes=16 * 1024),
                      DiskSink(tmp_path / "w", config, client=client, tokenizer_dir=tiny_dir)]
             # Each sink takes a plain iterator (collected, or sent a bucket behind its look-ahead)
-            # and the streamer's stream, whose layout lets it lay the file or the buckets out first.
+            # and the streamer's stream, whose layout lets it lay the file or the buckets out first;
+            # the HTTP sink also the stream in our own kernel layout (what a run sends it).
             pushes = [(sink, source) for sink in sinks for source in ("plain", "stream")]
+            pushes.insert(2, (sinks[0], "native"))
             before = None
             for version, (sink, source) in enumerate(pushes, start=1):
                 new, tensors, pushed = version_weights(version)
-                stream = iter(tensors) if source == "plain" else iter_hf_tensors(new, dtype)
-                assert hasattr(stream, "layout") == (source == "stream")
+                stream = iter(tensors) if source == "plain" else iter_hf_tensors(new, dtype,
+                                                                                hf_layout=source != "native")
+                assert hasattr(stream, "layout") == (source != "plain")
                 metrics = await sink.push(version, stream)
                 assert metrics.servers == 1 and client.server_versions() == {url: version}
                 assert metrics.tensors == len(tensors) and metrics.bytes == sum(a.nbytes for _, a in tensors)
@@ -77,6 +80,9 @@ def test_every_dtype_through_both_sinks(tiny_dir: Path, tmp_path: Path, dtype: s
                     assert np.abs(reference_logprobs(before, prompt, r.output_ids, 0.8) - want).max() > 1e-3
                 before = pushed
             assert (await client.reported_versions()) == {url: str(len(pushes))}
+            with pytest.raises(ValueError, match="hf_layout=True"):  # a checkpoint on disk is HF, always
+                await sinks[1].push(99, iter_hf_tensors(before, dtype, hf_layout=False))
+            assert client.server_versions() == {url: len(pushes)}
 
     asyncio.run(main())
 
