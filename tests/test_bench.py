@@ -239,10 +239,11 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
                                                                   for c in s["cells"])
 
     i = load("interrupt")
-    assert [r["interruptible"] for r in i["runs"]] == [False, True]
+    assert [(r["interruptible"], r["pause_mode"]) for r in i["runs"]] == [(False, "abort"), (True, "abort"),
+                                                                          (True, "in_place")]
     for r in i["runs"]:
         _check_run(r)
-    assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0
+    assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0 and i["in_place_throughput_ratio"] > 0
 
     c = load("components")
     assert all(r["tokens_per_s"] > 0 for r in c["decode"])

@@ -127,13 +127,18 @@ def interrupt_table(d: dict[str, Any]) -> list[str]:
              "left out), rollout and trainer on separate cores.", "",
              "| weight update | s / step | generated tok/s | trained tok/s | update s / step (wait + push) "
              "| rollout idle | trainer idle |", "|---|---|---|---|---|---|---|"]
+    labels = {"wait": "wait for answers in flight", "interrupt": "interrupt (pause with abort, resume)",
+              "in_place": "interrupt in place (stale KV kept)"}
     for r in d["runs"]:
-        label = "interrupt (pause with abort, resume)" if r["interruptible"] else "wait for answers in flight"
+        label = labels.get(r["name"], r["name"])
         lines.append(f"| {label} | {r['wall_s_per_step']:.2f} | {r['generated_tokens_per_s']:.0f} | "
                      f"{r['trained_tokens_per_s']:.0f} | {r['weight_sync_s_per_step']:.2f} | "
                      f"{_pct(r['rollout_idle_fraction'])} | {_pct(r['trainer_idle_fraction'])} |")
     lines += ["", f"Trained tokens/s, interrupt / wait: {d['throughput_ratio']:.2f}x; "
                   f"wall-clock per step, wait / interrupt: {d['wall_ratio']:.2f}x."]
+    if "in_place_throughput_ratio" in d:
+        lines[-1] += (f" In place: {d['in_place_throughput_ratio']:.2f}x trained tokens/s and "
+                      f"{d['in_place_wall_ratio']:.2f}x per step, against waiting.")
     return lines
 
 
