@@ -44,8 +44,6 @@ class _Staged:
     label: str
     stage: Any
     """The engine's ``WeightStage`` for this transfer."""
-    layout: str = "hf"
-    """``hf`` or ``native`` (``protocol.TensorBucketParams.layout``), the same for every bucket."""
     next_bucket: int = 0
     work: asyncio.Future | None = None
     """The conversion of the buckets staged so far (each chained after the one before)."""
@@ -203,8 +201,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         staged = st.staged
         if q.bucket == 0:
             _drop(st, staged, f"transfer {q.transfer_id} started")
-            staged = st.staged = _Staged(q.transfer_id, label, st.engine.stage_weights(hf_layout=q.layout == "hf"),
-                                         layout=q.layout)
+            staged = st.staged = _Staged(q.transfer_id, label, st.engine.stage_weights(hf_layout=q.layout == "hf"))
         elif staged is None or staged.transfer_id != q.transfer_id:
             raise P.ProtocolError("transfer_id", f"no transfer {q.transfer_id!r} in progress (an unfinished "
                                   "transfer is dropped when it goes quiet); start at bucket 0")
@@ -213,10 +210,11 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             _drop(st, staged, "bucket out of order")
             raise P.ProtocolError("bucket", f"expected bucket {staged.next_bucket} of version {staged.label!r}, "
                                   f"got bucket {q.bucket} of version {label!r}; transfer dropped")
-        if q.layout != staged.layout:
+        began = "hf" if staged.stage.hf_layout else "native"
+        if q.layout != began:
             _drop(st, staged, "layout changed")
             raise P.ProtocolError("layout", f"bucket {q.bucket} says layout={q.layout!r}, the transfer began "
-                                  f"with {staged.layout!r}; send one transfer in one layout; transfer dropped")
+                                  f"with {began!r}; send one transfer in one layout; transfer dropped")
         try:
             staged.stage.check(tensors)
         except CheckpointError as e:
