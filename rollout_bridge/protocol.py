@@ -363,6 +363,12 @@ ST_DTYPES: dict[str, Any] = {"F64": np.float64, "F32": np.float32, "F16": np.flo
 _ST_TAGS = {np.dtype(v): k for k, v in ST_DTYPES.items()}
 
 
+def layout_nbytes(entry: tuple[str, tuple[int, ...], Any]) -> int:
+    """Bytes of one ``(name, shape, dtype)`` layout entry (``HFTensorStream.layout``)."""
+    _, shape, dtype = entry
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
 def safetensors_header(layout: Iterable[tuple[str, tuple[int, ...], Any]],
                        metadata: dict[str, str] | None = None) -> bytes:
     """The first bytes of a safetensors buffer holding tensors of ``layout`` (name, shape, NumPy
@@ -375,7 +381,7 @@ def safetensors_header(layout: Iterable[tuple[str, tuple[int, ...], Any]],
         tag = _ST_TAGS.get(dtype.newbyteorder("="))
         if tag is None:
             raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors tag")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = layout_nbytes((name, shape, dtype))
         header[name] = {"dtype": tag, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()

@@ -81,11 +81,15 @@ class HFParam:
     layer: int | None = None
     """Index into the parameter's leading ``layers`` axis; None for an unstacked parameter."""
 
+    def transposed(self, hf_layout: bool = True) -> bool:
+        """Whether the tensor is our parameter transposed: in HF's layout, for a kernel."""
+        return self.transpose and hf_layout
+
     def hf_shape(self, shape: tuple[int, ...], hf_layout: bool = True) -> tuple[int, ...]:
         """The HF tensor's shape, from our whole parameter's shape (in our own layout, not
         transposed, with ``hf_layout=False``)."""
         shape = tuple(shape[1:]) if self.layer is not None else tuple(shape)
-        return tuple(reversed(shape)) if self.transpose and hf_layout else shape
+        return tuple(reversed(shape)) if self.transposed(hf_layout) else shape
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
@@ -303,7 +307,7 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None, owned: Callable[[str], bo
                 fetch = owned is None or owned(param.hf_name)
                 # Sliced (one layer of a stacked parameter), transposed and cast on the device, so
                 # the host receives one finished tensor at a time.
-                arr = gather_to_host(to_hf(value, param.layer, param.transpose and hf_layout, np_dtype), fetch)
+                arr = gather_to_host(to_hf(value, param.layer, param.transposed(hf_layout), np_dtype), fetch)
                 if arr is not None:
                     yield param.hf_name, arr
 
@@ -346,7 +350,7 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray], *, hf_layo
     for path, (var, items) in per_param.items():
         items.sort(key=lambda item: item[0].layer or 0)
         layers = None if items[0][0].layer is None else [p.layer for p, _ in items]
-        value = from_hf(var.get_value(), [arr for _, arr in items], layers, items[0][0].transpose and hf_layout)
+        value = from_hf(var.get_value(), [arr for _, arr in items], layers, items[0][0].transposed(hf_layout))
         new_flat.append((path, value))
     nnx.update(model, nnx.from_flat_state(new_flat))
     return list(tensors)

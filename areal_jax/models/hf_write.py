@@ -24,8 +24,8 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_io import _NP_DTYPES, TOKENIZER_FILES, hf_tensor_specs, iter_hf_tensors
-from rollout_bridge.protocol import safetensors_header, tensor_bytes
+from areal_jax.models.hf_io import TOKENIZER_FILES, iter_hf_tensors
+from rollout_bridge.protocol import layout_nbytes, safetensors_header, tensor_bytes
 
 
 def write_safetensors_shards(
@@ -86,12 +86,6 @@ def size_groups(items: Iterable[T], limit: int, nbytes: Callable[[T], int]) -> I
         size += n
     if cur:
         yield cur
-
-
-def layout_nbytes(entry: tuple[str, tuple[int, ...], Any]) -> int:
-    """Bytes of one ``(name, shape, dtype)`` entry of an ``HFTensorStream``'s layout."""
-    _, shape, dtype = entry
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def _write_streamed(path: Path, layout: list[tuple[str, tuple[int, ...], Any]],
@@ -333,11 +327,8 @@ def _save_spread(model: Decoder, out_dir: str | os.PathLike, dtype: Any, hf_conf
     last. Processes meet at three barriers: staging ready, every shard written, export done."""
     from jax.experimental.multihost_utils import sync_global_devices
 
-    from areal_jax.models.config import dtype_name
-
     me = jax.process_index()
-    itemsize = np.dtype(_NP_DTYPES[dtype_name(dtype if dtype is not None else model.config.param_dtype)]).itemsize
-    sizes = [(name, int(np.prod(shape)) * itemsize) for name, shape in hf_tensor_specs(model).items()]
+    sizes = [(entry[0], layout_nbytes(entry)) for entry in iter_hf_tensors(model, dtype).layout]
     files = spread_plan(sizes, jax.process_count(), max_shard_bytes)
     fnames = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     file_of = {name: i for i, (_, names) in enumerate(files) for name in names}
@@ -370,7 +361,7 @@ def _save_spread(model: Decoder, out_dir: str | os.PathLike, dtype: Any, hf_conf
         shard[name] = arr
         if len(shard) == len(files[file_of[name]][1]):  # the file is complete: write it, let it go
             put(fnames[file_of[name]], lambda path, shard=shard: save_file(
-                shard, path, metadata={"format": "pt", "written_by_process": str(me)}))
+                shard, path, metadata={**ST_METADATA, "written_by_process": str(me)}))
             del pending[file_of[name]]
     sync_global_devices(f"hf export {out_dir}: shards written")
     if me == 0:
