@@ -419,6 +419,7 @@ async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, cli
         metrics: dict[str, Any] = {
             "step": step, "version": version, "time": now - t_start,
             "rollout_seconds": rollout_s, "train_seconds": train_s, "weight_sync_seconds": sync_s,
+            "compile_seconds": float(stats.get("compile_seconds", 0.0)),
             "reward_mean": float(np.mean([t.reward for t in trajectories])),
             "staleness_max": int(max(staleness)), "staleness_mean": float(np.mean(staleness)),
             "gen_tokens_per_s": (counters.generated_tokens - gen_tokens) / max(now - t_last, 1e-9),

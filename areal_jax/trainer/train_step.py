@@ -35,6 +35,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.models import Critic, Decoder
 from areal_jax.models.attention import resolve_attention_impl
 from areal_jax.trainer import stats as step_stats
+from areal_jax.trainer.compile_clock import compile_clock
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.learner import Learner, place
 from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
@@ -185,12 +186,15 @@ class Trainer:
 
     def train_batch(self, trajectories: Sequence[Trajectory], version: int) -> dict[str, float]:
         """One training batch: ``ppo_n_minibatches`` optimizer steps. ``version`` is the policy
-        version of the current weights (the proximal policy). Returns scalar statistics."""
+        version of the current weights (the proximal policy). Returns scalar statistics, among them
+        ``compile_seconds``: the part of the step spent tracing and compiling new shapes."""
         start = time.perf_counter()
-        prepared = self.prepare_batch(trajectories, version)
-        stats = self.train_prepared(prepared)
+        with compile_clock() as compiling:
+            prepared = self.prepare_batch(trajectories, version)
+            stats = self.train_prepared(prepared)
         elapsed = time.perf_counter() - start
         stats["time_s"] = elapsed
+        stats["compile_seconds"] = compiling.seconds
         stats["tokens_per_s"] = stats["real_tokens"] / elapsed
         return stats
 

@@ -33,9 +33,9 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
     assert max(m["staleness_max"] for m in metrics) >= 1  # rollout did run ahead of the trainer
     assert [m["served_versions"] for m in metrics] == [[str(v), str(v)] for v in range(1, 7)]  # both servers
     assert metrics[2]["eval_accuracy"] is not None and metrics[5]["eval_accuracy"] is not None
-    for key in ("rollout_seconds", "train_seconds", "weight_sync_seconds", "reward_mean", "staleness_mean",
-                "gen_tokens_per_s", "train_tokens_per_s", "loss", "clip_fraction", "behavior_imp_weight_mean",
-                "filtered", "failed", "time", "version"):
+    for key in ("rollout_seconds", "train_seconds", "compile_seconds", "weight_sync_seconds", "reward_mean",
+                "staleness_mean", "gen_tokens_per_s", "train_tokens_per_s", "loss", "clip_fraction",
+                "behavior_imp_weight_mean", "filtered", "failed", "time", "version"):
         assert key in metrics[0], key
     assert (tmp_path / "final" / "model.safetensors").exists() and (tmp_path / "final" / "tokenizer.json").exists()
     assert result.plot.read_bytes()[:4] == b"\x89PNG"
