@@ -18,6 +18,7 @@ process; the statistics are replicated scalars.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,9 +120,11 @@ class BatchPreparer:
         self.algo, self.train, self.dp_groups, self.data_sharding = algo, train, dp_groups, data_sharding
         self.pairs_block = pairs_block
         """Block size of the attention pairs each micro-batch carries (0: none)."""
-        self._pair_budget: dict[int, int] = {}
-        """Per row length, the most block pairs a micro-batch has needed so far, rounded up: it only
-        grows, so a run compiles a few pair counts per length bucket."""
+        self._pair_budgets: dict[int, list[int]] = {}
+        """Per row length, the pair budgets micro-batches have used so far (each a compiled shape),
+        ascending. A micro-batch takes the smallest that holds its pairs, and a new budget is made
+        only when none does: a run compiles as few pair counts as if budgets only grew, and a
+        batch of short answers after a long one costs what it needs, not what that one needed."""
         # Advantages run on small [batch, width] arrays; width is bucketed so this compiles rarely.
         self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
         self._ev_fn = jax.jit(explained_variance)
@@ -178,13 +181,23 @@ class BatchPreparer:
             return None
         blocks = length // block
         pairs = [attention_block_pairs(lengths, length, block) for lengths in rows]
-        budget = self._pair_budget[length] = max(self._pair_budget.get(length, 0),
-                                                 pair_budget(max(len(p) for p in pairs), blocks))
+        budget = self.pair_budget_for(length, max(len(p) for p in pairs))
         out = np.zeros((len(rows), budget, 2), np.int32)
         out[..., 1] = blocks - 1  # unused: query block 0 against the last key block, which causality masks
         for r, p in enumerate(pairs):
             out[r, :len(p)] = p
         return out
+
+    def pair_budget_for(self, length: int, needed: int) -> int:
+        """The pair budget of a micro-batch of rows of ``length`` whose rows need at most ``needed``
+        block pairs: the smallest budget already used that holds them, else a new one."""
+        used = self._pair_budgets.setdefault(length, [])
+        fitting = [b for b in used if b >= needed]
+        if fitting:
+            return fitting[0]
+        budget = pair_budget(needed, length // min(self.pairs_block, length))
+        bisect.insort(used, budget)
+        return budget
 
     def logprobs(self, policy: Learner, micro: list[MicroBatch], lengths: Sequence[int],
                  params: Any = None) -> list[np.ndarray]:

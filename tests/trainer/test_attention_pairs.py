@@ -37,22 +37,33 @@ def test_block_sparse_step_equals_the_full_window_step() -> None:
         np.testing.assert_allclose(stats[0][key], stats[1][key], rtol=2e-5, err_msg=key)
 
 
-def test_micro_batches_carry_their_rows_pairs_and_budgets_only_grow() -> None:
+def test_micro_batches_carry_their_rows_pairs_and_reuse_the_smallest_budget_that_fits() -> None:
     rng = np.random.default_rng(1)
     trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(micro_batch_tokens=128, length_buckets=(128,),
                                                               max_seq_len=64, attention_block=16))
-    budgets = []
-    for _ in range(6):
-        trajs = random_trajectories(rng, 3, 3, prompt_len=(3, 20), answer_len=(2, 40))
+    budgets, needs = [], []
+    # Short answers, long ones, then short again (RL grows a tail, and not every batch holds it):
+    # the last short batches must not pay for the long ones' pairs.
+    for answer_len in [(2, 6)] * 2 + [(30, 40)] * 2 + [(2, 40)] * 2 + [(2, 6)] * 2:
+        trajs = random_trajectories(rng, 3, 3, prompt_len=(3, 20), answer_len=answer_len)
         prepared = trainer.prepare_batch(trajs, 0)
         for m in (m for mb in prepared.minibatches for m in mb):
             pairs = np.asarray(m.arrays["attention_pairs"])
+            need = 0
             for r, row in enumerate(m.plan.rows):
                 want = attention_block_pairs([len(trajs[i]) for i in row], m.plan.length, 16)
                 np.testing.assert_array_equal(pairs[r, :len(want)], want)
                 assert (pairs[r, len(want):] == [0, 7]).all()  # padding pairs: masked by causality
+                need = max(need, len(want))
             budgets.append(pairs.shape[1])
-    assert budgets == sorted(budgets) and len(set(budgets)) <= 3
+            needs.append(need)
+    # A new budget only when every earlier one is too small, so no more shapes than a budget
+    # that only grows; and each micro-batch takes the smallest budget seen that holds it.
+    new = [i for i in range(len(budgets)) if budgets[i] not in budgets[:i]]
+    assert all(needs[i] > max(budgets[:i], default=0) for i in new) and len(new) <= 3
+    for i, (b, n) in enumerate(zip(budgets, needs, strict=True)):
+        assert b == min(x for x in budgets[:i + 1] if x >= n)
+    assert budgets[-1] < max(budgets)  # the short answers came back to a small budget
 
 
 def test_block_sparse_step_on_a_mesh_equals_one_device() -> None:
