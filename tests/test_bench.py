@@ -98,9 +98,12 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     metrics = [{**step, "time": t, "step": i + 1, "filtered": 2 * i} for i, t in enumerate((4.0, 6.0, 9.0))]
     metrics[1].update(eval_accuracy=0.2, eval_seconds=1.0)
     metrics[-1].update(eval_accuracy=0.3, eval_seconds=0.5)
+    metrics[0]["compile_seconds"] = 3.0  # the warm-up step's compiling is outside the window anyway
+    metrics[-1]["compile_seconds"] = 0.5  # a new shape met in a timed step
     out = runs.summarize(metrics, [10.0, 12.0, 15.0], poller, 1, {"eval_accuracy": 0.1, "eval_prompts": 50},
                          {"eval_accuracy": 0.3, "eval_prompts": 50})
     assert out["timed_steps"] == 2 and out["wall_s_per_step"] == pytest.approx(2.0)
+    assert out["compile_s_per_step"] == pytest.approx(0.25) and out["steady_s_per_step"] == pytest.approx(1.75)
     assert out["generated_tokens_per_s"] == pytest.approx(300 / 4)
     assert out["trained_tokens_per_s"] == pytest.approx(2 * 40 / 4)
     assert out["trainer_idle_fraction"] == pytest.approx(1.0 / 4)
@@ -120,17 +123,18 @@ def test_compare_takes_ratios_to_the_synchronous_runs_final_accuracy() -> None:
     from areal_jax.bench.async_sync import compare
     from areal_jax.bench.tables import async_table
 
-    def row(wall: float, tokens: float, clock: list, prompts: int = 400) -> dict:
+    def row(wall: float, tokens: float, clock: list, prompts: int = 400, compiling: float = 0.0) -> dict:
         return {"wall_s_per_step": wall, "trained_tokens_per_s": tokens, "accuracy_clock": clock,
-                "accuracy_after": clock[-1][1], "eval_prompts": prompts}
+                "accuracy_after": clock[-1][1], "eval_prompts": prompts, "steady_s_per_step": wall - compiling}
 
-    rows = [row(2.0, 100.0, [[0, 0.2], [50, 0.3], [100, 0.4]]),  # sync ends at 40%, first there at 100 s
-            row(1.0, 300.0, [[0, 0.2], [25, 0.45], [50, 0.32]]),  # there at 25 s; ends 8 points lower
+    rows = [row(2.0, 100.0, [[0, 0.2], [50, 0.3], [100, 0.4]], compiling=0.5),  # sync ends at 40%, first there at 100 s
+            row(1.0, 300.0, [[0, 0.2], [25, 0.45], [50, 0.32]], compiling=0.25),  # there at 25 s; ends 8 points lower
             row(0.5, 400.0, [[0, 0.2], [25, 0.3], [50, 0.39]]),  # never there, ends 1 point lower
             row(0.25, 800.0, [[0, 0.2], [25, 0.3], [50, 0.39]], prompts=4000)]
     compare(rows)
     assert [r["accuracy_target"] for r in rows] == [0.4] * 4
     assert [r["sync_over_this_wall"] for r in rows] == [1.0, 2.0, 4.0, 8.0]
+    assert [r["sync_over_this_steady"] for r in rows] == [1.0, 2.0, 3.0, 6.0]  # 1.5 s of sync's 2 s was steady
     assert [r["this_over_sync_trained_tokens"] for r in rows] == [1.0, 3.0, 4.0, 8.0]
     assert [r["seconds_to_accuracy"] for r in rows] == [100, 25, None, None]
     assert [r["sync_over_this_first_reach"] for r in rows] == [1.0, 4.0, None, None]
@@ -159,6 +163,7 @@ def test_async_summary_averages_each_mode_over_seeds_against_its_own_sync() -> N
 
     def row(name: str, seed: int, wall: float, acc: float) -> dict:
         return {"name": name, "max_staleness": 0 if name == "sync" else 4, "seed": seed, "wall_s_per_step": wall,
+                "steady_s_per_step": wall, "compile_s_per_step": 0.0,
                 "trained_tokens_per_s": 100.0 / wall, "accuracy_clock": [[0, 0.2], [10 * wall, acc]],
                 "accuracy_after": acc, "eval_prompts": 400, "answer_len_mean": 10.0, "train_s_per_step": 0.1,
                 "generated_tokens_per_s": 1.0, "trainer_idle_fraction": 0.0, "rollout_idle_fraction": 0.0,
@@ -182,9 +187,9 @@ def test_async_summary_averages_each_mode_over_seeds_against_its_own_sync() -> N
     assert "| async_eta4, seed 1 | 1.00 |" in table
     # a step is never shorter than its training (0.1 s here): sync s/step over it is the bound
     assert eta4["split_bound_mean"] == pytest.approx(25.0) and sync["split_bound_mean"] is None
-    assert ("| async_eta4 | 1.00 ± 0.00 | 2.50 ± 0.71x | 25.00 ± 7.07x | 2.50 ± 0.71x | 26.0 ± 8.5% "
+    assert ("| async_eta4 | 1.00 ± 0.00 | 2.50 ± 0.71x | 2.50 ± 0.71x | 25.00 ± 7.07x | 2.50 ± 0.71x | 26.0 ± 8.5% "
             "| -4.0 ± 8.5 pts | 1 of 2 | 2.00x, n/a |") in table
-    assert "| sync | 2.50 ± 0.71 | 1.00 ± 0.00x | n/a |" in table
+    assert "| sync | 2.50 ± 0.71 | 1.00 ± 0.00x | 1.00 ± 0.00x | n/a |" in table
 
 
 def test_staleness_cells_average_over_seeds() -> None:

@@ -80,8 +80,9 @@ def summary(by_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         mine = [rows[i] for rows in by_seed]
         row: dict[str, Any] = {"name": first["name"], "max_staleness": first["max_staleness"],
                                "seeds": [r["seed"] for r in mine]}
-        for key in ("sync_over_this_wall", "this_over_sync_trained_tokens", "accuracy_after", "accuracy_difference",
-                    "wall_s_per_step", "answer_len_mean", "split_bound"):
+        for key in ("sync_over_this_wall", "sync_over_this_steady", "this_over_sync_trained_tokens", "accuracy_after",
+                    "accuracy_difference", "wall_s_per_step", "steady_s_per_step", "compile_s_per_step",
+                    "answer_len_mean", "split_bound"):
             row[f"{key}_mean"], row[f"{key}_std"] = report.mean_sd([r[key] for r in mine if r.get(key) is not None])
         row["within_noise"] = sum(bool(r.get("accuracy_within_noise")) for r in mine)
         row["sync_over_this_to_accuracy"] = [r.get("sync_over_this_to_accuracy") for r in mine]
@@ -92,7 +93,8 @@ def summary(by_seed: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def compare(rows: list[dict[str, Any]]) -> None:
     """Add to each row (the synchronous baseline first) its ratios to the baseline.
 
-    - ``sync_over_this_wall``: per step; ``this_over_sync_trained_tokens``: in trained tokens/s.
+    - ``sync_over_this_wall``: per step; ``sync_over_this_steady``: per step with each run's
+      trainer compilation left out; ``this_over_sync_trained_tokens``: in trained tokens/s.
     - ``accuracy_difference`` (final held-out accuracy minus the baseline's), its standard error
       ``accuracy_difference_se`` (both runs' binomial errors over their held-out prompts), and
       ``accuracy_within_noise``: the difference is above -2 standard errors.
@@ -111,6 +113,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         r["accuracy_target"] = target
         r["sync_over_this_wall"] = sync["wall_s_per_step"] / r["wall_s_per_step"]
+        r["sync_over_this_steady"] = sync["steady_s_per_step"] / r["steady_s_per_step"]
         r["split_bound"] = split_bound(sync, r)
         r["this_over_sync_trained_tokens"] = r["trained_tokens_per_s"] / sync["trained_tokens_per_s"]
         diff, se = _difference(r, sync)

@@ -291,10 +291,16 @@ def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPo
     trained = sum(m["trajectories"] * m["answer_len_mean"] for m in timed)
     waiting = sum(m["rollout_seconds"] for m in timed)
     per_step = wall / len(timed)
+    # Seconds the trainer spent compiling a shape it met for the first time (a longer answer
+    # needing a larger attention pair budget, say): a one-off that a long run pays once, but that
+    # falls at random in a short one, so the steady rate leaves it out.
+    compiling = sum(m.get("compile_seconds", 0.0) for m in timed)
     return {
         **extra,
         "steps": n, "timed_steps": len(timed),
         "wall_s_per_step": wall / len(timed),
+        "compile_s_per_step": compiling / len(timed),
+        "steady_s_per_step": (wall - compiling) / len(timed),
         "generated_tokens_per_s": generated / wall,
         "trained_tokens_per_s": trained / wall,
         "trainer_idle_fraction": min(1.0, waiting / wall),

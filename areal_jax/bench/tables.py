@@ -23,17 +23,18 @@ def async_table(d: dict[str, Any]) -> list[str]:
     lines = [f"Rollout on cores {d['rollout_cores']}, trainer on cores {d['trainer_cores']} (asynchronous runs); "
              f"the synchronous run on every core. {d['steps']} steps each, the first {d['warmup_steps']} left out "
              "of the timings.", "",
-             "| mode | s / step | train s / step | generated tok/s | trained tok/s | trainer idle "
+             "| mode | s / step | train s / step | of which compiling | generated tok/s | trained tok/s | trainer idle "
              "| rollout idle | mean staleness | longest answer | groups filtered | accuracy before -> after "
              "| final accuracy - sync's | sync / this wall-clock | trained tok/s, this / sync "
              "| sync / this, to the same accuracy | first reach of sync's final accuracy: s (sync / this) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     many = len(d.get("seeds", [])) > 1
     for m in d.get("seed_runs", d["modes"]):
         n = m.get("eval_prompts")
         name = f"{m['name']}, seed {m['seed']}" if many else m["name"]
         lines.append(f"| {name} | {m['wall_s_per_step']:.2f} | {m['train_s_per_step']:.2f} | "
-                     f"{m['generated_tokens_per_s']:.0f} | {m['trained_tokens_per_s']:.0f} | "
+                     f"{_num(m.get('compile_s_per_step'))} | {m['generated_tokens_per_s']:.0f} | "
+                     f"{m['trained_tokens_per_s']:.0f} | "
                      f"{_pct(m['trainer_idle_fraction'])} | {_pct(m['rollout_idle_fraction'])} | "
                      f"{m['staleness_mean']:.2f} | {m['answer_len_max']} | {_pct(m.get('filtered_fraction'))} | "
                      f"{_pct(m['accuracy_before'])} -> {_acc(m['accuracy_after'], n)} | {_difference(m)} | "
@@ -53,21 +54,29 @@ def async_table(d: dict[str, Any]) -> list[str]:
     if many and d.get("summary"):
         lines += ["", f"Over the seeds {d['seeds']} (each run against its own seed's synchronous run): mean ± sample "
                       "standard deviation. Most this trainer allows: the synchronous run's s / step over this run's "
-                  "train s / step, since a step is never shorter than its own training.", "",
-                  "| mode | s / step | sync / this wall-clock | most this trainer allows | trained tok/s, this / sync "
+                  "train s / step, since a step is never shorter than its own training. Compilation left out: "
+                  "each run's s / step less the seconds its trainer spent compiling shapes it met for the first "
+                  "time (a one-off a long run pays once, which falls at random in a short one).", "",
+                  "| mode | s / step | sync / this wall-clock | sync / this, compilation left out "
+                  "| most this trainer allows | trained tok/s, this / sync "
                   "| final accuracy | final accuracy - sync's | within noise of sync "
                   "| sync / this, to the same accuracy, per seed |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["summary"]:
             per_seed = ", ".join(_ratio(x) for x in r["sync_over_this_to_accuracy"])
             lines.append(f"| {r['name']} | {_mean_sd(r, 'wall_s_per_step', '.2f')} | "
                          f"{_mean_sd(r, 'sync_over_this_wall', '.2f', 'x')} | "
+                         f"{_mean_sd(r, 'sync_over_this_steady', '.2f', 'x')} | "
                          f"{_mean_sd(r, 'split_bound', '.2f', 'x')} | "
                          f"{_mean_sd(r, 'this_over_sync_trained_tokens', '.2f', 'x')} | "
                          f"{_mean_sd(r, 'accuracy_after', '.1f', '%', 100)} | "
                          f"{_mean_sd(r, 'accuracy_difference', '+.1f', ' pts', 100)} | "
                          f"{r['within_noise']} of {len(r['seeds'])} | {per_seed} |")
     return lines
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, fmt)
 
 
 def _mean_sd(row: dict[str, Any], key: str, fmt: str, unit: str = "", scale: float = 1.0) -> str:
