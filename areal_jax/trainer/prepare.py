@@ -181,21 +181,22 @@ class BatchPreparer:
             return None
         blocks = length // block
         pairs = [attention_block_pairs(lengths, length, block) for lengths in rows]
-        budget = self.pair_budget_for(length, max(len(p) for p in pairs))
+        budget = self.pair_budget_for(length, blocks, max(len(p) for p in pairs))
         out = np.zeros((len(rows), budget, 2), np.int32)
         out[..., 1] = blocks - 1  # unused: query block 0 against the last key block, which causality masks
         for r, p in enumerate(pairs):
             out[r, :len(p)] = p
         return out
 
-    def pair_budget_for(self, length: int, needed: int) -> int:
-        """The pair budget of a micro-batch of rows of ``length`` whose rows need at most ``needed``
-        block pairs: the smallest budget already used that holds them, else a new one."""
+    def pair_budget_for(self, length: int, blocks: int, needed: int) -> int:
+        """The pair budget of a micro-batch of rows of ``length`` tokens (``blocks`` blocks) whose
+        rows need at most ``needed`` block pairs: the smallest budget already used that holds
+        them, else a new one."""
         used = self._pair_budgets.setdefault(length, [])
-        fitting = [b for b in used if b >= needed]
-        if fitting:
-            return fitting[0]
-        budget = pair_budget(needed, length // min(self.pairs_block, length))
+        i = bisect.bisect_left(used, needed)
+        if i < len(used):
+            return used[i]
+        budget = pair_budget(needed, blocks)
         bisect.insort(used, budget)
         return budget
 
