@@ -33,6 +33,14 @@ def test_parse_args_rejects_unknown_parts() -> None:
         parse_args(["--parts", "async,nope"])
 
 
+def test_parse_args_rejects_steps_that_leave_nothing_timed(capsys: pytest.CaptureFixture) -> None:
+    assert parse_args(["--steps", "60"]).steps == 60 and parse_args([]).steps is None
+    assert parse_args(["--quick", "--steps", "2"]).steps == 2  # one warm-up step with --quick
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "3"])  # three warm-up steps otherwise
+    assert "--steps 4 or more" in capsys.readouterr().err
+
+
 def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
     class Tok:
         eos_token_id = 0
@@ -218,13 +226,15 @@ def test_staleness_cells_average_over_seeds() -> None:
 @pytest.mark.slow
 def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
-    proc = subprocess.run([sys.executable, "-m", "areal_jax.cli", "bench", "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=1500)
+    # --steps 5 (not --quick's 4) reaches the async and interrupt parts' runs
+    proc = subprocess.run([sys.executable, "-m", "areal_jax.cli", "bench", "--quick", "--steps", "5",
+                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     load = lambda name: json.loads((tmp_path / f"{name}.json").read_text())  # noqa: E731
 
     a = load("async")
     assert [m["name"] for m in a["modes"]] == ["sync", "async_eta4"]
+    assert a["steps"] == 5 and all(m["steps"] == 5 for m in a["modes"])
     for m in a["modes"]:
         _check_run(m)
         assert m["sync_over_this_wall"] > 0
@@ -248,6 +258,7 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
                                                                           (True, "in_place")]
     for r in i["runs"]:
         _check_run(r)
+        assert r["steps"] == 5
     assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0 and i["in_place_throughput_ratio"] > 0
 
     c = load("components")

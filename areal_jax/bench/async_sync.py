@@ -35,11 +35,13 @@ def split_cores() -> tuple[list[int], list[int]]:
     return cores[half:], cores[:half]
 
 
-def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0) -> dict[str, Any]:
+def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
+        steps: int | None = None) -> dict[str, Any]:
     """Every mode at RL seeds ``seed, seed + 1, ...`` (``SEEDS``; one with ``quick``), all from
-    one warm start. ``modes`` holds the first seed's runs (the plots are theirs), ``seed_runs``
-    every seed's, and ``summary`` each mode's ratios and accuracies over the seeds."""
-    steps, warmup = (4, 1) if quick else (task.get("steps", STEPS), 3)
+    one warm start, ``steps`` RL steps each (default ``STEPS``, 4 with ``quick``). ``modes`` holds
+    the first seed's runs (the plots are theirs), ``seed_runs`` every seed's, and ``summary`` each
+    mode's ratios and accuracies over the seeds."""
+    steps, warmup = steps or (4 if quick else task.get("steps", STEPS)), runs.warmup_steps(quick)
     seeds = list(range(seed, seed + (1 if quick else SEEDS)))
     rollout_cores, trainer_cores = split_cores()
     by_seed = []

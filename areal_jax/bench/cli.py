@@ -25,11 +25,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "so generation is most of a synchronous step")
     p.add_argument("--out", default="runs/bench", help="results folder")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None,
+                   help="RL steps per run of the async and interrupt parts (default 30; 4 with --quick): longer runs "
+                        "show whether a staleness bound stays stable")
     p.add_argument("--compile-cache", default=None,
                    help="JAX persistent compilation cache shared by every run and server (default <out>/jax_cache); "
                         "'none' turns it off")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    warmup = runs.warmup_steps(args.quick)
+    if args.steps is not None and args.steps <= warmup:
+        p.error(f"--steps {args.steps} leaves no timed step: the first {warmup} steps compile and are left out of "
+                f"the figures; give --steps {warmup + 1} or more")
     unknown = [x for x in args.parts if x not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
@@ -81,7 +88,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         if part == "async":
             from areal_jax.bench import async_sync
 
-            results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed)
+            results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps)
         elif part == "staleness":
             from areal_jax.bench import staleness
 
@@ -89,7 +96,7 @@ def main(argv: list[str]) -> dict[str, Any]:
         elif part == "interrupt":
             from areal_jax.bench import interrupt
 
-            results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed)
+            results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps)
         elif part == "components":
             from areal_jax.bench import components
 

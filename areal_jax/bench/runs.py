@@ -97,6 +97,11 @@ once, greedy held-out accuracy), which RL moves from about 40% to 80% in 100 ste
 learning in a short run for staleness to show in it."""
 
 
+def warmup_steps(quick: bool) -> int:
+    """Steps at the start of each async or interrupt run that compile and are left out of its figures."""
+    return 1 if quick else 3
+
+
 def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, Any]:
     """``task`` (default ``TASK``), smaller with ``quick`` (shorter warm start, fewer held-out
     prompts, smaller batches)."""
