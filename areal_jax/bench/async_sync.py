@@ -17,8 +17,6 @@ from areal_jax.bench import report, runs
 SEEDS = 3
 """RL seeds per mode in a full run: one run's answer lengths, and so its step time, drift with its
 own policy, and its final accuracy moves by more than the held-out error from seed to seed."""
-STEPS = 30
-"""Training steps per mode in a full run, unless the task sets its own ``steps``."""
 
 
 def modes(quick: bool) -> list[tuple[str, int]]:
@@ -38,10 +36,10 @@ def split_cores() -> tuple[list[int], list[int]]:
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
         steps: int | None = None) -> dict[str, Any]:
     """Every mode at RL seeds ``seed, seed + 1, ...`` (``SEEDS``; one with ``quick``), all from
-    one warm start, ``steps`` RL steps each (default ``STEPS``, 4 with ``quick``). ``modes`` holds
+    one warm start, ``steps`` RL steps each (``runs.run_steps``). ``modes`` holds
     the first seed's runs (the plots are theirs), ``seed_runs`` every seed's, and ``summary`` each
     mode's ratios and accuracies over the seeds."""
-    steps, warmup = steps or (4 if quick else task.get("steps", STEPS)), runs.warmup_steps(quick)
+    steps, warmup = runs.run_steps(quick, steps)
     seeds = list(range(seed, seed + (1 if quick else SEEDS)))
     rollout_cores, trainer_cores = split_cores()
     by_seed = []

@@ -16,7 +16,7 @@ from areal_jax.bench import async_sync, report, runs
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
         steps: int | None = None) -> dict[str, Any]:
-    steps, warmup, eta = steps or (4 if quick else async_sync.STEPS), runs.warmup_steps(quick), 4
+    (steps, warmup), eta = runs.run_steps(quick, steps), 4
     rollout_cores, trainer_cores = async_sync.split_cores()
     rows = []
     for name, interruptible, pause_mode in (("wait", False, "abort"), ("interrupt", True, "abort"),

@@ -97,9 +97,19 @@ once, greedy held-out accuracy), which RL moves from about 40% to 80% in 100 ste
 learning in a short run for staleness to show in it."""
 
 
+STEPS = 30
+"""RL steps per run of the async and interrupt parts (``--steps`` sets another count)."""
+
+
 def warmup_steps(quick: bool) -> int:
     """Steps at the start of each async or interrupt run that compile and are left out of its figures."""
     return 1 if quick else 3
+
+
+def run_steps(quick: bool, steps: int | None = None) -> tuple[int, int]:
+    """``(steps, warm-up steps)`` of each async or interrupt run: ``steps`` when given, else
+    ``STEPS`` (4 with ``quick``)."""
+    return steps or (4 if quick else STEPS), warmup_steps(quick)
 
 
 def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, Any]:
