@@ -127,6 +127,13 @@ class ModelConfig:
     which compiles in time growing with depth. On CPU unrolling measured no faster (see
     benchmarks/README.md); it is there for backends where the loop itself costs. Not a HF
     config key."""
+    train_unroll: int | None = None
+    """Decoder layers per iteration of the packed path's scan over layers (training, and the
+    proximal, reference and critic forward passes). None: all of them on CPU, where XLA:CPU
+    runs a loop body's gradient slower than the same layers unrolled (the bench's 2-layer
+    model trained 1.17x faster unrolled, and compiled faster; benchmarks/README.md); 1 on GPU
+    and TPU. 1 compiles one layer whatever the depth; unrolled layers compile in time growing
+    with depth (28 layers: 5.9 s against 2.3 s on CPU). Not a HF config key."""
     extra_hf: dict[str, Any] = field(default_factory=dict, compare=False)
     """Keys of the source config.json we do not interpret, written back unchanged on save."""
 
@@ -147,6 +154,9 @@ class ModelConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r}; choose one of {list(ATTENTION_IMPLS)}")
         if self.decode_unroll < 1:
             raise ValueError(f"decode_unroll={self.decode_unroll}: layers per scan iteration must be >= 1")
+        if self.train_unroll is not None and self.train_unroll < 1:
+            raise ValueError(f"train_unroll={self.train_unroll}: layers per scan iteration must be >= 1 "
+                             "(or None for the backend's default)")
         if self.rope_scaling is not None:
             object.__setattr__(self, "rope_scaling", FrozenDict(self.rope_scaling))
             kind = self.rope_scaling.get("rope_type", "default")

@@ -120,10 +120,13 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=(axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        if x.ndim == 3:  # hidden states [b, t, h]: one token axis, for the scale's gradient (see Linear)
+            x = x.reshape(-1, shape[-1])
         # Normalise in float32 whatever the compute dtype, as HF does.
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * x32.astype(x.dtype)
+        return (self.weight[...].astype(x.dtype) * x32.astype(x.dtype)).reshape(shape)
 
 
 def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
@@ -132,10 +135,24 @@ def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
     return jax.lax.Precision.HIGHEST if cfg.dtype == "float32" else None
 
 
+class Linear(nnx.Linear):
+    """``nnx.Linear`` on the input's leading axes merged into one (``[b, t, in]`` as ``[b * t,
+    in]``), so the weight gradient contracts one axis, not two: XLA:CPU lays a two-axis
+    contraction out through transposing copies, and a decoder layer's gradient took 1.3x as long
+    (benchmarks/README.md). A reshape of contiguous axes, free on every backend; under a mesh
+    only the batch axis is sharded among those merged, so the merged axis keeps its sharding."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if x.ndim <= 2:
+            return super().__call__(x)
+        lead = x.shape[:-1]
+        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
+
+
 def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool,
            rngs: nnx.Rngs) -> nnx.Linear:
     init = nnx.initializers.normal(0.02)
-    return nnx.Linear(
+    return Linear(
         d_in, d_out, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
         kernel_init=nnx.with_partitioning(init, axes),
         bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), (axes[1],)),
@@ -428,8 +445,16 @@ class Decoder(nnx.Module):
 
         if self.config.remat != "none":
             layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
-        run = nnx.scan(layer_fn, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS)
+        run = nnx.scan(layer_fn, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS,
+                       unroll=self.train_unroll())
         return self.norm(run(x, self.layers))
+
+    def train_unroll(self) -> int:
+        """Layers per iteration of ``hidden_states``' scan: ``ModelConfig.train_unroll``, or by backend."""
+        cfg = self.config
+        if cfg.train_unroll is not None:
+            return min(cfg.train_unroll, cfg.num_hidden_layers)
+        return cfg.num_hidden_layers if jax.default_backend() == "cpu" else 1
 
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
         """Float32 logits ``[..., vocab]``. In bfloat16 mode the head multiplies bfloat16 operands

@@ -113,3 +113,28 @@ def test_remat_policy_names() -> None:
     assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
     with pytest.raises(ValueError, match="remat='some'"):
         ModelConfig(remat="some")
+
+
+def _loss_and_grad(unroll: int | None, ids: jax.Array) -> tuple[str, jax.Array, nnx.State]:
+    model = Decoder(ModelConfig(num_hidden_layers=3, train_unroll=unroll), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    loss = lambda s: jnp.mean(jax.nn.log_softmax(nnx.merge(graphdef, s)(ids)) ** 2)
+    fn = jax.jit(jax.value_and_grad(loss))
+    return fn.lower(state).as_text(), *fn(state)
+
+
+def test_train_unroll_changes_only_how_the_layers_compile() -> None:
+    """``train_unroll``: the packed path's scan over layers runs that many layers an iteration
+    (on CPU all of them by default, the faster program there). 1, 2 (with a remainder) and all 3
+    give the same loss and gradient; the lowered program loops over layers only when it does not
+    unroll them all."""
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, 128, (2, 9)), jnp.int32)
+    runs = {unroll: _loss_and_grad(unroll, ids) for unroll in (1, 2, 3, None)}
+    for unroll in (2, 3, None):
+        np.testing.assert_allclose(runs[unroll][1], runs[1][1], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(runs[unroll][2]), jax.tree.leaves(runs[1][2]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    loops = {unroll: "stablehlo.while" in text for unroll, (text, _, _) in runs.items()}
+    assert loops == {1: True, 2: True, 3: False, None: jax.default_backend() != "cpu"}, loops
+    with pytest.raises(ValueError, match="train_unroll=0"):
+        ModelConfig(train_unroll=0)

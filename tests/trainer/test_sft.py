@@ -39,4 +39,9 @@ def test_warm_start_on_a_mesh_matches_one_device_and_splits_the_rows(tmp_path: P
     np.testing.assert_allclose([a["loss_first"], a["loss_last"]], [b["loss_first"], b["loss_last"]], rtol=1e-5)
     for (path, x), (_, y) in zip(nnx.to_flat_state(nnx.state(single, nnx.Param)),
                                  nnx.to_flat_state(nnx.state(sharded, nnx.Param)), strict=True):
-        np.testing.assert_allclose(np.asarray(x.get_value()), np.asarray(y.get_value()), atol=2e-6, err_msg=str(path))
+        # The key bias adds nearly the same q.b to every score of a query (exactly the same before
+        # RoPE), which the softmax cancels: its gradient is mostly rounding, whose summation order
+        # differs between one device and eight, and Adam's normalised step turns that into up to
+        # lr a step. 1e-5 is 0.1% of how far 4 steps move it; a sharding error moves it by ~lr.
+        atol = 1e-5 if path[-2:] == ("k_proj", "bias") else 2e-6
+        np.testing.assert_allclose(np.asarray(x.get_value()), np.asarray(y.get_value()), atol=atol, err_msg=str(path))
