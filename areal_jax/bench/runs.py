@@ -54,21 +54,24 @@ TASK: dict[str, Any] = {
     # DAPO's dynamic sampling, as AReaL's reasoning recipes run it: a group whose answers all score
     # the same teaches GRPO nothing and is dropped, so rollout generates more than is trained.
     "rollout": {"group_size": 8, "max_new_tokens": 96, "temperature": 1.0, "filter_uniform_reward": True,
-                "server_args": ["--max-running-requests", "128", "--context-length", "160"]},
+                "server_args": ["--max-running-requests", "128", "--context-length", "160", "--server-warmup"]},
     "algo": {"adv_estimator": "grpo"},
     "train": {"lr": 0.0003, "micro_batch_tokens": 2048, "length_buckets": [2048], "max_seq_len": 160},
     "eval": {"every": 10, "temperature": 1.0},
     "export": False,
 }
 """The async and interrupt parts' run config (a dict in ``RunConfig``'s shape) before
-``model.path`` is set: the scratch-pad task (long-tailed answers), warm-started to about 16%."""
+``model.path`` is set: the scratch-pad task (long-tailed answers), warm-started to about 16%.
+Its server compiles every step shape before the run (``--server-warmup``), as a long run's
+servers have compiled them by its steady state: compiled on first use instead, a new shape
+stalled a weight update's pause for about 1.2 s on the rollout core, several times a run."""
 
 LONG_TAIL_TASK: dict[str, Any] = {
     **TASK,
     "data": {**TASK["data"], "eval_size": 400},
     "warm_start": {**TASK["warm_start"], "max_len": 300},
     "rollout": {**TASK["rollout"], "max_new_tokens": 448,
-                "server_args": ["--max-running-requests", "128", "--context-length", "512"]},
+                "server_args": ["--max-running-requests", "128", "--context-length", "512", "--server-warmup"]},
     "algo": {**TASK["algo"], "ppo_n_minibatches": 2},
     "train": {**TASK["train"], "max_seq_len": 512},
 }
@@ -123,6 +126,8 @@ def task_config(quick: bool, task: dict[str, Any] | None = None) -> dict[str, An
                               filter_uniform_reward=False)
         cfg["eval"]["every"] = 0
         cfg["batch_size"] = 2
+        # Few steps, none of them timed closely: compiling every server shape would be most of it.
+        cfg["rollout"]["server_args"] = [a for a in cfg["rollout"]["server_args"] if a != "--server-warmup"]
     return cfg
 
 
