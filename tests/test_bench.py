@@ -82,6 +82,30 @@ def test_long_tail_task_has_room_for_its_answers() -> None:
     assert parse_args(["--long-tail"]).long_tail and not parse_args([]).long_tail
 
 
+def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tmp_path: Path) -> None:
+    """Every async-part mode's overrides load as a ``RunConfig`` (a misspelt key would fail), the
+    full part adds ``max_staleness`` 4 paused in place beside the default abort, and only full runs
+    compile the server's shapes up front."""
+    from areal_jax.bench.async_sync import modes
+    from areal_jax.config import from_dict
+    from areal_jax.trainer.run_config import RunConfig
+
+    for quick in (True, False):
+        task = runs.task_config(quick, runs.LONG_TAIL_TASK)
+        assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
+        loaded = {}
+        for name, mode, eta, overrides in modes(quick):
+            cfg = runs.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
+                                                                     "rollout.max_staleness": eta, **overrides})
+            loaded[name] = from_dict(RunConfig, cfg).rollout
+        assert list(loaded)[0] == "sync" and loaded["async_eta4"].pause_mode == "abort"
+        if quick:
+            assert list(loaded) == ["sync", "async_eta4"]
+        else:
+            assert loaded["async_eta4_in_place"].pause_mode == "in_place"
+            assert loaded["async_eta4_in_place"].effective_max_staleness == 4
+
+
 def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
     before = os.sched_getaffinity(0)
     core = min(before)

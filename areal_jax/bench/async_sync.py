@@ -19,9 +19,17 @@ SEEDS = 3
 own policy, and its final accuracy moves by more than the held-out error from seed to seed."""
 
 
-def modes(quick: bool) -> list[tuple[str, int]]:
-    """``(mode, max_staleness)`` pairs, the synchronous baseline first."""
-    return [("sync", 0), ("async", 4)] if quick else [("sync", 0), ("async", 1), ("async", 2), ("async", 4)]
+def modes(quick: bool) -> list[tuple[str, str, int, dict[str, Any]]]:
+    """``(name, mode, max_staleness, other overrides)``, the synchronous baseline first. The
+    asynchronous runs pause with abort and recompute the KV of the answers in flight after each
+    weight update (AReaL's interruptible rollout, the default); a full run adds ``max_staleness``
+    4 paused ``in_place`` (the answers go on over their stale KV, as PipelineRL does), which
+    spares the rollout core those recomputes."""
+    out: list[tuple[str, str, int, dict[str, Any]]] = [("sync", "sync", 0, {})]
+    out += [(f"async_eta{eta}", "async", eta, {}) for eta in ((4,) if quick else (1, 2, 4))]
+    if not quick:
+        out.append(("async_eta4_in_place", "async", 4, {"rollout.pause_mode": "in_place"}))
+    return out
 
 
 def split_cores() -> tuple[list[int], list[int]]:
@@ -45,10 +53,9 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
     by_seed = []
     for s in seeds:
         rows = []
-        for mode, eta in modes(quick):
-            name = "sync" if mode == "sync" else f"async_eta{eta}"
+        for name, mode, eta, overrides in modes(quick):
             cfg = runs.run_config(task, checkpoint, out / "runs" / f"{name}_seed{s}", steps=steps, seed=s,
-                                  **{"rollout.mode": mode, "rollout.max_staleness": eta})
+                                  **{"rollout.mode": mode, "rollout.max_staleness": eta, **overrides})
             split = mode == "async"
             row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
                                     trainer_cores=trainer_cores if split else None, warmup_steps=warmup)
