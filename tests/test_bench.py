@@ -41,6 +41,23 @@ def test_parse_args_rejects_steps_that_leave_nothing_timed(capsys: pytest.Captur
     assert "--steps 4 or more" in capsys.readouterr().err
 
 
+def test_parse_args_selects_async_modes_and_seeds_keeping_the_baseline(capsys: pytest.CaptureFixture) -> None:
+    from areal_jax.bench.async_sync import modes
+
+    args = parse_args(["--modes", "async_eta4, async_eta2", "--seeds", "6"])
+    assert args.modes == ["async_eta4", "async_eta2"] and args.seeds == 6
+    # the baseline runs whatever --modes says, and the order stays the part's own
+    assert [m[0] for m in modes(False, args.modes)] == ["sync", "async_eta2", "async_eta4"]
+    assert [m[0] for m in modes(False, None)] == ["sync", "async_eta1", "async_eta2", "async_eta4",
+                                                 "async_eta4_in_place"]
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--modes", "async_eta2"])  # --quick runs sync and eta 4 only
+    assert "unknown mode(s) ['async_eta2']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--seeds", "0"])
+    assert "--seeds 0" in capsys.readouterr().err
+
+
 def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
     class Tok:
         eos_token_id = 0

@@ -28,6 +28,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="RL steps per run of the async and interrupt parts (default 30; 4 with --quick): longer runs "
                         "show whether a staleness bound stays stable")
+    p.add_argument("--modes", default=None,
+                   help="async part: comma-separated modes to run, e.g. async_eta4 (default all; the synchronous "
+                        "baseline always runs, since every ratio is to it)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="async part: RL seeds per mode, from --seed on (default 3; 1 with --quick)")
     p.add_argument("--compile-cache", default=None,
                    help="JAX persistent compilation cache shared by every run and server (default <out>/jax_cache); "
                         "'none' turns it off")
@@ -37,6 +42,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.steps is not None and args.steps <= warmup:
         p.error(f"--steps {args.steps} leaves no timed step: the first {warmup} steps compile and are left out of "
                 f"the figures; give --steps {warmup + 1} or more")
+    if args.modes is not None:
+        from areal_jax.bench.async_sync import modes
+
+        args.modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+        try:
+            modes(args.quick, args.modes)
+        except ValueError as e:
+            p.error(str(e))
+    if args.seeds is not None and args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give 1 or more")
     unknown = [x for x in args.parts if x not in PARTS]
     if unknown:
         p.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
@@ -88,7 +103,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         if part == "async":
             from areal_jax.bench import async_sync
 
-            results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps)
+            results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps,
+                                           only=args.modes, n_seeds=args.seeds)
         elif part == "staleness":
             from areal_jax.bench import staleness
 
