@@ -5,8 +5,10 @@ The server is an embedded server process on 127.0.0.1 (``areal-jax serve``, star
 starts its fleet), so its reading, conversion and swap run beside the trainer's side, as in a
 deployment. A push is timed from the trainer's params on its device to the server's answer that
 it serves the new version (``TransferMetrics.seconds``); the bound is ``safetensors`` writing the
-same tensors to a file plus reading them back, measured in the same run. Each figure is the best
-of ``--repeats``; the first push of each path (which compiles the conversions) is left out.
+same tensors to a file plus reading them back, measured right after each push (the same memory
+and page-cache state, as the machine drifts). Each figure is the median over ``--repeats``
+pushes, and each ratio the median of the pushes' ratios to their own bound; the first push of
+each path (which compiles the conversions) is left out.
 The HTTP path is timed as a run takes it (kernels in our own layout, transposed on neither side)
 and, as ``http_hf``, with the buckets in HF layout (both sides transpose every matrix).
 
@@ -19,11 +21,13 @@ import argparse
 import asyncio
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -50,23 +54,17 @@ def make_model(name: str) -> Decoder:
     return Decoder(cfg, rngs=nnx.Rngs(0))
 
 
-def raw_safetensors(model: Decoder, workdir: Path, repeats: int) -> tuple[float, float]:
-    """Best write and read seconds of the model's HF tensors through ``safetensors`` itself."""
-    tensors = dict(iter_hf_tensors(model, "float32"))
-    path = workdir / "raw.safetensors"
-    writes, reads = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        save_file(tensors, str(path))
-        t1 = time.perf_counter()
-        loaded = load_file(str(path))
-        t2 = time.perf_counter()
-        assert len(loaded) == len(tensors)
-        del loaded
-        path.unlink()
-        writes.append(t1 - t0)
-        reads.append(t2 - t1)
-    return min(writes), min(reads)
+def raw_write_read(tensors: dict[str, np.ndarray], path: Path) -> tuple[float, float]:
+    """Seconds to write ``tensors`` to ``path`` through ``safetensors`` itself, and to read them back."""
+    t0 = time.perf_counter()
+    save_file(tensors, str(path))
+    t1 = time.perf_counter()
+    loaded = load_file(str(path))
+    t2 = time.perf_counter()
+    assert len(loaded) == len(tensors)
+    del loaded
+    path.unlink()
+    return t1 - t0, t2 - t1
 
 
 async def bench_size(name: str, workdir: Path, repeats: int) -> dict:
@@ -77,6 +75,8 @@ async def bench_size(name: str, workdir: Path, repeats: int) -> dict:
     fleet = ServerFleet(src, 1, workdir / f"logs-{name}", weight_roots=[workdir],
                         extra_args=["--max-running-requests", "2", "--context-length", "64"])
     row: dict = {"model": name, "params": model.config.num_params()}
+    tensors = dict(iter_hf_tensors(model, "float32"))  # the raw bound's bytes, on the host
+    raw: list[tuple[float, float]] = []  # (write, read) seconds, one pair right after each timed push
     try:
         addresses = await asyncio.to_thread(fleet.start)
         async with HttpRolloutClient(addresses, config=ClientConfig(weight_timeout_s=600)) as client:
@@ -86,7 +86,7 @@ async def bench_size(name: str, workdir: Path, repeats: int) -> dict:
             # http: what a run does between our trainer and our servers (kernels in our layout, no
             # transposes); http_hf: the same buckets in HF layout, as the disk path must write them
             for label, sink, hf_layout in (("disk", disk, True), ("http", http, False), ("http_hf", http, True)):
-                times = []
+                times, ratios = [], []
                 for _ in range(repeats + 1):
                     version += 1
                     m = await sink.push(version, iter_hf_tensors(model, "float32", hf_layout=hf_layout))
@@ -94,15 +94,17 @@ async def bench_size(name: str, workdir: Path, repeats: int) -> dict:
                     times.append(m.seconds)
                     row["bytes"] = m.bytes
                     row[f"{label}_buckets"] = m.buckets
-                row[f"{label}_s"] = min(times[1:])
-                row[f"{label}_first_s"] = times[0]
+                    if len(times) > 1:  # the first push compiles the conversions
+                        raw.append(raw_write_read(tensors, workdir / "raw.safetensors"))
+                        ratios.append(m.seconds / sum(raw[-1]))
+                row[f"{label}_first_s"], row[f"{label}_all_s"] = times[0], times[1:]
+                row[f"{label}_s"] = statistics.median(times[1:])
+                row[f"{label}_over_bound"] = statistics.median(ratios)
     finally:
         fleet.stop()
-    w, r = raw_safetensors(model, workdir, repeats)
-    row["raw_write_s"], row["raw_read_s"] = w, r
-    bound = w + r
-    for label in ("disk", "http", "http_hf"):
-        row[f"{label}_over_bound"] = row[f"{label}_s"] / bound
+    row["raw_write_s"] = statistics.median(w for w, _ in raw)
+    row["raw_read_s"] = statistics.median(r for _, r in raw)
+    row["raw_write_read_all_s"] = [w + r for w, r in raw]
     return row
 
 

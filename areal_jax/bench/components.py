@@ -4,7 +4,8 @@ collects and plots.
 
 - decode: engine tokens/s against concurrency;
 - train_step: trainer tokens/s and the fraction of the float32 matmul peak measured in the same run;
-- weight_update: disk and HTTP weight updates against a raw safetensors write + read of the same bytes;
+- weight_update: disk and HTTP weight updates against a raw safetensors write + read of the same bytes
+  (medians; each push's ratio to the write + read measured right after it);
 - rewards: reward-pool rewards/s against inline calls.
 """
 
@@ -27,7 +28,7 @@ ARGS: dict[str, tuple[list[str], list[str]]] = {
     "train_step": (["--sizes", "tiny", "--groups", "2", "--group-size", "2", "--max-answer", "32", "--batches", "1",
                     "--reps", "1", "--budget", "512", "--padded-micro-batches", "1"],
                    ["--sizes", "tiny", "small", "--batches", "1", "--reps", "1"]),
-    "weight_update": (["--sizes", "3M", "--repeats", "1"], ["--sizes", "3M,25M,100M", "--repeats", "2"]),
+    "weight_update": (["--sizes", "3M", "--repeats", "1"], ["--sizes", "3M,25M,100M", "--repeats", "3"]),
     "rewards": (["--calls", "20"], ["--calls", "200"]),
 }
 """Each script's arguments, ``(quick, full)``."""
@@ -73,7 +74,9 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
              "scores_computed_over_needed": s["profile"]["scores_computed_over_needed"]} for s in train["sizes"]]},
         "weight_update": [{"model": r["model"], "params": r["params"], "mib": r["bytes"] / 2**20,
                            "disk_s": r["disk_s"], "http_s": r["http_s"], "http_hf_s": r.get("http_hf_s"),
-                           "raw_write_read_s": r["raw_write_s"] + r["raw_read_s"]} for r in raw["weight_update"]],
+                           "raw_write_read_s": r["raw_write_s"] + r["raw_read_s"],
+                           **{f"{k}_over_bound": r.get(f"{k}_over_bound") for k in ("disk", "http", "http_hf")}}
+                          for r in raw["weight_update"]],
         "rewards": [{"reward": k, "inline_per_s": v["inline_per_s"], "pool_per_s": v["pool_per_s"],
                      "workers": v["workers"]} for k, v in raw["rewards"].items()],
     }
