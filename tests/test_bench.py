@@ -50,6 +50,9 @@ def test_parse_args_selects_async_modes_and_seeds_keeping_the_baseline(capsys: p
     assert [m[0] for m in modes(False, args.modes)] == ["sync", "async_eta2", "async_eta4"]
     assert [m[0] for m in modes(False, None)] == ["sync", "async_eta1", "async_eta2", "async_eta4",
                                                  "async_eta4_in_place"]
+    naive = modes(True, ["async_eta4_naive"])  # on request only, with --quick too
+    assert [m[0] for m in naive] == ["sync", "async_eta4_naive"]
+    assert naive[1][3] == {"algo.use_decoupled_loss": False}
     with pytest.raises(SystemExit):
         parse_args(["--quick", "--modes", "async_eta2"])  # --quick runs sync and eta 4 only
     assert "unknown mode(s) ['async_eta2']" in capsys.readouterr().err
@@ -111,13 +114,16 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
         task = runs.task_config(quick, runs.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
         loaded = {}
-        for name, mode, eta, overrides in modes(quick):
+        for name, mode, eta, overrides in modes(quick, None) + modes(quick, ["async_eta4_naive"])[1:]:
             cfg = runs.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
                                                                      "rollout.max_staleness": eta, **overrides})
             loaded[name] = from_dict(RunConfig, cfg).rollout
         assert list(loaded)[0] == "sync" and loaded["async_eta4"].pause_mode == "abort"
+        assert not from_dict(RunConfig, runs.run_config(task, tmp_path, tmp_path / "n", **{
+            "rollout.mode": "async", "rollout.max_staleness": 4, **modes(quick, ["async_eta4_naive"])[1][3]})
+        ).algo.use_decoupled_loss
         if quick:
-            assert list(loaded) == ["sync", "async_eta4"]
+            assert list(loaded) == ["sync", "async_eta4", "async_eta4_naive"]
         else:
             assert loaded["async_eta4_in_place"].pause_mode == "in_place"
             assert loaded["async_eta4_in_place"].effective_max_staleness == 4
@@ -241,6 +247,18 @@ def test_async_summary_averages_each_mode_over_seeds_against_its_own_sync() -> N
     assert "| sync | 2.50 ± 0.71 | 1.00 ± 0.00x | 1.00 ± 0.00x | n/a |" in table
 
 
+def test_weight_sync_ratio_is_each_push_against_its_own_bound() -> None:
+    """The table quotes the median of each push's ratio to the raw write + read measured right
+    after it, not the ratio of two medians taken at different moments; older results without
+    the paired ratios fall back to that."""
+    from areal_jax.bench.tables import _weight_sync_cells
+
+    paired = {"disk_s": 0.6, "raw_write_read_s": 0.2, "disk_over_bound": 1.7, "http_s": 0.3}
+    assert _weight_sync_cells(paired, "disk") == ("0.60 s", "1.7x")
+    assert _weight_sync_cells(paired, "http") == ("0.30 s", "1.5x")  # no paired ratio: 0.3 / 0.2
+    assert _weight_sync_cells(paired, "http_hf") == ("n/a", "n/a")
+
+
 def test_staleness_cells_average_over_seeds() -> None:
     from areal_jax.bench.staleness import cells
     from areal_jax.bench.tables import staleness_table
@@ -306,6 +324,7 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     assert all(r["tokens_per_s"] > 0 for r in c["decode"])
     assert all(0 < s["fraction_of_matmul_peak"] <= 1 for s in c["train_step"]["sizes"])
     assert all(r["disk_s"] > 0 and r["http_s"] > 0 and r["raw_write_read_s"] > 0 for r in c["weight_update"])
+    assert all(r[f"{k}_over_bound"] > 0 for r in c["weight_update"] for k in ("disk", "http", "http_hf"))
     assert all(r["inline_per_s"] > 0 and r["pool_per_s"] > 0 for r in c["rewards"])
 
     for data in (a, s, i, c):

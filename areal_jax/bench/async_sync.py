@@ -19,9 +19,19 @@ SEEDS = 3
 own policy, and its final accuracy moves by more than the held-out error from seed to seed."""
 
 
+ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
+    ("async_eta4_naive", "async", 4, {"algo.use_decoupled_loss": False}),
+]
+"""Modes run only when ``--modes`` names them: ``max_staleness`` 4 with naive PPO (the clipped
+ratio against the behaviour policy, AReaL's ablation), whose clip bounds how far each update
+moves from the policy that sampled the tokens. At ``max_staleness`` 0 it is the synchronous
+run's own computation, so the baseline serves both."""
+
+
 def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, int, dict[str, Any]]]:
     """``(name, mode, max_staleness, other overrides)``, the synchronous baseline first (kept
-    whatever ``only`` says: every ratio is to it); ``only``: the names to run, of these. The
+    whatever ``only`` says: every ratio is to it); ``only``: the names to run, of these and
+    ``ON_REQUEST``. The
     asynchronous runs pause with abort and recompute the KV of the answers in flight after each
     weight update (AReaL's interruptible rollout, the default); a full run adds ``max_staleness``
     4 paused ``in_place`` (the answers go on over their stale KV, as PipelineRL does), which
@@ -31,6 +41,7 @@ def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, in
     if not quick:
         out.append(("async_eta4_in_place", "async", 4, {"rollout.pause_mode": "in_place"}))
     if only is not None:
+        out += [m for m in ON_REQUEST if m[0] in only]
         unknown = sorted(set(only) - {m[0] for m in out})
         if unknown:
             raise ValueError(f"--modes: unknown mode(s) {unknown}; choose from {[m[0] for m in out]}"
