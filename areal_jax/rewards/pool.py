@@ -19,6 +19,7 @@ import multiprocessing
 import resource
 import time
 from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,14 @@ def normalise(out: Any) -> tuple[float, dict[str, Any]]:
     return float(value), extra
 
 
+BROKEN_POOL = (
+    "its worker processes could not start ({error}). Workers start from a forkserver that imports the main "
+    "module: a script that builds the pool (or calls areal_jax.train) must keep its code under "
+    "`if __name__ == \"__main__\":` (the usual cause; a worker's traceback above shows it). Every reward "
+    "scores 0 until the pool is rebuilt.")
+"""What a call to a pool that lost all its workers scores 0 with (logged once as an error)."""
+
+
 class RewardPool:
     """``await pool.score(prompt, completion, fields, row_id=...)`` -> ``RewardResult``."""
 
@@ -128,6 +137,10 @@ class RewardPool:
         except asyncio.CancelledError:
             future.cancel()
             raise
+        except BrokenProcessPool as e:
+            if not self.stats["pool_broken"]:
+                log.error("reward pool %s: %s", self.cfg.name, BROKEN_POOL.format(error=e))
+            return self._failed("pool_broken", BROKEN_POOL.format(error=e), row_id, t0)
         except Exception as e:
             return self._failed("errors", f"{type(e).__name__}: {e}", row_id, t0)
         self.stats["ok"] += 1

@@ -2,7 +2,11 @@
 counted, the worker is replaced, and normal calls interleaved with them return their values."""
 
 import asyncio
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +65,24 @@ def test_unknown_reward_fails_before_work() -> None:
         get_reward_fn("no_such.module:fn")
     with pytest.raises(ValueError, match="reward.num_workers"):
         RewardConfig(num_workers=0)
+
+
+def test_a_pool_whose_workers_cannot_start_names_the_missing_main_guard(tmp_path) -> None:
+    """A script that builds the pool without ``if __name__ == "__main__":``: the forkserver's
+    workers import it and fail, and each call scores 0 with a message that names the guard."""
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import asyncio\n"
+        "from areal_jax.rewards import RewardConfig, RewardPool\n"
+        "pool = RewardPool(RewardConfig(name='tests.rewards.fns:echo', num_workers=1))\n"
+        "r = asyncio.run(pool.score('p', 'x', {}, row_id='r'))\n"
+        "print('RESULT', r.reward, pool.stats['pool_broken'], r.error)\n"
+        "pool.close()\n")
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
+                          env=env)
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, proc.stderr[-2000:]
+    assert result[0].startswith("RESULT 0.0 1 ") and 'if __name__ == "__main__":' in result[0]
+    assert "could not start" in proc.stderr  # logged as an error, once
