@@ -29,25 +29,25 @@ run's own computation, so the baseline serves both."""
 
 
 def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, int, dict[str, Any]]]:
-    """``(name, mode, max_staleness, other overrides)``, the synchronous baseline first (kept
-    whatever ``only`` says: every ratio is to it); ``only``: the names to run, of these and
-    ``ON_REQUEST``. The
-    asynchronous runs pause with abort and recompute the KV of the answers in flight after each
-    weight update (AReaL's interruptible rollout, the default); a full run adds ``max_staleness``
-    4 paused ``in_place`` (the answers go on over their stale KV, as PipelineRL does), which
-    spares the rollout core those recomputes."""
+    """``(name, mode, max_staleness, other overrides)``, the synchronous baseline first.
+
+    The asynchronous runs pause with abort and recompute the KV of the answers in flight after
+    each weight update (AReaL's interruptible rollout, the default); a full run adds
+    ``max_staleness`` 4 paused ``in_place`` (the answers go on over their stale KV, as PipelineRL
+    does), which spares the rollout core those recomputes. ``only``: the names to run, of these
+    and ``ON_REQUEST`` (the baseline runs whatever it says: every ratio is to it)."""
     out: list[tuple[str, str, int, dict[str, Any]]] = [("sync", "sync", 0, {})]
     out += [(f"async_eta{eta}", "async", eta, {}) for eta in ((4,) if quick else (1, 2, 4))]
     if not quick:
         out.append(("async_eta4_in_place", "async", 4, {"rollout.pause_mode": "in_place"}))
-    if only is not None:
-        out += [m for m in ON_REQUEST if m[0] in only]
-        unknown = sorted(set(only) - {m[0] for m in out})
-        if unknown:
-            raise ValueError(f"--modes: unknown mode(s) {unknown}; choose from {[m[0] for m in out]}"
-                             + ("" if not quick else " (--quick runs fewer)"))
-        out = [m for m in out if m[0] == "sync" or m[0] in only]
-    return out
+    if only is None:
+        return out
+    known = out + ON_REQUEST
+    unknown = sorted(set(only) - {m[0] for m in known})
+    if unknown:
+        raise ValueError(f"--modes: unknown mode(s) {unknown}; choose from {[m[0] for m in known[1:]]}"
+                         + (" (--quick runs fewer)" if quick else ""))
+    return [m for m in known if m[0] == "sync" or m[0] in only]
 
 
 def split_cores() -> tuple[list[int], list[int]]:
@@ -62,10 +62,9 @@ def split_cores() -> tuple[list[int], list[int]]:
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
         steps: int | None = None, only: list[str] | None = None, n_seeds: int | None = None) -> dict[str, Any]:
     """The modes (``modes(quick, only)``) at RL seeds ``seed, seed + 1, ...`` (``n_seeds``, by
-    default ``SEEDS``; one with ``quick``), all from
-    one warm start, ``steps`` RL steps each (``runs.run_steps``). ``modes`` holds
-    the first seed's runs (the plots are theirs), ``seed_runs`` every seed's, and ``summary`` each
-    mode's ratios and accuracies over the seeds."""
+    default ``SEEDS``; one with ``quick``), all from one warm start, ``steps`` RL steps each
+    (``runs.run_steps``). ``modes`` holds the first seed's runs (the plots are theirs),
+    ``seed_runs`` every seed's, and ``summary`` each mode's ratios and accuracies over the seeds."""
     steps, warmup = runs.run_steps(quick, steps)
     seeds = list(range(seed, seed + (n_seeds or (1 if quick else SEEDS))))
     rollout_cores, trainer_cores = split_cores()

@@ -138,9 +138,10 @@ class RewardPool:
             future.cancel()
             raise
         except BrokenProcessPool as e:
+            message = BROKEN_POOL.format(error=e)
             if not self.stats["pool_broken"]:
-                log.error("reward pool %s: %s", self.cfg.name, BROKEN_POOL.format(error=e))
-            return self._failed("pool_broken", BROKEN_POOL.format(error=e), row_id, t0)
+                log.error("reward pool %s: %s", self.cfg.name, message)
+            return self._failed("pool_broken", message, row_id, t0)
         except Exception as e:
             return self._failed("errors", f"{type(e).__name__}: {e}", row_id, t0)
         self.stats["ok"] += 1
