@@ -53,6 +53,8 @@ def test_parse_args_selects_async_modes_and_seeds_keeping_the_baseline(capsys: p
     naive = modes(True, ["async_eta4_naive"])  # on request only, with --quick too
     assert [m[0] for m in naive] == ["sync", "async_eta4_naive"]
     assert naive[1][3] == {"algo.use_decoupled_loss": False}
+    both = modes(False, ["async_eta4_m2po", "async_eta4_naive"])
+    assert [m[0] for m in both] == ["sync", "async_eta4_naive", "async_eta4_m2po"]
     with pytest.raises(SystemExit):
         parse_args(["--quick", "--modes", "async_eta2"])  # --quick runs sync and eta 4 only
     assert "unknown mode(s) ['async_eta2']" in capsys.readouterr().err
@@ -114,7 +116,8 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
         task = runs.task_config(quick, runs.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
         loaded = {}
-        for name, mode, eta, overrides in modes(quick, None) + modes(quick, ["async_eta4_naive"])[1:]:
+        on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po"])[1:]
+        for name, mode, eta, overrides in modes(quick, None) + on_request:
             cfg = runs.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
                                                                      "rollout.max_staleness": eta, **overrides})
             loaded[name] = from_dict(RunConfig, cfg).rollout
@@ -122,8 +125,11 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
         assert not from_dict(RunConfig, runs.run_config(task, tmp_path, tmp_path / "n", **{
             "rollout.mode": "async", "rollout.max_staleness": 4, **modes(quick, ["async_eta4_naive"])[1][3]})
         ).algo.use_decoupled_loss
+        m2po = from_dict(RunConfig, runs.run_config(task, tmp_path, tmp_path / "m", **{
+            "rollout.mode": "async", "rollout.max_staleness": 4, **on_request[1][3]})).algo
+        assert m2po.m2_threshold == 0.04 and m2po.use_decoupled_loss
         if quick:
-            assert list(loaded) == ["sync", "async_eta4", "async_eta4_naive"]
+            assert list(loaded) == ["sync", "async_eta4", "async_eta4_naive", "async_eta4_m2po"]
         else:
             assert loaded["async_eta4_in_place"].pause_mode == "in_place"
             assert loaded["async_eta4_in_place"].effective_max_staleness == 4

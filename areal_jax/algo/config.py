@@ -50,6 +50,10 @@ class AlgoConfig:
     """Dual-clip bound (> 1) on the loss of negative-advantage tokens; None disables it."""
     behavior_imp_weight_cap: float | None = 5.0
     """Tokens whose proximal/behavior weight exceeds this are dropped from the loss; None keeps all."""
+    m2_threshold: float | None = None
+    """M2PO's trust region against the behavior policy (AReaL's ``m2_threshold``; 0.04 in its
+    recipe): in each micro-batch, the tokens with the largest squared log proximal/behavior weight
+    are dropped from the loss until the mean square of the rest is below this. None: no drop."""
     use_decoupled_loss: bool = True
     """AReaL's decoupled objective; False is naive PPO against the behavior policy (ablation)."""
     ratio_level: str = "token"
@@ -121,6 +125,12 @@ class AlgoConfig:
             raise ValueError("loss_aggregation='constant' needs a positive constant_normalizer")
         if not self.norm_eps >= 0:
             raise ValueError(f"norm_eps must be >= 0, got {self.norm_eps}")
+        if self.m2_threshold is not None and not self.m2_threshold > 0:
+            raise ValueError(f"m2_threshold must be positive or None, got {self.m2_threshold}")
+        if self.m2_threshold is not None and not self.use_decoupled_loss:
+            raise ValueError("m2_threshold needs use_decoupled_loss: naive PPO has no proximal policy, so there is "
+                             "no proximal/behavior weight to bound; set algo.m2_threshold: null or "
+                             "algo.use_decoupled_loss: true")
         if self.c_clip is not None and self.c_clip <= 1.0:
             raise ValueError(f"c_clip must be > 1, got {self.c_clip}")
         if self.proximal_logprobs == "loglinear" and not self.use_decoupled_loss:
@@ -138,6 +148,7 @@ def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
         "eps_clip_higher": cfg.eps_clip_higher,
         "c_clip": cfg.c_clip,
         "behavior_imp_weight_cap": cfg.behavior_imp_weight_cap,
+        "m2_threshold": cfg.m2_threshold,
         "use_decoupled": cfg.use_decoupled_loss,
         "ratio_level": cfg.ratio_level,
         "aggregation": cfg.loss_aggregation,

@@ -29,6 +29,32 @@ def _masked_mean(x: jax.Array, mask: jax.Array, count: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask > 0, x, 0.0)) / count
 
 
+def second_moment_keep(log_w: jax.Array, mask: jax.Array, threshold: float) -> jax.Array:
+    """M2PO's token selection (Zheng et al. 2025): which masked tokens to keep so that the mean of
+    ``log_w ** 2`` over the kept ones falls below ``threshold``.
+
+    The masked tokens are ranked by ``log_w ** 2``, largest first, and the fewest leading ones are
+    dropped that bring the mean of the rest under ``threshold``; if even the smallest alone is not
+    under it, one token (the smallest) is kept. Ties are broken by position, so exactly that many
+    tokens go. ``log_w`` and ``mask`` are flat; returns a bool array of their shape.
+    """
+    masked = mask > 0
+    m2 = jnp.where(masked, jnp.square(log_w), 0.0)
+    n = jnp.sum(masked.astype(jnp.int32))
+    # Unmasked tokens sort after every masked one: their key is below any square.
+    order = jnp.argsort(jnp.where(masked, -m2, 1.0), stable=True)
+    sorted_m2 = m2[order]
+    size = sorted_m2.shape[0]
+    idx = jnp.arange(size)
+    # Mean of sorted_m2[i:n], the tokens left after dropping the i largest.
+    suffix = jnp.sum(sorted_m2) - (jnp.cumsum(sorted_m2) - sorted_m2)
+    rest_mean = suffix / jnp.maximum(n - idx, 1).astype(m2.dtype)
+    over = (idx < n) & (rest_mean >= threshold)
+    n_drop = jnp.minimum(jnp.sum(over.astype(jnp.int32)), jnp.maximum(n - 1, 0))
+    rank = jnp.zeros(size, jnp.int32).at[order].set(idx.astype(jnp.int32))
+    return masked & (rank >= n_drop)
+
+
 def decoupled_ppo_loss(
     logprobs: jax.Array,
     proximal_logprobs: jax.Array,
@@ -40,6 +66,7 @@ def decoupled_ppo_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behavior_imp_weight_cap: float | None = None,
+    m2_threshold: float | None = None,
     use_decoupled: bool = True,
     ratio_level: str = "token",
     aggregation: str = "token_mean",
@@ -57,6 +84,14 @@ def decoupled_ppo_loss(
         L = min(L, c_clip * |A|)            where A < 0, if c_clip is set (dual clip)
         w = stop_gradient(exp(proximal_logprobs - behavior_logprobs))
         w = 0                               where w > behavior_imp_weight_cap, if set
+        w = 0                               on the tokens M2PO drops, if m2_threshold is set
+
+``m2_threshold`` is M2PO's trust region against the behavior policy: of the masked tokens, those
+with the largest ``(log w) ** 2`` are dropped until the mean of the rest is below it
+(``second_moment_keep``; M2PO's and AReaL's ``m2_threshold``, 0.04 in their recipes). The
+proximal clip bounds how far one update moves from the proximal policy; this bounds how far the
+trained tokens' proximal policy may sit from the one that sampled them, and it drops only the
+outliers. The selection is over the arrays given: a micro-batch in the trainer.
 
     and the loss is the aggregation of ``w * L`` over ``loss_mask``:
 
@@ -68,7 +103,7 @@ def decoupled_ppo_loss(
 
     ``use_decoupled=False`` is the naive (coupled) PPO the staleness ablation compares against:
     the ratio is taken against the behavior policy and there is no ``w``; ``proximal_logprobs``
-    is then ignored.
+    is then ignored (and ``m2_threshold`` is refused: it would select nothing).
 
     ``ratio_level="sequence"`` is GSPO: the ratio of a sequence is
     ``s = exp(mean over its masked tokens of (logprobs - proximal_logprobs))`` and every token
@@ -79,7 +114,8 @@ def decoupled_ppo_loss(
 
     Stats (scalars, over masked tokens): ``clip_fraction``, ``dual_clip_fraction``,
     ``ratio_mean``, ``behavior_imp_weight_mean`` / ``_max`` (before the cap drops anything),
-    ``dropped_fraction``, and ``behavior_kl``: the k3 estimate of KL(behavior || proximal),
+    ``dropped_fraction`` (by the cap or M2PO), ``m2`` (the mean of ``(log w) ** 2`` before any
+    drop), ``m2_dropped_fraction``, and ``behavior_kl``: the k3 estimate of KL(behavior || proximal),
     ``mean(w - 1 - log w)``, non-negative per token and unbiased because the tokens were sampled
     from the behavior policy.
     """
@@ -92,6 +128,11 @@ def decoupled_ppo_loss(
     if isinstance(constant_normalizer, int | float) and not constant_normalizer > 0:
         raise ValueError(f"constant_normalizer must be positive, got {constant_normalizer}: a negative one "
                          f"would turn the loss's descent into ascent")
+    if m2_threshold is not None and not m2_threshold > 0:
+        raise ValueError(f"m2_threshold must be positive or None, got {m2_threshold}")
+    if m2_threshold is not None and not use_decoupled:
+        raise ValueError("m2_threshold bounds the proximal policy's distance from the behavior policy, which "
+                         "naive PPO (use_decoupled=False) does not have: drop m2_threshold or use the decoupled loss")
     if eps_clip_higher is None:
         eps_clip_higher = eps_clip
 
@@ -143,10 +184,14 @@ def decoupled_ppo_loss(
         raw_w = jnp.ones_like(log_ratio)
     if behavior_imp_weight_cap is not None:
         dropped = raw_w > behavior_imp_weight_cap
-        w = jnp.where(dropped, 0.0, raw_w)
     else:
         dropped = jnp.zeros_like(is_clipped)
-        w = raw_w
+    if m2_threshold is not None:
+        m2_dropped = (mask > 0) & ~second_moment_keep(log_w, mask, m2_threshold)
+        dropped = dropped | m2_dropped
+    else:
+        m2_dropped = jnp.zeros_like(is_clipped)
+    w = jnp.where(dropped, 0.0, raw_w)
 
     # where() rather than a product so a dropped or masked token cannot send gradient even
     # when its per-token loss is not finite.
@@ -168,6 +213,8 @@ def decoupled_ppo_loss(
         "behavior_imp_weight_mean": _masked_mean(raw_w, mask, mask_count),
         "behavior_imp_weight_max": jnp.max(jnp.where(mask > 0, raw_w, 0.0)),
         "dropped_fraction": _masked_mean(dropped.astype(mask.dtype), mask, mask_count),
+        "m2": _masked_mean(jnp.square(log_w), mask, mask_count),
+        "m2_dropped_fraction": _masked_mean(m2_dropped.astype(mask.dtype), mask, mask_count),
         "behavior_kl": _masked_mean(raw_w - 1.0 - log_w, mask, mask_count),
     }
     stats = {k: jax.lax.stop_gradient(v) for k, v in stats.items()}

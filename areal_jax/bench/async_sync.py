@@ -21,11 +21,18 @@ own policy, and its final accuracy moves by more than the held-out error from se
 
 ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
     ("async_eta4_naive", "async", 4, {"algo.use_decoupled_loss": False}),
+    ("async_eta4_m2po", "async", 4, {"algo.m2_threshold": 0.04}),
 ]
-"""Modes run only when ``--modes`` names them: ``max_staleness`` 4 with naive PPO (the clipped
-ratio against the behaviour policy, AReaL's ablation), whose clip bounds how far each update
-moves from the policy that sampled the tokens. At ``max_staleness`` 0 it is the synchronous
-run's own computation, so the baseline serves both."""
+"""Modes run only when ``--modes`` names them, both at ``max_staleness`` 4:
+
+- ``async_eta4_naive``: naive PPO (the clipped ratio against the behaviour policy, AReaL's
+  ablation), whose clip bounds how far each update moves from the policy that sampled the
+  tokens. At ``max_staleness`` 0 it is the synchronous run's own computation, so the baseline
+  serves both.
+- ``async_eta4_m2po``: decoupled PPO with M2PO's trust region against the behaviour policy
+  (``algo.m2_threshold`` 0.04, the configs/algo/m2po.yaml preset). At ``max_staleness`` 0 it
+  can touch only the second minibatch, one update away from the sampler, so the plain
+  synchronous run is its baseline too."""
 
 
 def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, int, dict[str, Any]]]:

@@ -30,8 +30,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "show whether a staleness bound stays stable")
     p.add_argument("--modes", default=None,
                    help="async part: comma-separated modes to run, e.g. async_eta4 (default all; the synchronous "
-                        "baseline always runs, since every ratio is to it); async_eta4_naive (naive PPO) runs "
-                        "only when named")
+                        "baseline always runs, since every ratio is to it); async_eta4_naive (naive PPO) and "
+                        "async_eta4_m2po (M2PO's trust region) run only when named")
     p.add_argument("--seeds", type=int, default=None,
                    help="async part: RL seeds per mode, from --seed on (default 3; 1 with --quick)")
     p.add_argument("--compile-cache", default=None,

@@ -33,6 +33,7 @@ PRESET_CHECKS = {
     "dapo": lambda c: (c.eps_clip, c.eps_clip_higher) == (0.2, 0.28)
     and isinstance(c.overlong_penalty, OverlongPenalty) and c.loss_aggregation == "token_mean"
     and c.kl_coef == 0.0,
+    "m2po": lambda c: c.adv_estimator == "grpo" and c.m2_threshold == 0.04 and c.use_decoupled_loss,
     "gspo": lambda c: c.ratio_level == "sequence" and c.eps_clip < 0.01 and c.eps_clip_higher > c.eps_clip,
 }  # fmt: skip
 
@@ -68,6 +69,8 @@ def test_unknown_keys_fail():
         {"kl_estimator": "k4"},
         {"loss_aggregation": "constant", "constant_normalizer": 0.0},
         {"norm_eps": -1e-5},
+        {"m2_threshold": 0.0},
+        {"m2_threshold": 0.04, "use_decoupled_loss": False},
     ],
 )
 def test_invalid_values_fail(bad):
@@ -86,6 +89,7 @@ def test_loss_kwargs_drive_the_loss():
     lp, prox, behav, adv = rng.normal(-1, 0.1, (4, 2, 6)).astype(np.float32)
     loss, _ = decoupled_ppo_loss(lp, prox, behav, adv, np.ones((2, 6), np.float32), **kw)
     assert np.isfinite(loss)
+    assert ppo_loss_kwargs(_load("m2po"))["m2_threshold"] == 0.04
 
 
 MASK = np.array([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)

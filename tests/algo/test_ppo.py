@@ -12,7 +12,23 @@ from areal_jax.algo import decoupled_ppo_loss
 jax.config.update("jax_enable_x64", False)
 
 
-def _reference(lp, prox, behav, adv, mask, segs, *, eps, eps_hi, c_clip, cap, decoupled, level, agg, norm):
+def _m2po_drops(log_w, mask, threshold):
+    """M2PO's drops as the paper states them: drop the largest squared log-weights, one at a time,
+    while the mean of those left is not below the threshold and more than one is left."""
+    m = mask > 0
+    where = np.flatnonzero(m)
+    sq = np.square(log_w[where])
+    order = where[np.argsort(-sq, kind="stable")]
+    drops = np.zeros(len(log_w), bool)
+    k = 0
+    while k < len(order) - 1 and np.mean(np.square(log_w[order[k:]])) >= threshold:
+        drops[order[k]] = True
+        k += 1
+    return drops
+
+
+def _reference(lp, prox, behav, adv, mask, segs, *, eps, eps_hi, c_clip, cap, decoupled, level, agg, norm,
+               m2=None):
     """Loss, d loss / d logprobs and stats, written from the paper's formulas in NumPy."""
     lp, prox, behav, adv, mask = (np.asarray(x, np.float64).ravel() for x in (lp, prox, behav, adv, mask))
     segs = np.asarray(segs).ravel()
@@ -38,7 +54,10 @@ def _reference(lp, prox, behav, adv, mask, segs, *, eps, eps_hi, c_clip, cap, de
         loss_tok = np.where(dual, c_clip * np.abs(adv), loss_tok)
         dtok = np.where(dual, 0.0, dtok)
     w_raw = np.exp(prox - behav) if decoupled else np.ones(n)
+    log_w = np.where(mask > 0, prox - behav, 0.0) if decoupled else np.zeros(n)
     dropped = (w_raw > cap) if cap is not None else np.zeros(n, bool)
+    m2_drops = _m2po_drops(log_w, mask, m2) if m2 is not None else np.zeros(n, bool)
+    dropped = dropped | m2_drops
     w = np.where(dropped, 0.0, w_raw)
     coef = np.zeros(n)
     m = mask > 0
@@ -61,6 +80,8 @@ def _reference(lp, prox, behav, adv, mask, segs, *, eps, eps_hi, c_clip, cap, de
         "behavior_imp_weight_mean": w_raw[m].sum() / k,
         "behavior_imp_weight_max": w_raw[m].max(),
         "dropped_fraction": (m & dropped).sum() / k,
+        "m2": np.square(log_w)[m].sum() / k,
+        "m2_dropped_fraction": (m & m2_drops).sum() / k,
         "behavior_kl": (w_raw - 1 - np.log(w_raw))[m].sum() / k,
     }
     return loss, grad, stats
@@ -131,6 +152,63 @@ def test_loss_and_grad_vs_reference(seed, decoupled, clips, cap, level, agg):
         assert stats["dual_clip_fraction"] > 0
     if cap is not None and decoupled:
         assert stats["dropped_fraction"] > 0
+
+
+@pytest.mark.parametrize("level,agg,cap", list(itertools.product(
+    ["token", "sequence"], ["token_mean", "seq_mean_token_mean", "constant"], [None, 1.3])))
+def test_m2po_drops_vs_reference(level, agg, cap):
+    lp, prox, behav, adv, mask = _inputs(7)
+    segs = np.broadcast_to(np.arange(lp.shape[0])[:, None], lp.shape)
+    kw = dict(eps_clip=0.2, behavior_imp_weight_cap=cap, ratio_level=level, aggregation=agg,
+              constant_normalizer=64.0 if agg == "constant" else None)
+    ref_loss, ref_grad, ref_stats = _reference(
+        lp, prox, behav, adv, mask, segs, eps=0.2, eps_hi=None, c_clip=None, cap=cap, decoupled=True,
+        level=level, agg=agg, norm=64.0, m2=0.05)
+
+    def f(x):
+        return decoupled_ppo_loss(x, prox, behav, adv, mask, m2_threshold=0.05, **kw)
+
+    (loss, stats), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad).ravel(), ref_grad, rtol=1e-4, atol=1e-6)
+    for name, value in ref_stats.items():
+        np.testing.assert_allclose(stats[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    # The inputs' mean square (about 0.16) is well over the threshold: the drop changes the loss.
+    assert 0.1 < float(stats["m2_dropped_fraction"]) < 0.9
+    plain, _ = decoupled_ppo_loss(lp, prox, behav, adv, mask, **kw)
+    assert abs(float(plain) - float(loss)) > 1e-3
+    # What is kept is under the threshold, and keeping one more token would not be.
+    log_w = np.where(mask > 0, prox - behav, 0.0).ravel()
+    kept = (mask.ravel() > 0) & ~_m2po_drops(log_w, mask.ravel(), 0.05)
+    assert np.mean(np.square(log_w[kept])) < 0.05
+
+
+def test_m2po_edge_cases():
+    from areal_jax.algo.ppo import second_moment_keep
+
+    mask = np.ones(6, np.float32)
+    # Ties go by position, so exactly the needed number is dropped: here the first two 1.0s.
+    log_w = np.array([0.0, 1.0, 1.0, 1.0, 0.1, 0.0], np.float32)
+    keep = np.asarray(second_moment_keep(jnp.asarray(log_w), jnp.asarray(mask), 0.3))
+    np.testing.assert_array_equal(keep, ~_m2po_drops(log_w, mask, 0.3))
+    assert keep.tolist() == [True, False, False, True, True, True]
+    # Nothing over the threshold: nothing dropped; masked tokens are never kept.
+    mask[5] = 0
+    keep = np.asarray(second_moment_keep(jnp.asarray(log_w), jnp.asarray(mask), 10.0))
+    assert keep.tolist() == [True, True, True, True, True, False]
+    # Every token over it: the smallest one is kept, as M2PO does, so the loss never goes empty.
+    keep = np.asarray(second_moment_keep(jnp.asarray(log_w + 5.0), jnp.asarray(mask), 0.01))
+    assert keep.tolist() == [True, False, False, False, False, False]
+    # No masked token at all: nothing kept, and no error.
+    assert not np.asarray(second_moment_keep(jnp.asarray(log_w), jnp.zeros(6, jnp.float32), 0.01)).any()
+
+
+def test_m2po_is_refused_where_it_would_do_nothing():
+    lp, prox, behav, adv, mask = _inputs(1)
+    with pytest.raises(ValueError, match="m2_threshold"):
+        decoupled_ppo_loss(lp, prox, behav, adv, mask, eps_clip=0.2, m2_threshold=0.04, use_decoupled=False)
+    with pytest.raises(ValueError, match="positive"):
+        decoupled_ppo_loss(lp, prox, behav, adv, mask, eps_clip=0.2, m2_threshold=0.0)
 
 
 def test_packed_1d_with_seq_ids_matches_rows():
@@ -211,7 +289,7 @@ def test_gspo_sequence_ratio_is_shared_by_all_tokens():
 def test_jit_matches_eager_with_every_option_on():
     lp, prox, behav, adv, mask = _inputs(21)
     kw = dict(
-        eps_clip=0.2, eps_clip_higher=0.28, c_clip=1.25, behavior_imp_weight_cap=1.3,
+        eps_clip=0.2, eps_clip_higher=0.28, c_clip=1.25, behavior_imp_weight_cap=1.3, m2_threshold=0.05,
         ratio_level="sequence", aggregation="constant", constant_normalizer=50.0,
     )  # fmt: skip
     eager = decoupled_ppo_loss(lp, prox, behav, adv, mask, **kw)
