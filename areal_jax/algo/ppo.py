@@ -86,20 +86,20 @@ def decoupled_ppo_loss(
         w = 0                               where w > behavior_imp_weight_cap, if set
         w = 0                               on the tokens M2PO drops, if m2_threshold is set
 
-``m2_threshold`` is M2PO's trust region against the behavior policy: of the masked tokens, those
-with the largest ``(log w) ** 2`` are dropped until the mean of the rest is below it
-(``second_moment_keep``; M2PO's and AReaL's ``m2_threshold``, 0.04 in their recipes). The
-proximal clip bounds how far one update moves from the proximal policy; this bounds how far the
-trained tokens' proximal policy may sit from the one that sampled them, and it drops only the
-outliers. The selection is over the arrays given: a micro-batch in the trainer.
-
     and the loss is the aggregation of ``w * L`` over ``loss_mask``:
 
     - ``token_mean``: ``sum(w * L * mask) / sum(mask)``; the mask is counted before any token
-      is dropped by the cap, so dropping a token does not re-weight the others.
+      is dropped (by the cap or M2PO), so dropping a token does not re-weight the others.
     - ``seq_mean_token_mean``: token mean within each sequence, then mean over sequences that
       have at least one masked token.
     - ``constant``: ``sum(w * L * mask) / constant_normalizer`` (Dr.GRPO).
+
+    ``m2_threshold`` is M2PO's trust region against the behavior policy: of the masked tokens,
+    those with the largest ``(log w) ** 2`` are dropped until the mean of the rest is below it
+    (``second_moment_keep``; M2PO's and AReaL's ``m2_threshold``, 0.04 in their recipes). The
+    proximal clip bounds how far one update moves from the proximal policy; this bounds how far
+    the trained tokens' proximal policy may sit from the one that sampled them, and it drops only
+    the outliers. The selection is over the arrays given: a micro-batch in the trainer.
 
     ``use_decoupled=False`` is the naive (coupled) PPO the staleness ablation compares against:
     the ratio is taken against the behavior policy and there is no ``w``; ``proximal_logprobs``
