@@ -45,13 +45,13 @@ def second_moment_keep(log_w: jax.Array, mask: jax.Array, threshold: float) -> j
     order = jnp.argsort(jnp.where(masked, -m2, 1.0), stable=True)
     sorted_m2 = m2[order]
     size = sorted_m2.shape[0]
-    idx = jnp.arange(size)
+    idx = jnp.arange(size, dtype=jnp.int32)
     # Mean of sorted_m2[i:n], the tokens left after dropping the i largest.
     suffix = jnp.sum(sorted_m2) - (jnp.cumsum(sorted_m2) - sorted_m2)
     rest_mean = suffix / jnp.maximum(n - idx, 1).astype(m2.dtype)
     over = (idx < n) & (rest_mean >= threshold)
     n_drop = jnp.minimum(jnp.sum(over.astype(jnp.int32)), jnp.maximum(n - 1, 0))
-    rank = jnp.zeros(size, jnp.int32).at[order].set(idx.astype(jnp.int32))
+    rank = jnp.zeros(size, jnp.int32).at[order].set(idx)
     return masked & (rank >= n_drop)
 
 
