@@ -337,3 +337,28 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
         assert data["conditions"]["cpu_cores"] >= 2
         for plot in data["plots"]:
             assert Path(plot).stat().st_size > 1000
+
+
+def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a_difference(tmp_path: Path) -> None:
+    """``benchmarks/accelerator.py`` (meant for a GPU) on the CPU with a small model: every part
+    writes its figures, and the attention check separates float32 from bfloat16."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "acc.json"
+    root = Path(__file__).resolve().parents[1]
+    args = ("--model small --matmul-n 256 --copy-mib 8 --attention-len 128 --concurrency 2 --new-tokens 16 "
+            "--prompt-len 8 --decode-steps 4 --rounds 1 --groups 1 --group-size 4 --max-answer 64 --budget 512 "
+            "--batches 1").split()
+    proc = subprocess.run([sys.executable, "benchmarks/accelerator.py", *args, "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["platform"] == "cpu" and r["ceilings"]["bf16_matmul_tflops_per_s"] > 0
+    a = r["attention_check"]
+    # On the CPU both paths are XLA's: the fused path must match dense far more closely than
+    # bfloat16 matches float32, which the check must see (else it could not catch a wrong kernel).
+    assert a["dense_vs_dense_float32"]["max_abs"] > 1e-3
+    assert a["dot_product_vs_dense"]["max_abs"] <= a["dense_vs_dense_float32"]["max_abs"]
+    [d] = r["decode"]
+    assert d["concurrency"] == 2 and d["decode_tokens_per_s"] > 0 and 0 < d["fraction_of_roofline"]
+    assert [t["attention_impl"] for t in r["train"]] == ["dense", "dot_product"]
+    assert all(t["finite_loss"] and t["tokens_per_s"] > 0 and t["fraction_of_bf16_peak"] > 0 for t in r["train"])

@@ -35,10 +35,11 @@ class ModelSource:
     dtype: str | None = None
     """Parameter/compute dtype override (``float32``, ``bfloat16``; a JAX/NumPy dtype is stored as
     its name); None: the checkpoint's."""
-    attention_impl: str = "dense"
-    """The trainer's attention over packed rows: ``dense`` (the reference), ``dot_product`` (cuDNN
-    flash attention on GPU), ``splash`` (Pallas, TPU) or ``auto`` (fused on GPU/TPU in bfloat16,
-    dense elsewhere); see ``ModelConfig.attention_impl``."""
+    attention_impl: str = "auto"
+    """The trainer's attention over packed rows: ``auto`` (fused on GPU/TPU in bfloat16, dense
+    elsewhere), ``dense`` (the reference), ``dot_product`` (cuDNN flash attention on GPU) or
+    ``splash`` (Pallas, TPU); see ``ModelConfig.attention_impl``. On an H200, ``auto`` trained a
+    494M model 1.49x faster than ``dense`` with logprobs as close to float32 (docs/results.md)."""
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.tiny is None):

@@ -1,0 +1,277 @@
+"""Decode and train throughput on JAX's default device against rooflines measured in the same run.
+
+Meant for a GPU or TPU (it runs on CPU too, for a check of the script). The model is random,
+shaped like a real one (``--model``: Qwen2.5-0.5B's shapes by default), so no download is needed.
+
+- **Ceilings**, measured first: the best bfloat16 matmul FLOP/s (an ``n x n x n`` product) and the
+  device-memory bandwidth of a large elementwise copy (bytes read plus written).
+- **Attention check**: the packed training forward with the fused attention
+  (``attention_impl='dot_product'``: cuDNN on GPU) against the model's own dense attention, same
+  weights, same packed batch: the largest difference of token logprobs, so the speed figures below
+  come from a path that computes the right thing.
+- **Decode** (bfloat16 weights and cache, greedy, eos ignored): the engine generates
+  ``--new-tokens`` for ``concurrency`` prompts of ``--prompt-len`` tokens. Decode tokens/s is
+  taken from the difference of a full run and a run of a quarter of the tokens (same compiled
+  shapes), so prefill drops out. Its bound is the memory roofline: each decode step must read
+  every weight once and each sequence's KV cache up to its length, so at bandwidth ``B`` it
+  makes at most ``concurrency * B / (weight_bytes + kv_bytes)`` tokens/s.
+- **Train**: ``Trainer.train_batch`` (proximal recompute, loss, gradient, AdamW update; float32
+  master weights, bfloat16 compute) on packed long-tailed batches, with the dense attention and
+  with the fused one. Model FLOPs count useful work only (as in ``train_step.py``: ``6 N`` per
+  token plus causal attention, plus the recompute forward), against the bfloat16 matmul peak.
+
+    python benchmarks/accelerator.py [--model qwen2.5-0.5b] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from train_step import batch, model_flops
+
+from areal_jax.algo import AlgoConfig
+from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingParams
+from areal_jax.models.config import ModelConfig
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.logprobs import logprobs_from_logits
+from areal_jax.trainer import TrainConfig, Trainer
+
+MODELS: dict[str, dict[str, Any]] = {
+    # Qwen2.5-0.5B's config.json shapes (494M parameters, tied embeddings, q/k/v bias).
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6),
+    # Qwen2.5-1.5B's.
+    "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6),
+    # A small one, for running the script on a CPU.
+    "small": dict(model_type="qwen2", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+}
+
+
+def _best(fn: Any, reps: int) -> float:
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def ceilings(matmul_n: int, copy_mib: int, reps: int) -> dict[str, float]:
+    """Best bfloat16 matmul FLOP/s and copy bandwidth (bytes read + written per second)."""
+    a = jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.bfloat16)
+    mm = jax.jit(lambda x, y: x @ y)
+    t_mm = _best(lambda: mm(a, b), reps)
+    x = jnp.ones((copy_mib * 2**20 // 4,), jnp.float32)
+    copy = jax.jit(lambda v: v * 1.0001)
+    t_copy = _best(lambda: copy(x), reps)
+    return {"bf16_matmul_tflops_per_s": 2 * matmul_n**3 / t_mm / 1e12,
+            "copy_gb_per_s": 2 * copy_mib * 2**20 / t_copy / 1e9, "matmul_n": matmul_n, "copy_mib": copy_mib}
+
+
+def attention_check(shape: dict[str, Any], rows: int, row_len: int) -> dict[str, Any]:
+    """Largest |logprob difference| between fused and dense attention on one packed batch (bfloat16)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, min(shape["vocab_size"], 1000), (rows, row_len))
+    # Segments of random lengths packed into each row, the tail of a row left as padding (segment 0).
+    seg = np.zeros((rows, row_len), np.int32)
+    pos = np.zeros((rows, row_len), np.int32)
+    for r in range(rows):
+        at, s = 0, 1
+        while at < row_len - row_len // 8:
+            n = int(min(rng.integers(16, row_len // 2), row_len - row_len // 8 - at))
+            seg[r, at:at + n], pos[r, at:at + n] = s, np.arange(n)
+            at, s = at + n, s + 1
+    out = {}
+    for name, impl, dtype in (("dense", "dense", "bfloat16"), ("dot_product", "dot_product", "bfloat16"),
+                              ("dense_float32", "dense", "float32")):
+        cfg = ModelConfig(**shape, param_dtype="float32", dtype=dtype, attention_impl=impl)
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
+
+        @jax.jit
+        def lp(model: Decoder, ids: jax.Array, pos: jax.Array, seg: jax.Array) -> jax.Array:
+            logits = model(ids, pos, seg)
+            return logprobs_from_logits(logits[:, :-1], ids[:, 1:])
+
+        out[name] = np.asarray(lp(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg)))
+    # Only next tokens inside one segment are predictions the trainer uses.
+    keep = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] != 0)
+    result: dict[str, Any] = {"tokens": int(keep.sum()), "mean_abs_logprob": float(np.abs(out["dense"][keep]).mean())}
+    # Fused against dense in bfloat16, and each against float32 dense (the size of bfloat16 rounding).
+    for a, b in (("dot_product", "dense"), ("dense", "dense_float32"), ("dot_product", "dense_float32")):
+        diff = np.abs(out[a] - out[b])[keep]
+        result[f"{a}_vs_{b}"] = {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
+    return result
+
+
+def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def go() -> float:
+        await engine.start()
+        try:
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, sp)) for p in prompts))
+            elapsed = time.perf_counter() - t0
+        finally:
+            await engine.stop()
+        assert all(len(o.output_ids) == new_tokens for o in outs)
+        return elapsed
+
+    return asyncio.run(go())
+
+
+def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_tokens: int, decode_steps: int,
+           rounds: int, bandwidth: float, unroll: int = 1) -> list[dict[str, Any]]:
+    cfg = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", decode_unroll=unroll)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    weight_bytes = 2 * cfg.num_params()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k and v, bfloat16
+    short = max(decode_steps, new_tokens // 4)
+    rows = []
+    rng = np.random.default_rng(0)
+    for c in concurrency:
+        prompts = rng.integers(4, min(cfg.vocab_size, 1000), (c, prompt_len)).tolist()
+        max_len = prompt_len + new_tokens + decode_steps
+        engine = Engine(model, EngineConfig(num_slots=c, max_seq_len=max_len, max_prefill_batch=min(c, 64),
+                                            decode_steps=decode_steps, lanes=1), eos_token_ids=[])
+        t0 = time.perf_counter()
+        _generate(engine, prompts, new_tokens)  # compiles every shape the timed runs meet
+        _generate(engine, prompts, short)
+        warmup = time.perf_counter() - t0
+        full, part = [], []
+        for _ in range(rounds):
+            full.append(_generate(engine, prompts, new_tokens))
+            part.append(_generate(engine, prompts, short))
+        decode_s = min(full) - min(part)
+        tokens_s = c * (new_tokens - short) / decode_s
+        mean_ctx = prompt_len + (short + new_tokens) / 2
+        step_bytes = weight_bytes + c * kv_per_token * mean_ctx
+        roofline = c * bandwidth / step_bytes
+        rows.append({"concurrency": c, "decode_tokens_per_s": tokens_s,
+                     "end_to_end_tokens_per_s": c * new_tokens / min(full),
+                     "ms_per_decode_step": 1e3 * decode_s / (new_tokens - short), "roofline_tokens_per_s": roofline,
+                     "fraction_of_roofline": tokens_s / roofline, "bytes_per_step": step_bytes,
+                     "warmup_s": warmup, "full_s": full, "short_s": part})
+        r = rows[-1]
+        print(f"decode c={c:4d}: {tokens_s:10,.0f} tok/s ({r['ms_per_decode_step']:.2f} ms/step), roofline "
+              f"{roofline:10,.0f} -> {100 * r['fraction_of_roofline']:.1f}%; end to end "
+              f"{r['end_to_end_tokens_per_s']:,.0f} tok/s; warm-up {warmup:.0f} s", flush=True)
+        del engine
+    return rows
+
+
+def train(shape: dict[str, Any], impls: list[str], groups: int, group_size: int, max_answer: int, budget: int,
+          batches: int, peak: float) -> list[dict[str, Any]]:
+    rows = []
+    for impl in impls:
+        cfg = ModelConfig(**shape, attention_impl=impl)
+        max_len = 96 + max_answer
+        trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(),
+                          TrainConfig(lr=1e-6, micro_batch_tokens=budget, max_seq_len=max_len))
+        rng = np.random.default_rng(0)
+        data = [batch(rng, groups, group_size, max_answer) for _ in range(batches)]
+        t0 = time.perf_counter()
+        for b in data:  # compile every bucket the timed pass meets
+            trainer.train_batch(b, 0)
+        warmup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        stats = [trainer.train_batch(b, 0) for b in data]
+        jax.block_until_ready(trainer.policy.params)
+        elapsed = time.perf_counter() - t0
+        lengths = [len(t) for b in data for t in b]
+        flops = model_flops(cfg, lengths, recompute=True)
+        rows.append({"attention_impl": impl, "compute_dtype": trainer.train.resolved_compute_dtype(),
+                     "tokens_per_s": sum(lengths) / elapsed, "model_tflops_per_s": flops / elapsed / 1e12,
+                     "fraction_of_bf16_peak": flops / elapsed / peak, "seconds_per_batch": elapsed / batches,
+                     "tokens_per_batch": sum(lengths) / batches, "mean_length": float(np.mean(lengths)),
+                     "micro_batches_per_batch": float(np.mean([s["n_micro_batches"] for s in stats])),
+                     "padding_efficiency": float(np.mean([s["padding_efficiency"] for s in stats])),
+                     "finite_loss": bool(all(np.isfinite(s["loss"]) for s in stats)), "warmup_s": warmup})
+        r = rows[-1]
+        print(f"train {impl:>11}: {r['tokens_per_s']:10,.0f} tok/s, {r['model_tflops_per_s']:.1f} TFLOP/s = "
+              f"{100 * r['fraction_of_bf16_peak']:.1f}% of bf16 peak; {r['seconds_per_batch']:.2f} s/batch "
+              f"({r['tokens_per_batch']:,.0f} tokens, {r['micro_batches_per_batch']:.1f} micro-batches); "
+              f"warm-up {warmup:.0f} s", flush=True)
+        del trainer
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen2.5-0.5b", choices=sorted(MODELS))
+    ap.add_argument("--parts", default="ceilings,attention,decode,train")
+    ap.add_argument("--matmul-n", type=int, default=8192)
+    ap.add_argument("--copy-mib", type=int, default=2048)
+    ap.add_argument("--attention-len", type=int, default=1024, help="packed row length of the attention check")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--decode-steps", type=int, default=16, help="tokens per compiled decode call")
+    ap.add_argument("--decode-unroll", type=int, default=1, help="decoder layers per iteration of the decode scan")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--impls", nargs="+", default=["dense", "dot_product"], help="train attention implementations")
+    ap.add_argument("--groups", type=int, default=16)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--max-answer", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=16384, help="micro-batch token budget")
+    ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    shape = MODELS[args.model]
+    dev = jax.devices()[0]
+    result: dict[str, Any] = {
+        "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__, "host": platform.node(),
+        "model": args.model, "params": ModelConfig(**shape).num_params(), "args": vars(args) | {"out": str(args.out)}}
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}; model {args.model}: "
+          f"{result['params'] / 1e6:.0f}M parameters", flush=True)
+    result["ceilings"] = ceilings(args.matmul_n, args.copy_mib, reps=10)
+    c = result["ceilings"]
+    print(f"bf16 matmul {c['bf16_matmul_tflops_per_s']:.0f} TFLOP/s; copy {c['copy_gb_per_s']:.0f} GB/s", flush=True)
+    save()
+    steps = {
+        "attention_check": lambda: attention_check(shape, rows=4, row_len=args.attention_len),
+        "decode": lambda: decode(shape, args.concurrency, args.prompt_len, args.new_tokens, args.decode_steps,
+                                 args.rounds, c["copy_gb_per_s"] * 1e9, args.decode_unroll),
+        "train": lambda: [row for impl in args.impls for row in train(
+            shape, [impl], args.groups, args.group_size, args.max_answer, args.budget, args.batches,
+            c["bf16_matmul_tflops_per_s"] * 1e12)],
+    }
+    for name, fn in steps.items():
+        if name.split("_")[0] not in parts:
+            continue
+        try:
+            result[name] = fn()
+        except Exception as e:  # one failing part (a kernel this device lacks) must not lose the others
+            traceback.print_exc()
+            result[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        save()
+    if "attention_check" in result and "error" not in result["attention_check"]:
+        a = result["attention_check"]
+        print("packed forward, |logprob difference| max / mean: " + "; ".join(
+            f"{k} {v['max_abs']:.4f} / {v['mean_abs']:.5f}" for k, v in a.items() if isinstance(v, dict)), flush=True)
+
+if __name__ == "__main__":
+    main()
