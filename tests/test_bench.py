@@ -55,6 +55,9 @@ def test_parse_args_selects_async_modes_and_seeds_keeping_the_baseline(capsys: p
     assert naive[1][3] == {"algo.use_decoupled_loss": False}
     both = modes(False, ["async_eta4_m2po", "async_eta4_naive"])
     assert [m[0] for m in both] == ["sync", "async_eta4_naive", "async_eta4_m2po"]
+    inline = modes(False, ["async_eta4", "async_eta4_push_inline"])
+    assert [m[0] for m in inline] == ["sync", "async_eta4", "async_eta4_push_inline"]
+    assert inline[2][3] == {"rollout.overlap_weight_push": False} and inline[1][3] == {}
     with pytest.raises(SystemExit):
         parse_args(["--quick", "--modes", "async_eta2"])  # --quick runs sync and eta 4 only
     assert "unknown mode(s) ['async_eta2']" in capsys.readouterr().err
@@ -116,7 +119,7 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
         task = runs.task_config(quick, runs.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
         loaded = {}
-        on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po"])[1:]
+        on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po", "async_eta4_push_inline"])[1:]
         for name, mode, eta, overrides in modes(quick, None) + on_request:
             cfg = runs.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
                                                                      "rollout.max_staleness": eta, **overrides})
@@ -129,8 +132,10 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
             "rollout.mode": "async", "rollout.max_staleness": 4, **on_request[1][3]})).algo
         assert m2po.m2_threshold == 0.04 and m2po.use_decoupled_loss
         if quick:
-            assert list(loaded) == ["sync", "async_eta4", "async_eta4_naive", "async_eta4_m2po"]
-        else:
+            assert list(loaded) == ["sync", "async_eta4", "async_eta4_naive", "async_eta4_m2po",
+                                    "async_eta4_push_inline"]
+        assert loaded["async_eta4"].overlap_weight_push and not loaded["async_eta4_push_inline"].overlap_weight_push
+        if not quick:
             assert loaded["async_eta4_in_place"].pause_mode == "in_place"
             assert loaded["async_eta4_in_place"].effective_max_staleness == 4
 

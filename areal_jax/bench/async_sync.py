@@ -22,6 +22,7 @@ own policy, and its final accuracy moves by more than the held-out error from se
 ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
     ("async_eta4_naive", "async", 4, {"algo.use_decoupled_loss": False}),
     ("async_eta4_m2po", "async", 4, {"algo.m2_threshold": 0.04}),
+    ("async_eta4_push_inline", "async", 4, {"rollout.overlap_weight_push": False}),
 ]
 """Modes run only when ``--modes`` names them, both at ``max_staleness`` 4:
 
@@ -32,7 +33,9 @@ ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
 - ``async_eta4_m2po``: decoupled PPO with M2PO's trust region against the behaviour policy
   (``algo.m2_threshold`` 0.04, the configs/algo/m2po.yaml preset). At ``max_staleness`` 0 it
   can touch only the second minibatch, one update away from the sampler, so the plain
-  synchronous run is its baseline too."""
+  synchronous run is its baseline too.
+- ``async_eta4_push_inline``: each weight push before the next batch trains, as before
+  ``rollout.overlap_weight_push`` (which the plain asynchronous modes use): what the overlap buys."""
 
 
 def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, int, dict[str, Any]]]:

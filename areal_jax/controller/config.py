@@ -108,6 +108,14 @@ class RolloutConfig:
     stops starting episodes and the update waits for the ones in flight to finish (the baseline
     that interruptible generation is measured against; async mode only)."""
 
+    overlap_weight_push: bool = True
+    """Async mode: the push of version ``v`` runs while the batch after it trains, instead of
+    before it. The controller counts ``v`` at once; tokens made under the version before until
+    the servers pause carry that version, so the staleness bound holds (with ``max_staleness``
+    0 the next batch waits for the pause, else those samples could not be trained). The trainer
+    keeps the pushed params alive until the push ends: one more copy of them in memory
+    meanwhile. Runs of several trainer processes push in line."""
+
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")

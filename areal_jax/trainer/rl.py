@@ -4,7 +4,8 @@ into one run, asynchronous (AReaL) or synchronous, and returns its metrics.
 Each step takes a batch of groups from the controller (rollout keeps generating meanwhile),
 runs the decoupled-PPO update (proximal logprobs recomputed, advantages, minibatch steps) in a
 worker thread so the event loop keeps serving rollout, bumps the version, pushes the weights
-(pause with abort, push, continue: answers in flight resume under the new weights), and logs.
+(pause with abort, push, continue: answers in flight resume under the new weights; in async
+mode the push overlaps the next batch's update), and logs (the steps: ``rl_steps.py``).
 A batch whose every optimizer step was skipped for a NaN/inf loss or gradient changed no weight:
 its step is logged (``skipped_steps``) but the version is not bumped and nothing is pushed.
 Evaluation runs on the held-out split after the warm start, every ``eval.every`` steps and at
@@ -21,12 +22,9 @@ arrays, the version, the prompt iterator, the controller's counters and its pend
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
-import json
 import logging
-import math
 import random
 import shutil
 import threading
@@ -40,9 +38,9 @@ import numpy as np
 import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
-from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
+from areal_jax.trainer.rl_steps import follow, push_weights, run_steps
 from areal_jax.trainer.run_config import RunConfig, load_run_config
 
 log = logging.getLogger(__name__)
@@ -119,15 +117,6 @@ def _base_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return Path(cfg.model.path) if cfg.model.path is not None else run_dir / "base"
 
 
-def _flatten(groups: list[Any]) -> list[Trajectory]:
-    out = []
-    for gid, g in enumerate(groups):
-        for t in g.trajectories:
-            t.group_id = gid
-            out.append(t)
-    return out
-
-
 def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any] | None]:
     """``(RunCheckpoints or None, the meta of the checkpoint to resume from or None)``."""
     if not (cfg.checkpoint.enabled or resume):
@@ -165,61 +154,6 @@ def _resume_model_dir(cfg: RunConfig, run_dir: Path, base: Path) -> Path:
         raise FileNotFoundError(f"resuming needs {warm}, the warm-started policy that is the KL reference "
                                 "(algo.kl_coef > 0); it is gone")
     return base
-
-
-async def _push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, iter_hf_tensors: Any,
-                        hub: Any = None) -> None:
-    if cfg.rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
-        shared = cfg.rollout.local.placement == "shared"
-        await sink.push_params(version, trainer.lend_params() if shared else trainer.params)
-        return
-    hf_layout = not getattr(sink, "native_layout", False)  # our own servers over HTTP take our kernels untransposed
-    if hub is not None:
-        await asyncio.to_thread(hub.announce, "push", version=version, hf_layout=hf_layout)
-    tensors = iter_hf_tensors(trainer.model(), hf_layout=hf_layout)
-    try:
-        await sink.push(version, tensors)
-    finally:
-        if hub is not None and hub.processes > 1:
-            # The other processes gather every tensor with this one (collectives): a push that
-            # stopped early (every server refused it) still has to finish the gathers.
-            await asyncio.to_thread(collections.deque, tensors, 0)
-
-
-def _follow(hub: Any, trainer: Any, ckpts: Any) -> None:
-    """A follower's part of a multi-process run (process 1 and up): the collective work process
-    0 announces, step by step, until it stops the run."""
-    import jax
-
-    from areal_jax.models import iter_hf_tensors
-
-    me = jax.process_index()
-    failed: Exception | None = None
-    while True:
-        message = hub.receive()
-        op = message["op"]
-        if op == "stop":
-            return
-        if op == "abort":
-            raise RuntimeError(f"process 0 ended the run: {message['error']}") from failed
-        try:
-            if op == "train":
-                trainer.train_batch(message["trajectories"], message["version"])
-                log.info("process %d: step %d trained %d trajectories of prompts %s", me, message["step"],
-                         len(message["trajectories"]), message["prompt_ids"])
-            elif op == "push":  # take part in the gathers; process 0 sends the tensors
-                collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False,
-                                                  hf_layout=message.get("hf_layout", True)), 0)
-            elif op == "save":
-                ckpts.save(message["step"], trainer.checkpoint_state(), message["meta"])
-            else:
-                raise RuntimeError(f"unknown message {op!r} from process 0")
-        except Exception as e:
-            # The same work most likely failed on process 0, which then says so: wait for its word
-            # rather than leave it broadcasting to a process that is gone.
-            log.error("process %d: %s failed (%s: %s); waiting for process 0 to end the run", me, op,
-                      type(e).__name__, e)
-            failed = e
 
 
 async def _train(cfg: RunConfig, resume: bool = False,
@@ -303,7 +237,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
                 raise
             await asyncio.to_thread(hub.announce, "stop")
         else:
-            await asyncio.to_thread(_follow, hub, trainer, ckpts)
+            await asyncio.to_thread(follow, hub, trainer, ckpts)
         if ckpts is not None:  # the last save completes (or its failure is raised) before the run ends
             ckpts, closing = None, ckpts
             closing.close()
@@ -353,7 +287,7 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
         version = 0
         if meta is not None:  # rollout serves the restored policy from the start
             version = meta["version"]
-            await _push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
+            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
         with RewardPool(cfg.reward) as pool:
             episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
                                            rollout.group_size, dict(rollout.workflow_options))
@@ -372,145 +306,12 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
                 controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
             controller.start()
             try:
-                await _loop(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                            t_start, iter_hf_tensors, result, start=start, ckpts=ckpts, on_step=on_step, hub=hub)
+                await run_steps(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
+                                t_start, iter_hf_tensors, start=start, ckpts=ckpts, on_step=on_step, hub=hub)
+                if logger.history and logger.history[-1].get("eval_accuracy") is not None:
+                    result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
             finally:
                 await controller.stop()
-
-
-async def _loop(cfg: RunConfig, trainer: Any, controller: RolloutController, client: Any, sink: Any,
-                episode_client: EpisodeClient, data: Any, logger: MetricsLogger, fleet: Any, t_start: float,
-                iter_hf_tensors: Any, result: RunResult, *, start: int = 0, ckpts: Any = None,
-                on_step: Callable[[dict[str, Any]], None] | None = None, hub: Any = None) -> None:
-    rollout = cfg.rollout
-    version = controller.version
-    gen_tokens = controller.counters.generated_tokens
-    t_last = time.perf_counter()
-    save_s = None
-    for step in range(start + 1, cfg.steps + 1):
-        if fleet is not None:
-            fleet.check()
-        t0 = time.perf_counter()
-        groups = await _batch_or_dead_server(controller, fleet)
-        rollout_s = time.perf_counter() - t0
-        trajectories = _flatten(groups)
-        staleness = [t.staleness(version) for t in trajectories]
-        t1 = time.perf_counter()
-        if hub is not None:
-            await asyncio.to_thread(hub.announce, "train", step=step, version=version, trajectories=trajectories,
-                                    prompt_ids=[g.row_id for g in groups])
-        stats = await asyncio.to_thread(trainer.train_batch, trajectories, version)
-        train_s = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        skipped = int(stats.get("skipped_steps", 0))
-        if skipped >= cfg.algo.ppo_n_minibatches:
-            # Every update of this batch had a NaN/inf and was skipped: the weights are the ones
-            # rollout already serves, so there is no new version to push.
-            logger.write(f"step {step}: every optimizer step had a non-finite loss or gradient and was "
-                         f"skipped; weights unchanged, version stays {version}, nothing pushed")
-        else:
-            version += 1
-            await _push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, hub)
-        sync_s = time.perf_counter() - t2
-        controller.set_version(version, step)
-        served = await _served_versions(client)
-        now = time.perf_counter()
-        counters = controller.counters
-        metrics: dict[str, Any] = {
-            "step": step, "version": version, "time": now - t_start,
-            "rollout_seconds": rollout_s, "train_seconds": train_s, "weight_sync_seconds": sync_s,
-            "compile_seconds": float(stats.get("compile_seconds", 0.0)),
-            "reward_mean": float(np.mean([t.reward for t in trajectories])),
-            "staleness_max": int(max(staleness)), "staleness_mean": float(np.mean(staleness)),
-            "gen_tokens_per_s": (counters.generated_tokens - gen_tokens) / max(now - t_last, 1e-9),
-            "train_tokens_per_s": stats.get("real_tokens", 0.0) / max(train_s, 1e-9),
-            "trajectories": len(trajectories),
-            "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
-            "answer_len_max": int(max(t.answer_len for t in trajectories)),
-            "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
-            "reward_failures": episode_client.reward_failures,
-            "skipped_steps": skipped, "skipped_steps_total": trainer.skipped_steps,
-            "served_versions": served,
-            "prompt_ids": [g.row_id for g in groups],
-        }
-        if save_s is not None:
-            metrics["checkpoint_seconds"], save_s = save_s, None
-        for k in ("loss", "clip_fraction", "dual_clip_fraction", "behavior_imp_weight_mean",
-                  "behavior_imp_weight_max", "dropped_fraction", "m2", "m2_dropped_fraction", "behavior_kl",
-                  "entropy", "grad_norm", "lr", "kl_ref_mean", "value_loss"):
-            if k in stats and math.isfinite(stats[k]):
-                metrics[k] = float(stats[k])
-        gen_tokens, t_last = counters.generated_tokens, now
-        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.steps:
-            metrics.update(await evaluate(episode_client, data.eval_rows, cfg.eval,
-                                          max_new_tokens=rollout.max_new_tokens))
-        logger.log(metrics)
-        if ckpts is not None and ckpts.due(step, last=step == cfg.steps):
-            from areal_jax.trainer.checkpoint import rng_state
-
-            # Taken between awaits: the controller's state matches the trainer's (batches 1..step).
-            meta = {"step": step, "total_steps": cfg.steps, "version": version, "trainer_step": trainer.step,
-                    "critic_step": trainer.critic_step, "time": now - t_start,
-                    "controller": controller.state_dict(), "rng": rng_state()}
-            meta = json.loads(json.dumps(meta))  # a copy that later steps cannot change under a background save
-            if hub is not None:
-                await asyncio.to_thread(hub.announce, "save", step=step, meta=meta)
-            save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)
-        if on_step is not None:
-            on_step(metrics)
-    if logger.history and logger.history[-1].get("eval_accuracy") is not None:
-        result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
-
-
-async def _push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any,
-                controller: RolloutController, hub: Any = None) -> None:
-    """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
-    a continue, so answers in flight resume under them (with ``rollout.interruptible: false``,
-    after the episodes in flight have finished instead)."""
-    from rollout_bridge.client import WeightUpdateError
-
-    rollout = cfg.rollout
-    if rollout.mode == "async":
-        if not rollout.interruptible:
-            await controller.drain()
-        await client.pause(rollout.pause_mode)
-    try:
-        await _push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
-    except WeightUpdateError as e:
-        # Servers that failed keep their old weights and stay out of rotation until a later push
-        # reaches them; the run goes on while at least one server holds this version.
-        if version not in client.server_versions().values():
-            raise
-        log.warning("weight push of version %d failed on some servers (out of rotation until they catch "
-                    "up): %s", version, e)
-    finally:
-        if rollout.mode == "async":
-            await client.continue_generation()
-            controller.resume()
-
-
-async def _served_versions(client: Any) -> list[str] | None:
-    """The weight version each server reports (our servers: the pushed number; SGLang: its label)."""
-    try:
-        return sorted(str(r["reply"].get("weight_version")) for r in await client.get_model_info()
-                      if r["status"] == 200 and isinstance(r["reply"], dict))
-    except Exception:  # informational only; a server hiccup here must not stop training
-        return None
-
-
-async def _batch_or_dead_server(controller: RolloutController, fleet: Any) -> list[Any]:
-    """Wait for a batch, checking now and then that every embedded server is still alive."""
-    task = asyncio.ensure_future(controller.get_batch())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=2.0)
-            if done:
-                return task.result()
-            if fleet is not None:
-                fleet.check()
-    finally:
-        if not task.done():
-            task.cancel()
 
 
 def run_summary(result: RunResult) -> str:

@@ -134,11 +134,12 @@ class Trainer:
     def critic_params(self) -> nnx.State | None:
         return None if self.critic_learner is None else self.critic_learner.params
 
-    def model(self) -> Decoder:
+    def model(self, params: nnx.State | None = None) -> Decoder:
         """The current policy as a ``Decoder`` for the weight streamer. It shares buffers with the
         trainer, so read it before the next ``train_batch`` (which donates them), or hold on to
-        it past that only through ``lend_params``."""
-        return self.policy.module()
+        it past that only through ``lend_params``: ``params`` (what ``lend_params`` returned)
+        builds the model on those instead."""
+        return self.policy.module() if params is None else nnx.merge(self.policy.source_graphdef, params)
 
     def lend_params(self) -> nnx.State:
         """The current float32 params themselves (no copy), for a reader that keeps them past the

@@ -139,3 +139,48 @@ def test_restarted_server_is_out_of_rotation_until_it_holds_the_current_version(
             assert r.output_versions == [3] * 8
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("max_staleness", [2, 0])
+def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_dir: Path, tmp_path: Path,
+                                                                          max_staleness: int) -> None:
+    """The RL loop's push in async mode (``rollout.overlap_weight_push``): ``start_push`` returns
+    with the controller at the new version (at once, or with ``max_staleness`` 0 once the server
+    has paused), and the push streams on from lent params while the next update runs. The server
+    must end up with exactly the weights the push started with, not the ones that update wrote
+    meanwhile (nor fail on donated arrays)."""
+    from areal_jax.algo import AlgoConfig
+    from areal_jax.controller import RolloutController
+    from areal_jax.trainer import TrainConfig, Trainer
+    from areal_jax.trainer.rl_steps import start_push
+    from areal_jax.trainer.run_config import load_run_config
+    from tests.trainer.helpers import random_trajectories
+
+    demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
+    cfg = load_run_config(demo, ["warm_start=null", f"run_dir={tmp_path}", f"rollout.max_staleness={max_staleness}"])
+    assert cfg.rollout.mode == "async" and cfg.rollout.overlap_weight_push
+    trainer = Trainer(load_pretrained(tiny_dir), AlgoConfig(),
+                      TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2))
+    rng = np.random.default_rng(0)
+    trainer.train_batch(random_trajectories(rng, 2, 4), 0)
+    version_1 = trainer.model(jax.tree.map(lambda x: x.copy(), trainer.params))  # a copy of its own
+    controller = RolloutController(None, None, iter(()), batch_size=2, max_staleness=max_staleness)
+    prompt = [5, 17, 3, 42]
+
+    async def main() -> tuple[list, list[float]]:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, _), \
+                HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=30)) as client:
+            # Small buckets: the push takes many round trips, so the update below runs inside it.
+            pushing = await start_push(cfg, client, HttpBucketSink(client, bucket_bytes=4096), trainer, 1,
+                                        iter_hf_tensors, controller, step=1)
+            assert controller.version == 1 and not pushing.done()
+            await asyncio.gather(pushing, asyncio.to_thread(trainer.train_batch, random_trajectories(rng, 2, 4), 1))
+            r = await client.generate(prompt, SP)
+            assert r.output_versions == [1] * 8 and client.server_versions() == {f"http://{addr}": 1}
+            return r.output_ids, r.output_logprobs
+
+    ids, logprobs = asyncio.run(main())
+    want = reference_logprobs(version_1, prompt, ids, 0.8)
+    np.testing.assert_allclose(logprobs, want, atol=1e-4)
+    # The update that ran meanwhile did change the weights: serving them would have shown.
+    assert np.abs(reference_logprobs(trainer.model(), prompt, ids, 0.8) - want).max() > 1e-3

@@ -73,3 +73,18 @@ def make_sampler(graphdef: nnx.GraphDef, prompt_len: int, answer_len: int,
         return toks.T, lps.T
 
     return sample
+
+
+def assert_every_version_served(metrics: list[dict], servers: int = 1) -> None:
+    """Each step made a new version and every server took it. In async mode a version's push
+    overlaps the next batch, so a step's record may still show the version before on a server;
+    a step that evaluated (the last one always does) waited for its push, so it shows its own.
+    Before the first push a server reports its own label for the weights it started with."""
+    assert [m["version"] for m in metrics] == list(range(1, len(metrics) + 1))
+    for m in metrics:
+        v = m["version"]
+        before = {"0", "default"} if v == 1 else {str(v - 1)}
+        want = {str(v)} if m.get("eval_accuracy") is not None else before | {str(v)}
+        assert len(m["served_versions"]) == servers and set(m["served_versions"]) <= want, \
+            (m["step"], m["served_versions"])
+    assert metrics[-1].get("eval_accuracy") is not None
