@@ -26,7 +26,6 @@ shaped like a real one (``--model``: Qwen2.5-0.5B's shapes by default), so no do
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 import time
@@ -37,11 +36,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from decode import engine_run
 from flax import nnx
 from train_step import batch, model_flops
 
 from areal_jax.algo import AlgoConfig
-from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingParams
+from areal_jax.inference import Engine, EngineConfig
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.logprobs import logprobs_from_logits
@@ -120,23 +120,6 @@ def attention_check(shape: dict[str, Any], rows: int, row_len: int) -> dict[str,
     return result
 
 
-def _generate(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-
-    async def go() -> float:
-        await engine.start()
-        try:
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, sp)) for p in prompts))
-            elapsed = time.perf_counter() - t0
-        finally:
-            await engine.stop()
-        assert all(len(o.output_ids) == new_tokens for o in outs)
-        return elapsed
-
-    return asyncio.run(go())
-
-
 def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_tokens: int, decode_steps: int,
            rounds: int, bandwidth: float, unroll: int = 1) -> list[dict[str, Any]]:
     cfg = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", decode_unroll=unroll)
@@ -152,13 +135,13 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
         engine = Engine(model, EngineConfig(num_slots=c, max_seq_len=max_len, max_prefill_batch=min(c, 64),
                                             decode_steps=decode_steps, lanes=1), eos_token_ids=[])
         t0 = time.perf_counter()
-        _generate(engine, prompts, new_tokens)  # compiles every shape the timed runs meet
-        _generate(engine, prompts, short)
+        engine_run(engine, prompts, new_tokens)  # compiles every shape the timed runs meet
+        engine_run(engine, prompts, short)
         warmup = time.perf_counter() - t0
         full, part = [], []
         for _ in range(rounds):
-            full.append(_generate(engine, prompts, new_tokens))
-            part.append(_generate(engine, prompts, short))
+            full.append(engine_run(engine, prompts, new_tokens))
+            part.append(engine_run(engine, prompts, short))
         decode_s = min(full) - min(part)
         tokens_s = c * (new_tokens - short) / decode_s
         mean_ctx = prompt_len + (short + new_tokens) / 2
