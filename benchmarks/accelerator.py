@@ -143,7 +143,8 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
             full.append(engine_run(engine, prompts, new_tokens))
             part.append(engine_run(engine, prompts, short))
         decode_s = min(full) - min(part)
-        tokens_s = c * (new_tokens - short) / decode_s
+        # A difference of two timings: NaN where the machine's noise exceeded it (raise --new-tokens).
+        tokens_s = c * (new_tokens - short) / decode_s if decode_s > 0 else float("nan")
         mean_ctx = prompt_len + (short + new_tokens) / 2
         step_bytes = weight_bytes + c * kv_per_token * mean_ctx
         roofline = c * bandwidth / step_bytes

@@ -350,8 +350,8 @@ def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = tmp_path / "acc.json"
     root = Path(__file__).resolve().parents[1]
-    args = ("--model small --matmul-n 256 --copy-mib 8 --attention-len 128 --concurrency 2 --new-tokens 16 "
-            "--prompt-len 8 --decode-steps 4 --rounds 1 --groups 1 --group-size 4 --max-answer 64 --budget 512 "
+    args = ("--model small --matmul-n 256 --copy-mib 8 --attention-len 128 --concurrency 2 --new-tokens 64 "
+            "--prompt-len 8 --decode-steps 4 --rounds 2 --groups 1 --group-size 4 --max-answer 64 --budget 512 "
             "--batches 1").split()
     proc = subprocess.run([sys.executable, "benchmarks/accelerator.py", *args, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=root)
@@ -364,6 +364,10 @@ def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a
     assert a["dense_vs_dense_float32"]["max_abs"] > 1e-3
     assert a["dot_product_vs_dense"]["max_abs"] <= a["dense_vs_dense_float32"]["max_abs"]
     [d] = r["decode"]
-    assert d["concurrency"] == 2 and d["decode_tokens_per_s"] > 0 and 0 < d["fraction_of_roofline"]
+    # Decode tokens/s is a difference of two timings; on a loaded 2-core machine one round's noise
+    # can exceed it, so only its presence is asserted, and the end-to-end rate's sign.
+    assert d["concurrency"] == 2 and d["end_to_end_tokens_per_s"] > 0 and d["roofline_tokens_per_s"] > 0
+    assert d["decode_tokens_per_s"] > 0 or math.isnan(d["decode_tokens_per_s"])
+    assert len(d["full_s"]) == len(d["short_s"]) == 2
     assert [t["attention_impl"] for t in r["train"]] == ["dense", "dot_product"]
     assert all(t["finite_loss"] and t["tokens_per_s"] > 0 and t["fraction_of_bf16_peak"] > 0 for t in r["train"])
