@@ -284,15 +284,17 @@ def _demo(run_dir: Path, *overrides: str) -> tuple[float, list[dict[str, Any]]]:
 @pytest.mark.slow
 def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None:
     """The demo (warm start, then 20 steps of asynchronous GRPO) with the same seed, once over HTTP
-    (an embedded server, the default) and once with ``rollout.backend=local``: both beat the warm
-    start, every step served the version just trained, and the two final held-out accuracies
-    differ by less than three standard errors of a difference of two accuracies on the eval set.
+    (an embedded server, the default) and once with ``rollout.backend=local``: every step served
+    the version just trained, both beat the warm start by more than evaluation noise, and the two
+    final held-out accuracies are close.
 
-    Three, not two: asynchronous runs are not repeatable, and on this machine one backend's final
-    accuracy moved by 0.095 between two runs (0.505, 0.60; HTTP 0.56, 0.61), about what two
-    standard errors of the difference allow (0.10), so a two-error bound would fail now and then
-    with nothing wrong. A local backend whose engine does not take the new weights stays at the
-    warm start's accuracy and fails the assertion before."""
+    The held-out evaluation is greedy, so an engine that never took the trained weights scores the
+    warm start's accuracy exactly; each backend must beat it by two standard errors of a difference
+    of two accuracies on the eval set (0.1 at 200 prompts). The two runs may differ by more than
+    evaluation noise, because asynchronous runs are not repeatable and step 20 is on the steep
+    part of the demo's curve: one backend moved by 0.095 between two runs, and the two backends
+    differed by 0.125 at one seed (HTTP 0.845, local 0.72; three standard errors is 0.124). The
+    bound is four standard errors (0.2)."""
     runs = {"http": _demo(tmp_path / "http"), "local": _demo(tmp_path / "local", "rollout.backend=local")}
     (before, http), (before_local, local) = runs["http"], runs["local"]
     assert before_local == before  # the same seed: the same warm start, served alike
@@ -302,7 +304,7 @@ def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None
         assert max(m["staleness_max"] for m in metrics) >= 1  # rollout ran ahead of the trainer
     acc = {name: metrics[-1]["eval_accuracy"] for name, (_, metrics) in runs.items()}
     n = local[-1]["eval_prompts"]
-    p = (acc["http"] + acc["local"]) / 2
-    bound = 3 * math.sqrt(2 * p * (1 - p) / n)  # about 0.15 at 200 prompts and p near 0.55
-    assert acc["http"] > before and acc["local"] > before, (before, acc)
-    assert abs(acc["http"] - acc["local"]) < bound, (acc, bound)
+    se = math.sqrt(2 * 0.25 / n)  # the largest standard error of a difference of two accuracies on n prompts
+    for name, a in acc.items():
+        assert a - before > 2 * se, (name, before, acc)
+    assert abs(acc["http"] - acc["local"]) < 4 * se, (acc, 4 * se)
