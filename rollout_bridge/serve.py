@@ -95,6 +95,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-server-warmup", action="store_true",
                    help="start answering at once and compile each step shape when first needed (default: compile "
                         "every prefill and decode shape at start-up; /health answers 200 after)")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="prefill every request, even one whose tokens another admitted with it also sent (default: "
+                        "those share one prefill, e.g. a GRPO group's answers to one prompt)")
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="a streamed /generate sends only what is new in each event (default: the answer so far, "
                         "as SGLang does)")
@@ -161,7 +164,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
                          f"of --dp-size {args.dp_size}")
     cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=max_seq_len, seed=args.random_seed,
                        lanes=args.lanes, max_queued_requests=args.max_queued_requests,
-                       chunked_prefill_size=args.chunked_prefill_size)
+                       chunked_prefill_size=args.chunked_prefill_size, share_prompts=not args.disable_radix_cache)
     model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
     engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)

@@ -23,6 +23,8 @@ ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
     ("async_eta4_naive", "async", 4, {"algo.use_decoupled_loss": False}),
     ("async_eta4_m2po", "async", 4, {"algo.m2_threshold": 0.04}),
     ("async_eta4_push_inline", "async", 4, {"rollout.overlap_weight_push": False}),
+    ("async_eta4_retract", "async", 4, {"rollout.pause_mode": "retract"}),
+    ("async_eta4_unshared", "async", 4, {"rollout.server_args+": ["--disable-radix-cache"]}),
 ]
 """Modes run only when ``--modes`` names them, both at ``max_staleness`` 4:
 
@@ -35,7 +37,10 @@ ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
   can touch only the second minibatch, one update away from the sampler, so the plain
   synchronous run is its baseline too.
 - ``async_eta4_push_inline``: each weight push before the next batch trains, as before
-  ``rollout.overlap_weight_push`` (which the plain asynchronous modes use): what the overlap buys."""
+  ``rollout.overlap_weight_push`` (which the plain asynchronous modes use): what the overlap buys.
+- ``async_eta4_retract``: servers pause with ``retract``: the answers in flight go back to the
+  server's queue and are prefilled again under the new weights there, instead of returning to
+  the client to be sent again (abort). The KV is recomputed either way."""
 
 
 def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, int, dict[str, Any]]]:

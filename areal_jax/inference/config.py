@@ -56,6 +56,12 @@ class EngineConfig:
     """Most prompts prefilled in one call; rows are padded to a power of two up to this."""
     max_prefill_tokens: int = 8192
     """Most padded tokens (rows x bucket) in one prefill call; one prompt always fits."""
+    share_prompts: bool = True
+    """Requests admitted together with the same tokens (a GRPO group's answers to one prompt)
+    are prefilled once: the other requests get a copy of its keys and values and sample their
+    first token in the next decode chunk, so a group of ``n`` costs one prompt's prefill instead
+    of ``n``. Sampling is unchanged (each request keeps its own random stream). False prefills
+    every request (SGLang's ``--disable-radix-cache``)."""
     decode_steps: int = 8
     """Most tokens per decode call (a loop on device). More amortises dispatch and host sync."""
     end_chunk_at_finish: bool = True

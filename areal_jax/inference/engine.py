@@ -68,6 +68,34 @@ class _Seq:
         return len(self.req.input_ids) + len(self.out_ids)
 
 
+class _SamplingRows:
+    """Per-row sampling arrays of a prefill or share call, in the compiled steps' argument order
+    (``temperature, top_p, top_k, seed, stream, top_n, remaining, stop_ids``); padding rows keep
+    SGLang's defaults."""
+
+    def __init__(self, rows: int) -> None:
+        self.temperature, self.top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
+        self.top_k, self.top_n = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
+        self.remaining, self.stop_ids = np.zeros((rows,), np.int32), np.full((rows, DEVICE_STOP_IDS), -1, np.int32)
+        self.seed, self.stream = np.zeros((rows,), np.uint32), np.zeros((rows,), np.uint32)
+
+    def fill(self, i: int, seq: _Seq, engine: Engine, *, sampled_here: bool) -> None:
+        """Row ``i`` for ``seq``. ``remaining`` counts the tokens the decode chunks may sample:
+        one fewer when this call samples the request's next token itself (a prefill)."""
+        sp = seq.req.sampling
+        self.temperature[i], self.top_p[i], self.top_k[i] = sp.temperature, sp.top_p, sp.top_k
+        self.top_n[i] = sp.top_logprobs_num
+        self.remaining[i] = (min(sp.max_new_tokens - len(seq.out_ids), engine.cfg.max_seq_len - seq.length)
+                             - int(sampled_here))
+        stops = [*(sp.stop_token_ids or ()), *(() if sp.ignore_eos else sorted(engine.eos_token_ids))]
+        self.stop_ids[i, :min(len(stops), DEVICE_STOP_IDS)] = stops[:DEVICE_STOP_IDS]
+        self.seed[i], self.stream[i] = (sp.seed, 0) if sp.seed is not None else (engine.seed, seq.stream_id)
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.temperature, self.top_p, self.top_k, self.seed, self.stream, self.top_n, self.remaining,
+                self.stop_ids)
+
+
 @dataclass(eq=False)
 class _Lane:
     """A group of KV slots with its own cache, slot state, step lock and loop task."""
@@ -102,6 +130,7 @@ class Engine:
         self.max_top = max(1, min(cfg.max_top_logprobs, model.config.vocab_size))
         steps = compile_steps(self._graphdef, self.max_top)
         self.prefill_fn, self.prefill_chunk_fn, self.decode_fn = steps.prefill, steps.prefill_chunk, steps.decode
+        self.share_fn = steps.share
         self.prompt_logprobs_fn = steps.prompt_logprobs
         # at[].set writes into the donated input buffer (zeros_like would not use it, so XLA would not
         # reuse it): a flush never holds two caches.
@@ -111,6 +140,9 @@ class Engine:
         self.num_lanes = cfg.resolve_lanes(jax.default_backend(), mesh is not None)
         self.lane_slots = cfg.num_slots // self.num_lanes
         self._lanes = [_Lane(i, [None] * self.lane_slots) for i in range(self.num_lanes)]
+        self.share_rows = tuple(sorted({*(2**i for i in range(self.lane_slots.bit_length()) if 2**i < self.lane_slots),
+                                        self.lane_slots}))
+        """Padded row counts of a ``share`` call (requests given a copy of another's prefill)."""
         for lane in self._lanes:
             lane.cache, lane.slot_state = self._fresh_cache()
         self._waiting: OrderedDict[int, _Seq] = OrderedDict()  # by stream id: O(1) removal anywhere
@@ -120,8 +152,8 @@ class Engine:
         self._running = False
         self._update_lock: asyncio.Lock | None = None
         self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
-                      "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0, "finished_slot_steps": 0,
-                      "idle_slot_steps_while_waiting": 0}
+                      "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
+                      "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0}
 
     # -- properties --
 
@@ -379,7 +411,7 @@ class Engine:
         """Every compiled-step shape the scheduler can ask for, as ``(step, rows, length, kv_len)``:
         ``prefill`` (rows padded, a length bucket, or the chunk size for a long prompt's last
         chunk), ``prefill_chunk`` (one row, the chunk, the cache so far) and ``decode`` (rows and
-        length unused: every slot steps)."""
+        length unused: every slot steps); with ``share_prompts``, ``share`` (rows padded)."""
         cfg, chunk = self.cfg, self.cfg.prefill_chunk
         most = min(self.lane_slots, cfg.max_prefill_batch)
         shapes = []
@@ -395,6 +427,8 @@ class Engine:
             shapes += [("prefill", 1, chunk, kv) for kv in cfg.kv_buckets if kv > chunk]
             shapes += sorted({("prefill_chunk", 1, chunk, bucket(offset + chunk, cfg.kv_buckets))
                               for offset in range(0, longest - chunk, chunk)})
+        if cfg.share_prompts:
+            shapes += [("share", rows, 0, 0) for rows in self.share_rows]
         shapes += [("decode", 0, 0, kv) for kv in cfg.kv_buckets]
         return shapes
 
@@ -414,6 +448,8 @@ class Engine:
                     np.bool_(False), kv_len=kv_len, num_steps=self.cfg.decode_steps)
             elif step == "prefill_chunk":
                 lane.cache = self._run_chunk(lane.cache, ids, np.int32(0), zeros, slots, kv_len)
+            elif step == "share":
+                lane.cache, lane.slot_state = self._share_call(lane.cache, lane.slot_state, self._share_args([], rows))
             else:
                 ones, u32 = np.ones((rows,), np.float32), np.zeros((rows,), np.uint32)
                 lane.cache, lane.slot_state, _ = self._run_step(
@@ -535,19 +571,27 @@ class Engine:
 
     def _take_prefill_batch(self, lane: _Lane) -> list[_Seq]:
         """Waiting requests for one prefill, FIFO: several short prompts, or one long prompt alone
-        (to be prefilled in chunks)."""
+        (to be prefilled in chunks). With ``share_prompts``, a request whose tokens equal an
+        earlier one's in the batch costs no prefill row, so only distinct prompts count against
+        ``max_prefill_batch`` and ``max_prefill_tokens``."""
         cfg, chunk = self.cfg, self.cfg.prefill_chunk
         batch: list[_Seq] = []
-        while self._waiting and len(batch) < min(len(lane.free), cfg.max_prefill_batch):
+        distinct: set[tuple[int, ...]] = set()
+        while self._waiting and len(batch) < len(lane.free):
             head = next(iter(self._waiting.values()))
             if chunk is not None and head.length > chunk:
                 if not batch:
                     batch.append(head)
                     del self._waiting[head.stream_id]
                 break
-            longest = max([s.length for s in batch] + [head.length])
-            if batch and (len(batch) + 1) * bucket(longest, cfg.prefill_buckets) > cfg.max_prefill_tokens:
-                break
+            key = _tokens_key(head) if cfg.share_prompts else (head.stream_id,)
+            if key not in distinct:
+                if len(distinct) >= cfg.max_prefill_batch:
+                    break
+                longest = max([s.length for s in batch] + [head.length])
+                if distinct and (len(distinct) + 1) * bucket(longest, cfg.prefill_buckets) > cfg.max_prefill_tokens:
+                    break
+                distinct.add(key)
             batch.append(head)
             del self._waiting[head.stream_id]
         return batch
@@ -558,27 +602,32 @@ class Engine:
         batch = self._take_prefill_batch(lane)
         chunk = cfg.prefill_chunk
         chunked = chunk is not None and batch[0].length > chunk
+        # Requests with the same tokens as an earlier one in the batch: prefilled once, copied.
+        leaders: dict[tuple[int, ...], int] = {}
+        followers: list[tuple[_Seq, int]] = []  # (request, index of its leader in batch)
+        if cfg.share_prompts and not chunked and len(batch) > 1:
+            rows_of = []
+            for seq in batch:
+                key = _tokens_key(seq)
+                if key in leaders:
+                    followers.append((seq, leaders[key]))
+                else:
+                    leaders[key] = len(rows_of)
+                    rows_of.append(seq)
+            batch = rows_of
         length = chunk if chunked else bucket(max(s.length for s in batch), cfg.prefill_buckets)
         rows = bucket(len(batch), cfg.prefill_rows)
         lengths = np.zeros((rows,), np.int32)
         slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows write nowhere
         first_step = np.zeros((rows,), np.int32)
-        temp, top_p = np.ones((rows,), np.float32), np.ones((rows,), np.float32)
-        top_k, top_n = np.full((rows,), -1, np.int32), np.zeros((rows,), np.int32)
-        remaining, stop_ids = np.zeros((rows,), np.int32), np.full((rows, DEVICE_STOP_IDS), -1, np.int32)
-        seed, stream = np.zeros((rows,), np.uint32), np.zeros((rows,), np.uint32)
+        params = _SamplingRows(rows)
         tokens = []
         for i, seq in enumerate(batch):
             toks = seq.req.input_ids + seq.out_ids
             tokens.append(toks)
             lengths[i], slots[i], first_step[i] = len(toks), free[i], len(seq.out_ids)
-            sp = seq.req.sampling
-            temp[i], top_p[i], top_k[i], top_n[i] = sp.temperature, sp.top_p, sp.top_k, sp.top_logprobs_num
-            # tokens it may sample after this one, and what stops it: a decode chunk sees it end
-            remaining[i] = min(sp.max_new_tokens - len(seq.out_ids), cfg.max_seq_len - len(toks)) - 1
-            stops = [*(sp.stop_token_ids or ()), *(() if sp.ignore_eos else sorted(self.eos_token_ids))]
-            stop_ids[i, :min(len(stops), DEVICE_STOP_IDS)] = stops[:DEVICE_STOP_IDS]
-            seed[i], stream[i] = (sp.seed, 0) if sp.seed is not None else (self.seed, seq.stream_id)
+            # the prefill samples one token; a decode chunk sees the request end after the rest
+            params.fill(i, seq, self, sampled_here=True)
             seq.lane, seq.slot = lane, free[i]
             lane.slots[free[i]] = seq
         self.stats["prompt_tokens"] += int(lengths.sum())
@@ -610,10 +659,21 @@ class Engine:
         else:
             kv_len = length
         version = self._version
+        share = None
+        if followers:
+            placed = []
+            for j, (seq, leader) in enumerate(followers):
+                slot = free[len(batch) + j]
+                seq.lane, seq.slot = lane, slot
+                lane.slots[slot] = seq
+                placed.append((seq, int(slots[leader]), slot))
+            share = self._share_args(placed, bucket(len(placed), self.share_rows))
+            shared = sum(seq.length for seq, _ in followers)
+            self.stats["prompt_tokens"] += shared
+            self.stats["shared_prompt_tokens"] += shared
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
-            np.int32(offset), lengths, slots, first_step, temp, top_p, top_k, seed, stream, top_n, remaining, stop_ids,
-            kv_len=kv_len)
+            np.int32(offset), lengths, slots, first_step, *params.arrays(), kv_len=kv_len, share=share)
         self.stats["prefill_calls"] += 1
         main, top_values, top_ids = out
         for i, seq in enumerate(batch):
@@ -660,10 +720,36 @@ class Engine:
         if seq.updates is not None and seq.finish_reason is None:
             seq.updates.put_nowait(self._snapshot(seq))
 
-    def _run_step(self, fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, SlotState, tuple[np.ndarray, ...]]:
+    def _run_step(self, fn: Any, *args: Any, share: tuple[np.ndarray, ...] | None = None,
+                  **kwargs: Any) -> tuple[Any, SlotState, tuple[np.ndarray, ...]]:
+        """Run one compiled step and fetch its outputs; a prefill with ``share`` (``_share_args``)
+        copies its rows into the sharing requests' slots before the fetch."""
         with activate(self.mesh):
             cache, state, out = fn(*args, **kwargs)
+            if share is not None:
+                cache, state = self.share_fn(cache, state, *share)
             return cache, state, tuple(np.asarray(x) for x in jax.device_get(out))
+
+    def _share_call(self, cache: Any, slot_state: SlotState, share: tuple[np.ndarray, ...]) -> tuple[Any, SlotState]:
+        with activate(self.mesh):
+            return self.share_fn(cache, slot_state, *share)
+
+    def _share_args(self, placed: list[tuple[_Seq, int, int]], rows: int) -> tuple[np.ndarray, ...]:
+        """The arrays of a ``share`` call of ``rows`` padded rows for ``(request, slot it copies,
+        its own slot)``: each request's last token is fed again by the next decode chunk, which
+        samples its first token with the PRNG stream step a prefill would have used."""
+        src, dst = np.zeros((rows,), np.int32), np.full((rows,), self.lane_slots, np.int32)
+        tokens, positions, step = (np.zeros((rows,), np.int32) for _ in range(3))
+        params = _SamplingRows(rows)
+        length = 0
+        for i, (seq, from_slot, slot) in enumerate(placed):
+            n = seq.length
+            src[i], dst[i] = from_slot, slot
+            tokens[i] = seq.out_ids[-1] if seq.out_ids else seq.req.input_ids[-1]
+            positions[i], step[i] = n - 1, len(seq.out_ids)
+            params.fill(i, seq, self, sampled_here=False)
+            length = max(length, n - 1)
+        return (src, dst, np.int32(length), tokens, positions, step, *params.arrays())
 
     def prompt_logprobs(self, input_ids: list[int], temperature: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For positions 1 .. n-1 of a prompt: the logprob of each token given the ones before it
@@ -677,6 +763,11 @@ class Engine:
             out = self.prompt_logprobs_fn(self._state, ids, np.float32(temperature))
             chosen, values, top = (np.asarray(x) for x in jax.device_get(out))
         return chosen[:n - 1], values[:n - 1], top[:n - 1]
+
+
+def _tokens_key(seq: _Seq) -> tuple[int, ...]:
+    """The tokens a request's next prefill writes: its prompt and what it has generated so far."""
+    return (*seq.req.input_ids, *seq.out_ids)
 
 
 def _placement(tree: Any) -> dict[str, dict[str, list]]:

@@ -1,4 +1,5 @@
-"""The engine's compiled steps: batched prefill into KV slots and a multi-token decode chunk.
+"""The engine's compiled steps: batched prefill into KV slots, a copy of prefilled slots into
+others (requests that share a prompt) and a multi-token decode chunk.
 
 All are pure functions of ``(model state, cache, slot state, ...)``, jitted once per engine over a
 fixed graphdef with the cache and slot state donated. Their shapes come from small bucket sets
@@ -134,6 +135,42 @@ def _prefill(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_stat
     return cache, _replicated(slot_state), (jnp.stack([tokens.astype(jnp.float32), logprobs]), *tops)
 
 
+SHARE_BLOCK = 64
+"""Cache positions copied per iteration of ``_share``."""
+
+
+def _share(cache: KVCache, slot_state: SlotState, src: jax.Array, dst: jax.Array, length: jax.Array,
+           tokens: jax.Array, positions: jax.Array, step: jax.Array, temperature: jax.Array, top_p: jax.Array,
+           top_k: jax.Array, seed: jax.Array, stream: jax.Array, top_n: jax.Array, remaining: jax.Array,
+           stop_ids: jax.Array) -> tuple[KVCache, SlotState]:
+    """Give slot ``dst[i]`` the keys and values of slot ``src[i]`` at positions ``0 .. length - 1``
+    (a bound over the rows, copied in blocks of ``SHARE_BLOCK``), and its own slot state: a prompt
+    prefilled once serves every request that sent it. Each ``dst`` row is set up to sample its
+    first token in the next decode chunk: its last prompt token as the slot's token, at that
+    token's position (the chunk writes that position's keys and values again and samples from
+    it), ``step`` the index of that first token and ``remaining`` every token it may sample.
+    Padding rows have ``dst`` = ``num_slots``: every write drops."""
+    max_len = cache.max_len
+    block = min(SHARE_BLOCK, max_len)
+
+    def copy(i: jax.Array, c: KVCache) -> KVCache:
+        # A block that would run past the cache is moved back inside it: it copies some positions twice, alike.
+        pos = (jnp.minimum(i * block, max_len - block) + jnp.arange(block))[None, :]
+        rows_from, rows_to = src[:, None], dst[:, None]
+        k = c.k.at[:, rows_to, :, :, pos].set(c.k[:, rows_from, :, :, pos], mode="drop")
+        v = c.v.at[:, rows_to, :, pos, :].set(c.v[:, rows_from, :, pos, :], mode="drop")
+        return KVCache(k, v)
+
+    cache = jax.lax.fori_loop(0, (length + block - 1) // block, copy, cache)
+    put = lambda arr, val: arr.at[dst].set(val.astype(arr.dtype), mode="drop")
+    slot_state = SlotState(
+        put(slot_state.tokens, tokens), put(slot_state.positions, positions), put(slot_state.step, step),
+        put(slot_state.temperature, temperature), put(slot_state.top_p, top_p), put(slot_state.top_k, top_k),
+        put(slot_state.seed, seed), put(slot_state.stream, stream), put(slot_state.top_n, top_n),
+        put(slot_state.remaining, remaining), put(slot_state.stop_ids, stop_ids))
+    return cache, _replicated(slot_state)
+
+
 def _decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, slot_state: SlotState, active: jax.Array,
             early: jax.Array, *, kv_len: int, num_steps: int,
             max_top: int) -> tuple[KVCache, SlotState, tuple[jax.Array, jax.Array, jax.Array, jax.Array]]:
@@ -199,6 +236,7 @@ class Steps(NamedTuple):
 
     prefill: Any
     prefill_chunk: Any
+    share: Any
     decode: Any
     prompt_logprobs: Any
 
@@ -210,6 +248,7 @@ def compile_steps(graphdef: nnx.GraphDef, max_top: int) -> Steps:
         prefill=jax.jit(partial(_prefill, graphdef, max_top=max_top), donate_argnums=(1, 2),
                         static_argnames=("kv_len",)),
         prefill_chunk=jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1,), static_argnames=("kv_len",)),
+        share=jax.jit(_share, donate_argnums=(0, 1)),
         decode=jax.jit(partial(_decode, graphdef, max_top=max_top), donate_argnums=(1, 2),
                        static_argnames=("kv_len", "num_steps")),
         prompt_logprobs=jax.jit(partial(_prompt_logprobs, graphdef, max_top=max_top)))

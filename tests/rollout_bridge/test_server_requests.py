@@ -332,10 +332,12 @@ def test_warmup_compiles_every_step_shape_before_health_says_ready(tiny_dir: Pat
                 async with s.get(url + "/get_server_info") as r:
                     state = (await r.json())["internal_states"][0]
                 assert state["ready"] and state["warmup"]["shapes"] == len(engine.step_shapes())
-                compiled = [f._cache_size() for f in (engine.prefill_fn, engine.prefill_chunk_fn, engine.decode_fn)]
-                assert sum(compiled) == len(engine.step_shapes())
-                # prompts of every kind (short, batched, chunked, near the context) compile nothing new
-                lengths = [1, 3, 16, 17, 30, 33, 47, 49, 62, 63]
+                steps = (engine.prefill_fn, engine.prefill_chunk_fn, engine.share_fn, engine.decode_fn)
+                compiled = [f._cache_size() for f in steps]
+                assert sum(compiled) == len(engine.step_shapes()) and compiled[2] > 0
+                # prompts of every kind (short, batched, chunked, near the context, sent twice at
+                # once) compile nothing new
+                lengths = [1, 3, 3, 16, 17, 30, 33, 47, 49, 62, 63]
                 bodies = [{"input_ids": [5] * n, "sampling_params": {"max_new_tokens": 64 - n, "ignore_eos": True}}
                           for n in lengths]
 
@@ -344,8 +346,7 @@ def test_warmup_compiles_every_step_shape_before_health_says_ready(tiny_dir: Pat
                         return len((await r.json())["output_ids"])
 
                 assert await asyncio.gather(*map(one, bodies)) == [64 - n for n in lengths]
-                assert [f._cache_size() for f in (engine.prefill_fn, engine.prefill_chunk_fn,
-                                                  engine.decode_fn)] == compiled
+                assert [f._cache_size() for f in steps] == compiled
         finally:
             await runner.cleanup()
 
