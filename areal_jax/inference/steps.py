@@ -248,7 +248,8 @@ def compile_steps(graphdef: nnx.GraphDef, max_top: int) -> Steps:
         prefill=jax.jit(partial(_prefill, graphdef, max_top=max_top), donate_argnums=(1, 2),
                         static_argnames=("kv_len",)),
         prefill_chunk=jax.jit(partial(_prefill_chunk, graphdef), donate_argnums=(1,), static_argnames=("kv_len",)),
-        share=jax.jit(_share, donate_argnums=(0, 1)),
+        # A fresh callable, as the others are: its compiled shapes are this engine's own to count.
+        share=jax.jit(partial(_share), donate_argnums=(0, 1)),
         decode=jax.jit(partial(_decode, graphdef, max_top=max_top), donate_argnums=(1, 2),
                        static_argnames=("kv_len", "num_steps")),
         prompt_logprobs=jax.jit(partial(_prompt_logprobs, graphdef, max_top=max_top)))
