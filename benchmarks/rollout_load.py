@@ -44,8 +44,7 @@ from rollout_bridge.launcher import ServerFleet
 
 def _metrics(address: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+?)\{.*\} (\S+)$", text, re.M)}
+        return runs.metric_values(r.read().decode())
 
 
 def _thread_cpu(pid: int) -> dict[str, float]:

@@ -233,6 +233,11 @@ def thread_affinity(cores: list[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def metric_values(text: str) -> dict[str, float]:
+    """A server's ``/metrics`` text (Prometheus format) as ``{metric name: value}``, labels dropped."""
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+?)\{.*\} (\S+)$", text, re.M)}
+
+
 class ServerPoller:
     """Polls a server's ``/metrics`` in a thread: ``(time, requests running + queued, generated
     tokens so far)`` every ``POLL_S`` seconds."""
@@ -251,7 +256,7 @@ class ServerPoller:
                 try:
                     conn.request("GET", "/metrics")
                     text = conn.getresponse().read().decode()
-                    vals = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+?)\{.*\} (\S+)$", text, re.M)}
+                    vals = metric_values(text)
                     busy = int(vals["sglang:num_running_reqs"] + vals["sglang:num_queue_reqs"])
                     self.samples.append((time.perf_counter(), busy, vals["sglang:generation_tokens_total"]))
                 except (OSError, http.client.HTTPException, KeyError, ValueError):

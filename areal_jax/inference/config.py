@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from areal_jax.models.config import dtype_name
 
 
-def _powers_of_two(lo: int, hi: int) -> list[int]:
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    """``lo, 2 lo, 4 lo, ...`` below ``hi``."""
     out, b = [], lo
     while b < hi:
         out.append(b)
@@ -18,7 +19,7 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
 
 def default_prefill_buckets(max_seq_len: int) -> tuple[int, ...]:
     """Powers of two from 16, capped by ``max_seq_len`` (which is always the last bucket)."""
-    return tuple(_powers_of_two(16, max_seq_len)) + (max_seq_len,)
+    return tuple(powers_of_two(16, max_seq_len)) + (max_seq_len,)
 
 
 def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
@@ -28,7 +29,7 @@ def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     cache for long sequences while the count stays around ten.
     """
     stride = max(16, -(-max_seq_len // 8 // 16) * 16)
-    small = _powers_of_two(16, stride)
+    small = powers_of_two(16, stride)
     return tuple(sorted({*small, *range(stride, max_seq_len, stride), max_seq_len}))
 
 
@@ -120,7 +121,7 @@ class EngineConfig:
 
     @property
     def prefill_rows(self) -> tuple[int, ...]:
-        return tuple(_powers_of_two(1, self.max_prefill_batch)) + (self.max_prefill_batch,)
+        return tuple(powers_of_two(1, self.max_prefill_batch)) + (self.max_prefill_batch,)
 
     def resolve_lanes(self, backend: str, has_mesh: bool) -> int:
         """The lane count to run with on ``backend`` (see ``lanes``)."""

@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.inference.config import EngineConfig
+from areal_jax.inference.config import EngineConfig, powers_of_two
 from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
 from areal_jax.inference.weights import WeightStage, stage_checkpoint
@@ -140,8 +140,7 @@ class Engine:
         self.num_lanes = cfg.resolve_lanes(jax.default_backend(), mesh is not None)
         self.lane_slots = cfg.num_slots // self.num_lanes
         self._lanes = [_Lane(i, [None] * self.lane_slots) for i in range(self.num_lanes)]
-        self.share_rows = tuple(sorted({*(2**i for i in range(self.lane_slots.bit_length()) if 2**i < self.lane_slots),
-                                        self.lane_slots}))
+        self.share_rows = (*powers_of_two(1, self.lane_slots), self.lane_slots)
         """Padded row counts of a ``share`` call (requests given a copy of another's prefill)."""
         for lane in self._lanes:
             lane.cache, lane.slot_state = self._fresh_cache()
@@ -449,7 +448,8 @@ class Engine:
             elif step == "prefill_chunk":
                 lane.cache = self._run_chunk(lane.cache, ids, np.int32(0), zeros, slots, kv_len)
             elif step == "share":
-                lane.cache, lane.slot_state = self._share_call(lane.cache, lane.slot_state, self._share_args([], rows))
+                lane.cache, lane.slot_state = self._in_mesh(self.share_fn, lane.cache, lane.slot_state,
+                                                            *self._share_args([], rows))
             else:
                 ones, u32 = np.ones((rows,), np.float32), np.zeros((rows,), np.uint32)
                 lane.cache, lane.slot_state, _ = self._run_step(
@@ -729,10 +729,6 @@ class Engine:
             if share is not None:
                 cache, state = self.share_fn(cache, state, *share)
             return cache, state, tuple(np.asarray(x) for x in jax.device_get(out))
-
-    def _share_call(self, cache: Any, slot_state: SlotState, share: tuple[np.ndarray, ...]) -> tuple[Any, SlotState]:
-        with activate(self.mesh):
-            return self.share_fn(cache, slot_state, *share)
 
     def _share_args(self, placed: list[tuple[_Seq, int, int]], rows: int) -> tuple[np.ndarray, ...]:
         """The arrays of a ``share`` call of ``rows`` padded rows for ``(request, slot it copies,
