@@ -27,6 +27,7 @@ from typing import Any
 from areal_jax.controller.staleness import StalenessRule
 from areal_jax.controller.workflow import Workflow, WorkflowError
 from areal_jax.data.trajectory import Trajectory
+from areal_jax.rewards.pool import RewardPoolBroken
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +230,8 @@ class RolloutController:
             raise
         except Exception as e:  # one bad episode never takes the run down
             self._fail(row, f"{type(e).__name__}: {e}")
-            if isinstance(e, WorkflowError):
-                self._error = e  # a wrong workflow fails every episode: stop early, loudly
+            if isinstance(e, WorkflowError | RewardPoolBroken):
+                self._error = e  # a wrong workflow or a pool that cannot score fails every episode: stop, loudly
         finally:
             if not accepted:
                 self._pending.pop(serial, None)

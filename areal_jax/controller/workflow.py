@@ -59,7 +59,8 @@ class EpisodeClient:
 
     async def reward(self, row: Any, completion: str) -> float:
         """The reward service's score of ``completion`` for ``row``; a failed call scores 0
-        (the pool counts and logs it), so one bad answer never takes a run down."""
+        (the pool counts and logs it), so one bad answer never takes a run down. A pool that
+        cannot score at all raises ``RewardPoolBroken``, which stops the run."""
         result = await self.reward_pool.score(row.prompt, completion, row.reward_fields, row_id=row.id)
         if result.error:
             self.reward_failures += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from areal_jax.rewards.pool import RewardConfig, RewardPool, RewardResult
+from areal_jax.rewards.pool import RewardConfig, RewardPool, RewardPoolBroken, RewardResult
 
 RewardFn = Callable[..., Any]
 
@@ -26,4 +26,4 @@ def get_reward_fn(name: str) -> RewardFn:
         raise ValueError(f"{e}; built-in rewards are {sorted(BUILTIN)}") from None
 
 
-__all__ = ["RewardConfig", "RewardFn", "RewardPool", "RewardResult", "get_reward_fn"]
+__all__ = ["RewardConfig", "RewardFn", "RewardPool", "RewardPoolBroken", "RewardResult", "get_reward_fn"]

@@ -7,7 +7,9 @@ scores 0, is counted and logged with its row id, and the worker is replaced (peb
 ``forkserver``, a fresh interpreter that has imported the reward's libraries once: a fork of the
 trainer's process (JAX threads) would be unsafe, and the workers share none of its memory. Each
 worker caps its own address space (``memory_mb``). As with any Python process pool, a script
-that starts a run must keep its top-level code under ``if __name__ == "__main__":``.
+that starts a run must keep its top-level code under ``if __name__ == "__main__":``; a pool
+whose workers cannot start at all raises ``RewardPoolBroken`` from every call instead of scoring
+0, and the controller stops the run with it (every reward would be 0: no signal to learn from).
 """
 
 from __future__ import annotations
@@ -97,9 +99,14 @@ def normalise(out: Any) -> tuple[float, dict[str, Any]]:
 BROKEN_POOL = (
     "its worker processes could not start ({error}). Workers start from a forkserver that imports the main "
     "module: a script that builds the pool (or calls areal_jax.train) must keep its code under "
-    "`if __name__ == \"__main__\":` (the usual cause; a worker's traceback above shows it). Every reward "
-    "scores 0 until the pool is rebuilt.")
-"""What a call to a pool that lost all its workers scores 0 with (logged once as an error)."""
+    "`if __name__ == \"__main__\":` (the usual cause; a worker's traceback above shows it).")
+"""The message of ``RewardPoolBroken`` (logged once as an error)."""
+
+
+class RewardPoolBroken(RuntimeError):
+    """The pool's workers cannot start, so no call can score: raised by every call instead of a
+    0, since a run that went on would train on rewards that say nothing (the controller stops
+    the run with it)."""
 
 
 class RewardPool:
@@ -117,6 +124,9 @@ class RewardPool:
         self._pool = ProcessPool(max_workers=self.cfg.num_workers, initializer=_init_worker,
                                  initargs=(self.cfg.memory_mb,), context=ctx)
         self.stats: Counter = Counter()
+        self._broken: str | None = None
+        """``RewardPoolBroken``'s message once the workers could not start (pebble's pool refuses
+        every later call with a bare ``RuntimeError``)."""
 
     async def score(self, prompt: str, completion: str, reward_fields: dict[str, Any] | None = None, *,
                     row_id: str = "") -> RewardResult:
@@ -124,6 +134,9 @@ class RewardPool:
 
         t0 = time.perf_counter()
         self.stats["calls"] += 1
+        if self._broken is not None:
+            self.stats["pool_broken"] += 1
+            raise RewardPoolBroken(self._broken)
         future = self._pool.schedule(_call, args=(self.cfg.name, prompt, completion, dict(reward_fields or {}),
                                                   self.cfg.fn_kwargs()), timeout=self.cfg.timeout_s)
         try:
@@ -138,10 +151,11 @@ class RewardPool:
             future.cancel()
             raise
         except BrokenProcessPool as e:
-            message = BROKEN_POOL.format(error=e)
-            if not self.stats["pool_broken"]:
-                log.error("reward pool %s: %s", self.cfg.name, message)
-            return self._failed("pool_broken", message, row_id, t0)
+            if self._broken is None:
+                self._broken = f"reward pool {self.cfg.name!r}: {BROKEN_POOL.format(error=e)}"
+                log.error("%s", self._broken)
+            self.stats["pool_broken"] += 1
+            raise RewardPoolBroken(self._broken) from e
         except Exception as e:
             return self._failed("errors", f"{type(e).__name__}: {e}", row_id, t0)
         self.stats["ok"] += 1

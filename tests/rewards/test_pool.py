@@ -67,22 +67,48 @@ def test_unknown_reward_fails_before_work() -> None:
         RewardConfig(num_workers=0)
 
 
-def test_a_pool_whose_workers_cannot_start_names_the_missing_main_guard(tmp_path) -> None:
+def test_a_pool_whose_workers_cannot_start_stops_the_run_naming_the_missing_main_guard(tmp_path) -> None:
     """A script that builds the pool without ``if __name__ == "__main__":``: the forkserver's
-    workers import it and fail, and each call scores 0 with a message that names the guard."""
+    workers import it and fail. A call raises ``RewardPoolBroken`` naming the guard (not a 0 that
+    would look like a wrong answer), and a controller whose episodes score through that pool
+    stops with it instead of running on (or waiting forever for groups with a reward)."""
     root = Path(__file__).resolve().parents[2]
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import asyncio\n"
-        "from areal_jax.rewards import RewardConfig, RewardPool\n"
+        "from types import SimpleNamespace\n"
+        "from areal_jax.controller import EpisodeClient, RolloutController\n"
+        "from areal_jax.rewards import RewardConfig, RewardPool, RewardPoolBroken\n"
+        # a worker imports this file as __mp_main__ and fails at the first call: the pool breaks
         "pool = RewardPool(RewardConfig(name='tests.rewards.fns:echo', num_workers=1))\n"
-        "r = asyncio.run(pool.score('p', 'x', {}, row_id='r'))\n"
-        "print('RESULT', r.reward, pool.stats['pool_broken'], r.error)\n"
+        "try:\n"
+        "    asyncio.run(pool.score('p', 'x', {}, row_id='r'))\n"
+        "except RewardPoolBroken as e:\n"
+        "    print('RAISED', pool.stats['pool_broken'], e)\n"
+        "client = EpisodeClient(rollout=None, tokenizer=None, reward_pool=pool, sampling={})\n"
+        "async def episode(client, row):\n"
+        "    await client.reward(row, 'x')\n"
+        "    raise AssertionError('a broken pool returned a score')\n"
+        "async def run():\n"
+        "    rows = iter(SimpleNamespace(id=f'q{i}', prompt='p', reward_fields={}) for i in range(1000))\n"
+        "    ctl = RolloutController(client, episode, rows, batch_size=2, max_staleness=0)\n"
+        "    ctl.start()\n"
+        "    try:\n"
+        "        await ctl.get_batch(timeout=120)\n"
+        "    except RuntimeError as e:\n"
+        "        print('STOPPED', ctl.counters.failed, pool.stats['pool_broken'], e)\n"
+        "    await ctl.stop()\n"
+        "asyncio.run(run())\n"
         "pool.close()\n")
     env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=root,
                           env=env)
-    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert result, proc.stderr[-2000:]
-    assert result[0].startswith("RESULT 0.0 1 ") and 'if __name__ == "__main__":' in result[0]
-    assert "could not start" in proc.stderr  # logged as an error, once
+    lines = {line.split(" ", 1)[0]: line for line in proc.stdout.splitlines()}
+    assert "RAISED" in lines and "STOPPED" in lines, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert lines["RAISED"].startswith("RAISED 1 ") and 'if __name__ == "__main__":' in lines["RAISED"]
+    stopped = lines["STOPPED"]
+    assert "rollout stopped: reward pool 'tests.rewards.fns:echo'" in stopped and "__main__" in stopped
+    failed, refused = map(int, stopped.split()[1:3])
+    assert 1 <= failed <= 2 and refused == 1 + failed  # it stopped at the first failures, not after 1000 rows
+    assert "a broken pool returned a score" not in proc.stdout + proc.stderr
+    assert proc.stderr.count("could not start") == 1 + failed  # the pool's error, once; each failed episode
