@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from decode import engine_run
 from flax import nnx
-from train_step import batch, model_flops
+from train_step import batch, best_seconds, matmul_peak, model_flops
 
 from areal_jax.algo import AlgoConfig
 from areal_jax.inference import Engine, EngineConfig
@@ -62,26 +62,12 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def _best(fn: Any, reps: int) -> float:
-    jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def ceilings(matmul_n: int, copy_mib: int, reps: int) -> dict[str, float]:
     """Best bfloat16 matmul FLOP/s and copy bandwidth (bytes read + written per second)."""
-    a = jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), jnp.bfloat16)
-    mm = jax.jit(lambda x, y: x @ y)
-    t_mm = _best(lambda: mm(a, b), reps)
     x = jnp.ones((copy_mib * 2**20 // 4,), jnp.float32)
     copy = jax.jit(lambda v: v * 1.0001)
-    t_copy = _best(lambda: copy(x), reps)
-    return {"bf16_matmul_tflops_per_s": 2 * matmul_n**3 / t_mm / 1e12,
+    t_copy = best_seconds(lambda: copy(x), reps)
+    return {"bf16_matmul_tflops_per_s": matmul_peak(matmul_n, reps, jnp.bfloat16) / 1e12,
             "copy_gb_per_s": 2 * copy_mib * 2**20 / t_copy / 1e9, "matmul_n": matmul_n, "copy_mib": copy_mib}
 
 
