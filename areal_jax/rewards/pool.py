@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
+import os
 import resource
+import signal
+import threading
 import time
 from collections import Counter
 from concurrent.futures.process import BrokenProcessPool
@@ -104,29 +108,80 @@ BROKEN_POOL = (
 
 
 class RewardPoolBroken(RuntimeError):
-    """The pool's workers cannot start, so no call can score: raised by every call instead of a
-    0, since a run that went on would train on rewards that say nothing (the controller stops
-    the run with it)."""
+    """The pool cannot score: its workers cannot start, or it stopped working more than
+    ``MAX_RESTARTS`` times. Raised by every call instead of a 0, since a run that went on would
+    train on rewards that say nothing (the controller stops the run with it)."""
+
+
+class _PoolStopped(Exception):
+    """pebble's pool stopped working under a call (one of its threads died)."""
+
+
+MAX_RESTARTS = 3
+"""Replacements of a pool that stopped working, per ``RewardPool``, before it counts as broken."""
+
+WATCH_S = 1.0
+"""How often a call in flight checks that pebble's pool still works."""
+
+
+def _works(pool: Any) -> bool:
+    """Whether pebble's ``pool`` still takes and runs calls (asking may itself raise once its
+    state went bad)."""
+    try:
+        return bool(pool.active)
+    except Exception:
+        return False
+
+
+def _forget_broken_children() -> None:
+    """Kill and forget the child processes whose handle went bad. ``multiprocessing`` polls every
+    child it started each time it starts another, so one such child would make the new pool's
+    workers fail to start too."""
+    import multiprocessing.process as mp_process
+
+    for child in list(mp_process._children):
+        try:
+            child._popen.poll()
+        except Exception:
+            mp_process._children.discard(child)
+            with contextlib.suppress(OSError):
+                os.kill(child.pid, signal.SIGKILL)
+
+
+def _stop_quietly(pool: Any) -> None:
+    """Stop a pebble pool and its workers; a pool that stopped working may fail to, harmlessly."""
+    with contextlib.suppress(Exception):
+        pool.stop()
+        pool.join(timeout=10)
 
 
 class RewardPool:
-    """``await pool.score(prompt, completion, fields, row_id=...)`` -> ``RewardResult``."""
+    """``await pool.score(prompt, completion, fields, row_id=...)`` -> ``RewardResult``.
+
+    pebble's pool runs on three threads in this process. If one dies (in one CI run the thread
+    that polls the workers raised on a worker's handle), the pool refuses new calls and the
+    calls in flight never finish, and a run would wait for them forever. A call therefore checks
+    every ``WATCH_S`` that the pool still works; if not, the pool is replaced by a new one and
+    the call runs again there (``stats["pool_restarts"]``), up to ``MAX_RESTARTS`` times."""
 
     def __init__(self, cfg: RewardConfig | None = None):
-        from pebble import ProcessPool
-
         from areal_jax.rewards import get_reward_fn
 
         self.cfg = cfg or RewardConfig()
         get_reward_fn(self.cfg.name)  # an unknown name fails here, before any work starts
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["areal_jax.rewards.builtin", *_PRELOAD.get(self.cfg.name, ())])
-        self._pool = ProcessPool(max_workers=self.cfg.num_workers, initializer=_init_worker,
-                                 initargs=(self.cfg.memory_mb,), context=ctx)
+        self._pool = self._new_pool()
         self.stats: Counter = Counter()
         self._broken: str | None = None
-        """``RewardPoolBroken``'s message once the workers could not start (pebble's pool refuses
-        every later call with a bare ``RuntimeError``)."""
+        """``RewardPoolBroken``'s message once the pool is broken (pebble's pool refuses every
+        later call with a bare ``RuntimeError``)."""
+
+    def _new_pool(self) -> Any:
+        from pebble import ProcessPool
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["areal_jax.rewards.builtin", *_PRELOAD.get(self.cfg.name, ())])
+        return ProcessPool(max_workers=self.cfg.num_workers, initializer=_init_worker,
+                           initargs=(self.cfg.memory_mb,), context=ctx)
 
     async def score(self, prompt: str, completion: str, reward_fields: dict[str, Any] | None = None, *,
                     row_id: str = "") -> RewardResult:
@@ -134,32 +189,75 @@ class RewardPool:
 
         t0 = time.perf_counter()
         self.stats["calls"] += 1
-        if self._broken is not None:
-            self.stats["pool_broken"] += 1
-            raise RewardPoolBroken(self._broken)
-        future = self._pool.schedule(_call, args=(self.cfg.name, prompt, completion, dict(reward_fields or {}),
-                                                  self.cfg.fn_kwargs()), timeout=self.cfg.timeout_s)
+        args = (self.cfg.name, prompt, completion, dict(reward_fields or {}), self.cfg.fn_kwargs())
+        while True:
+            if self._broken is not None:
+                self.stats["pool_broken"] += 1
+                raise RewardPoolBroken(self._broken)
+            pool = self._pool
+            try:
+                future = pool.schedule(_call, args=args, timeout=self.cfg.timeout_s)
+                value, extra = normalise(await self._result(pool, future))
+            except _PoolStopped as e:
+                self._restart(pool, str(e))
+                continue
+            except BrokenProcessPool as e:  # before RuntimeError, its base class
+                if self._broken is None:
+                    self._broken = f"reward pool {self.cfg.name!r}: {BROKEN_POOL.format(error=e)}"
+                    log.error("%s", self._broken)
+                continue  # raises at the top of the loop
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                return self._failed("timeouts", f"timed out after {self.cfg.timeout_s}s", row_id, t0)
+            except ProcessExpired as e:
+                return self._failed("worker_died", f"worker died (exit code {e.exitcode})", row_id, t0)
+            except MemoryError:
+                return self._failed("memory", f"ran out of memory (limit {self.cfg.memory_mb} MiB)", row_id, t0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if not _works(pool):  # pebble's pool failed under the call, or refuses work: not the reward's fault
+                    self._restart(pool, f"{type(e).__name__}: {e}")
+                    continue
+                return self._failed("errors", f"{type(e).__name__}: {e}", row_id, t0)
+            self.stats["ok"] += 1
+            return RewardResult(value, extra, None, time.perf_counter() - t0)
+
+    @staticmethod
+    async def _result(pool: Any, future: Any) -> Any:
+        """The call's result, checking every ``WATCH_S`` that ``pool`` still works."""
+        wrapped = asyncio.wrap_future(future)
         try:
-            value, extra = normalise(await asyncio.wrap_future(future))
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            return self._failed("timeouts", f"timed out after {self.cfg.timeout_s}s", row_id, t0)
-        except ProcessExpired as e:
-            return self._failed("worker_died", f"worker died (exit code {e.exitcode})", row_id, t0)
-        except MemoryError:
-            return self._failed("memory", f"ran out of memory (limit {self.cfg.memory_mb} MiB)", row_id, t0)
-        except asyncio.CancelledError:
+            while True:
+                done, _ = await asyncio.wait({wrapped}, timeout=WATCH_S)
+                if done:
+                    return wrapped.result()
+                if not _works(pool):
+                    raise _PoolStopped("pebble's pool stopped working (one of its threads died)")
+        except BaseException:
             future.cancel()
             raise
-        except BrokenProcessPool as e:
-            if self._broken is None:
-                self._broken = f"reward pool {self.cfg.name!r}: {BROKEN_POOL.format(error=e)}"
-                log.error("%s", self._broken)
-            self.stats["pool_broken"] += 1
-            raise RewardPoolBroken(self._broken) from e
-        except Exception as e:
-            return self._failed("errors", f"{type(e).__name__}: {e}", row_id, t0)
-        self.stats["ok"] += 1
-        return RewardResult(value, extra, None, time.perf_counter() - t0)
+
+    def _restart(self, pool: Any, reason: str) -> None:
+        """Replace ``pool`` (if no other call did yet) by a new one, or mark the pool broken: when
+        it never scored (its workers cannot start) or after ``MAX_RESTARTS`` replacements."""
+        if pool is not self._pool or self._broken is not None:
+            return
+        reason = " ".join(reason.split())[:300]  # one line (multiprocessing's errors run to paragraphs)
+        if not self.stats["ok"]:  # it never scored: its workers cannot start, and a new pool would fail alike
+            self._broken = f"reward pool {self.cfg.name!r}: {BROKEN_POOL.format(error=reason)}"
+            log.error("%s", self._broken)
+            return
+        self.stats["pool_restarts"] += 1
+        if self.stats["pool_restarts"] > MAX_RESTARTS:
+            self._broken = (f"reward pool {self.cfg.name!r}: pebble's pool stopped working {MAX_RESTARTS + 1} "
+                            f"times ({reason}); see the errors above")
+            log.error("%s", self._broken)
+            return
+        log.error("reward pool %s stopped working (%s): starting a new one (restart %d of at most %d); the "
+                  "calls in flight run again", self.cfg.name, reason, self.stats["pool_restarts"], MAX_RESTARTS)
+        _forget_broken_children()
+        self._pool = self._new_pool()
+        threading.Thread(target=_stop_quietly, args=(pool,), daemon=True).start()
 
     def _failed(self, kind: str, message: str, row_id: str, t0: float) -> RewardResult:
         self.stats[kind] += 1
@@ -168,8 +266,7 @@ class RewardPool:
         return RewardResult(0.0, {}, message, time.perf_counter() - t0)
 
     def close(self) -> None:
-        self._pool.stop()
-        self._pool.join(timeout=10)
+        _stop_quietly(self._pool)
 
     def __enter__(self) -> RewardPool:
         return self

@@ -27,3 +27,9 @@ def misbehave(prompt: str, completion: str, **_) -> float:
     elif completion == "bad_type":
         return "one"  # type: ignore[return-value]
     return 1.0
+
+
+def nap(prompt: str, completion: str, seconds: float = 0.0, **_) -> float:
+    """Sleeps the row's ``seconds``, then scores 1: a call that is still in flight when wanted."""
+    time.sleep(seconds)
+    return 1.0
