@@ -174,6 +174,7 @@ class RewardPool:
         self._broken: str | None = None
         """``RewardPoolBroken``'s message once the pool is broken (pebble's pool refuses every
         later call with a bare ``RuntimeError``)."""
+        self._closed = False
 
     def _new_pool(self) -> Any:
         from pebble import ProcessPool
@@ -191,6 +192,8 @@ class RewardPool:
         self.stats["calls"] += 1
         args = (self.cfg.name, prompt, completion, dict(reward_fields or {}), self.cfg.fn_kwargs())
         while True:
+            if self._closed:
+                return self._failed("errors", "the reward pool was closed", row_id, t0)
             if self._broken is not None:
                 self.stats["pool_broken"] += 1
                 raise RewardPoolBroken(self._broken)
@@ -240,7 +243,7 @@ class RewardPool:
     def _restart(self, pool: Any, reason: str) -> None:
         """Replace ``pool`` (if no other call did yet) by a new one, or mark the pool broken: when
         it never scored (its workers cannot start) or after ``MAX_RESTARTS`` replacements."""
-        if pool is not self._pool or self._broken is not None:
+        if pool is not self._pool or self._broken is not None or self._closed:
             return
         reason = " ".join(reason.split())[:300]  # one line (multiprocessing's errors run to paragraphs)
         if not self.stats["ok"]:  # it never scored: its workers cannot start, and a new pool would fail alike
@@ -266,6 +269,8 @@ class RewardPool:
         return RewardResult(0.0, {}, message, time.perf_counter() - t0)
 
     def close(self) -> None:
+        """Stop the workers; calls in flight and later ones score 0 (an error saying so)."""
+        self._closed = True
         _stop_quietly(self._pool)
 
     def __enter__(self) -> RewardPool:

@@ -139,3 +139,20 @@ def test_a_pool_that_stops_working_is_replaced_and_the_calls_in_flight_still_sco
             assert [r.reward for r in after] == [1.0] * 4
 
     asyncio.run(run())
+
+
+def test_closing_the_pool_ends_the_calls_in_flight_with_an_error() -> None:
+    """A call in flight when the pool closes ends (scores 0, saying why) instead of starting a
+    new pool after the close, or waiting forever."""
+
+    async def run() -> None:
+        pool = RewardPool(RewardConfig(name="tests.rewards.fns:nap", num_workers=1, timeout_s=20))
+        assert (await pool.score("p", "x", {"seconds": 0}, row_id="warm")).reward == 1.0
+        inflight = asyncio.create_task(pool.score("p", "x", {"seconds": 5.0}, row_id="inflight"))
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(pool.close)
+        result = await asyncio.wait_for(inflight, 30)
+        assert result.reward == 0.0 and result.error == "the reward pool was closed"
+        assert pool.stats["pool_restarts"] == 0
+
+    asyncio.run(run())
