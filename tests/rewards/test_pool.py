@@ -116,6 +116,8 @@ def test_a_pool_whose_workers_cannot_start_stops_the_run_naming_the_missing_main
     assert "could not start" in proc.stderr  # logged as an error
 
 
+# The injected fault kills pebble's thread on purpose; its traceback is the expected one.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_pool_that_stops_working_is_replaced_and_the_calls_in_flight_still_score() -> None:
     """pebble polls each worker's handle from one of its threads; when that raises (it did in a
     CI run, and the run then waited forever) the thread dies, the pool refuses new calls and
