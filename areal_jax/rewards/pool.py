@@ -205,9 +205,7 @@ class RewardPool:
                 self._restart(pool, str(e))
                 continue
             except BrokenProcessPool as e:  # before RuntimeError, its base class
-                if self._broken is None:
-                    self._broken = f"reward pool {self.cfg.name!r}: {BROKEN_POOL.format(error=e)}"
-                    log.error("%s", self._broken)
+                self._mark_broken(BROKEN_POOL.format(error=e))
                 continue  # raises at the top of the loop
             except (TimeoutError, concurrent.futures.TimeoutError):
                 return self._failed("timeouts", f"timed out after {self.cfg.timeout_s}s", row_id, t0)
@@ -247,20 +245,24 @@ class RewardPool:
             return
         reason = " ".join(reason.split())[:300]  # one line (multiprocessing's errors run to paragraphs)
         if not self.stats["ok"]:  # it never scored: its workers cannot start, and a new pool would fail alike
-            self._broken = f"reward pool {self.cfg.name!r}: {BROKEN_POOL.format(error=reason)}"
-            log.error("%s", self._broken)
+            self._mark_broken(BROKEN_POOL.format(error=reason))
             return
         self.stats["pool_restarts"] += 1
         if self.stats["pool_restarts"] > MAX_RESTARTS:
-            self._broken = (f"reward pool {self.cfg.name!r}: pebble's pool stopped working {MAX_RESTARTS + 1} "
-                            f"times ({reason}); see the errors above")
-            log.error("%s", self._broken)
+            self._mark_broken(f"pebble's pool stopped working {MAX_RESTARTS + 1} times ({reason}); "
+                              "see the errors above")
             return
         log.error("reward pool %s stopped working (%s): starting a new one (restart %d of at most %d); the "
                   "calls in flight run again", self.cfg.name, reason, self.stats["pool_restarts"], MAX_RESTARTS)
         _forget_broken_children()
         self._pool = self._new_pool()
         threading.Thread(target=_stop_quietly, args=(pool,), daemon=True).start()
+
+    def _mark_broken(self, message: str) -> None:
+        """From now on every call raises ``RewardPoolBroken`` with ``message`` (logged once)."""
+        if self._broken is None:
+            self._broken = f"reward pool {self.cfg.name!r}: {message}"
+            log.error("%s", self._broken)
 
     def _failed(self, kind: str, message: str, row_id: str, t0: float) -> RewardResult:
         self.stats[kind] += 1
