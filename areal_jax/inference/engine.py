@@ -33,10 +33,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.inference.config import EngineConfig, powers_of_two
-from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps
+from areal_jax.inference.config import EngineConfig
+from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps, share_rows, step_shapes
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
-from areal_jax.inference.weights import WeightStage, stage_checkpoint
+from areal_jax.inference.weights import WeightStage, check_swappable
+from areal_jax.inference.weights import new_state as new_state_of
 from areal_jax.models.decoder import Decoder, KVCache
 from sharding import activate, logical_to_sharding
 
@@ -140,7 +141,7 @@ class Engine:
         self.num_lanes = cfg.resolve_lanes(jax.default_backend(), mesh is not None)
         self.lane_slots = cfg.num_slots // self.num_lanes
         self._lanes = [_Lane(i, [None] * self.lane_slots) for i in range(self.num_lanes)]
-        self.share_rows = (*powers_of_two(1, self.lane_slots), self.lane_slots)
+        self.share_rows = share_rows(self.lane_slots)
         """Padded row counts of a ``share`` call (requests given a copy of another's prefill)."""
         for lane in self._lanes:
             lane.cache, lane.slot_state = self._fresh_cache()
@@ -328,10 +329,12 @@ class Engine:
         lanes stop only for the swap. Retracted requests recompute their KV under the new weights;
         ``in_place`` ones keep their (stale) KV.
         """
-        if sum(x is not None for x in (tensors, model_dir, stage)) != 1:
-            raise ValueError("update_weights needs exactly one of tensors, model_dir or stage")
+        def build() -> Any:  # committed like the served state, so the compiled steps take it as it is
+            state = new_state_of(self.model, tensors=tensors, model_dir=model_dir, stage=stage)
+            return self._committed(state, like=self._state)
+
         async with self._update_lock:
-            new_state = await asyncio.to_thread(self._in_mesh, self._prepare_state, tensors, model_dir, stage)
+            new_state = await asyncio.to_thread(self._in_mesh, build)
             async with self._all_lanes():
                 nnx.update(self.model, new_state)
                 self._state = new_state
@@ -364,28 +367,11 @@ class Engine:
         in-process trainer's params handed over) as ``version``, swapped in between steps. The
         arrays are used as they are, not copied: whoever made them must not delete them while
         they are served. A tree, shape, dtype or sharding that differs raises before any change."""
-        old, new = jax.tree.leaves(self._state), jax.tree.leaves(state)
-        if jax.tree.structure(self._state) != jax.tree.structure(state):
-            raise ValueError("set_state: the new state's tree differs from the served model's")
-        for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            if a.shape != b.shape or a.dtype != b.dtype or not b.sharding.is_equivalent_to(a.sharding, a.ndim):
-                raise ValueError(f"set_state: leaf {i} is {b.shape} {b.dtype} on {b.sharding}; the engine serves "
-                                 f"{a.shape} {a.dtype} on {a.sharding}")
+        check_swappable(self._state, state)
         async with self._update_lock, self._all_lanes():
             nnx.update(self.model, state)
             self._state = state
             self._version = version
-
-    def _prepare_state(self, tensors: dict[str, np.ndarray] | None, model_dir: str | None,
-                       stage: WeightStage | None = None) -> Any:
-        """The served model's state with the new weights, committed like the current one; the
-        served model itself is not touched."""
-        if model_dir is not None:
-            stage = stage_checkpoint(self.model, model_dir)
-        elif tensors is not None:
-            stage = WeightStage(self.model)
-            stage.add(tensors)
-        return self._committed(stage.finish(), like=self._state)
 
     async def flush_cache(self) -> bool:
         """Zero the KV cache in place (its buffers are donated, so no second cache is allocated);
@@ -407,29 +393,8 @@ class Engine:
     # -- compile ahead --
 
     def step_shapes(self) -> list[tuple[str, int, int, int]]:
-        """Every compiled-step shape the scheduler can ask for, as ``(step, rows, length, kv_len)``:
-        ``prefill`` (rows padded, a length bucket, or the chunk size for a long prompt's last
-        chunk), ``prefill_chunk`` (one row, the chunk, the cache so far) and ``decode`` (rows and
-        length unused: every slot steps); with ``share_prompts``, ``share`` (rows padded)."""
-        cfg, chunk = self.cfg, self.cfg.prefill_chunk
-        most = min(self.lane_slots, cfg.max_prefill_batch)
-        shapes = []
-        top = cfg.max_seq_len if chunk is None else bucket(chunk, cfg.prefill_buckets)
-        for length in (b for b in cfg.prefill_buckets if b <= top):
-            fewest = 1  # the fewest prompts that pad to each row count
-            for rows in cfg.prefill_rows:
-                if fewest <= most and (fewest == 1 or fewest * length <= cfg.max_prefill_tokens):
-                    shapes.append(("prefill", rows, length, length))
-                fewest = rows + 1
-        if chunk is not None:
-            longest = cfg.max_seq_len - 1  # a prompt leaves room for one token
-            shapes += [("prefill", 1, chunk, kv) for kv in cfg.kv_buckets if kv > chunk]
-            shapes += sorted({("prefill_chunk", 1, chunk, bucket(offset + chunk, cfg.kv_buckets))
-                              for offset in range(0, longest - chunk, chunk)})
-        if cfg.share_prompts:
-            shapes += [("share", rows, 0, 0) for rows in self.share_rows]
-        shapes += [("decode", 0, 0, kv) for kv in cfg.kv_buckets]
-        return shapes
+        """Every compiled-step shape the scheduler can ask for (``steps.step_shapes``)."""
+        return step_shapes(self.cfg, self.lane_slots)
 
     def warmup(self) -> int:
         """Compile every step shape before serving, by running each once on padding (rows that
@@ -597,24 +562,15 @@ class Engine:
         return batch
 
     async def _prefill(self, lane: _Lane) -> None:
+        """Prefill the next batch of waiting requests into ``lane``'s free slots and sample each
+        one's next token: distinct token lists one row each (a long prompt alone, in chunks),
+        requests that repeat an earlier one's tokens copied from its row."""
         cfg = self.cfg
         free = lane.free
         batch = self._take_prefill_batch(lane)
         chunk = cfg.prefill_chunk
         chunked = chunk is not None and batch[0].length > chunk
-        # Requests with the same tokens as an earlier one in the batch: prefilled once, copied.
-        leaders: dict[tuple[int, ...], int] = {}
-        followers: list[tuple[_Seq, int]] = []  # (request, index of its leader in batch)
-        if cfg.share_prompts and not chunked and len(batch) > 1:
-            rows_of = []
-            for seq in batch:
-                key = _tokens_key(seq)
-                if key in leaders:
-                    followers.append((seq, leaders[key]))
-                else:
-                    leaders[key] = len(rows_of)
-                    rows_of.append(seq)
-            batch = rows_of
+        batch, followers = (batch, []) if chunked else self._leaders_and_followers(batch)
         length = chunk if chunked else bucket(max(s.length for s in batch), cfg.prefill_buckets)
         rows = bucket(len(batch), cfg.prefill_rows)
         lengths = np.zeros((rows,), np.int32)
@@ -639,38 +595,15 @@ class Engine:
                 ids[i, :len(part)] = part
             return ids
 
-        offset = 0
+        offset, kv_len = 0, length
         if chunked:  # every chunk but the last writes KV only; the last one samples
-            total = int(lengths[0])
-            while total - offset > chunk:
-                kv_len = bucket(offset + chunk, cfg.kv_buckets)
-                lane.cache = await asyncio.to_thread(
-                    self._run_chunk, lane.cache, window(offset), np.int32(offset), lengths, slots, kv_len)
-                self.stats["prefill_chunks"] += 1
-                offset += chunk
-                if lane.slots[free[0]] is not batch[0]:  # aborted or retracted meanwhile
-                    return
-                if self._paused is not None:  # a pause does not wait for the whole prompt:
-                    self._release(batch[0])  # back to the queue front, prefilled again on resume
-                    self._waiting[batch[0].stream_id] = batch[0]
-                    self._waiting.move_to_end(batch[0].stream_id, last=False)
-                    return
-            kv_len = bucket(min(offset + chunk, total), cfg.kv_buckets)
-        else:
-            kv_len = length
+            offset = await self._prefill_chunks(lane, batch[0], window, lengths, slots)
+            if offset is None:
+                return
+            kv_len = bucket(min(offset + chunk, int(lengths[0])), cfg.kv_buckets)
+        share = self._place_followers(lane, followers, [free[len(batch) + j] for j in range(len(followers))],
+                                      slots) if followers else None
         version = self._version
-        share = None
-        if followers:
-            placed = []
-            for j, (seq, leader) in enumerate(followers):
-                slot = free[len(batch) + j]
-                seq.lane, seq.slot = lane, slot
-                lane.slots[slot] = seq
-                placed.append((seq, int(slots[leader]), slot))
-            share = self._share_args(placed, bucket(len(placed), self.share_rows))
-            shared = sum(seq.length for seq, _ in followers)
-            self.stats["prompt_tokens"] += shared
-            self.stats["shared_prompt_tokens"] += shared
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
             np.int32(offset), lengths, slots, first_step, *params.arrays(), kv_len=kv_len, share=share)
@@ -680,6 +613,58 @@ class Engine:
             if lane.slots[free[i]] is seq:  # not aborted or retracted meanwhile
                 self._append(seq, int(main[0, i]), float(main[1, i]), version, top_values[i], top_ids[i])
                 self._notify(seq)
+
+    def _leaders_and_followers(self, batch: list[_Seq]) -> tuple[list[_Seq], list[tuple[_Seq, int]]]:
+        """With ``share_prompts``: the requests of ``batch`` whose tokens no earlier one has (each
+        prefilled in its own row), and the others as ``(request, row of the one it copies)``."""
+        if not self.cfg.share_prompts or len(batch) < 2:
+            return batch, []
+        leaders: dict[tuple[int, ...], int] = {}
+        rows_of: list[_Seq] = []
+        followers: list[tuple[_Seq, int]] = []
+        for seq in batch:
+            key = _tokens_key(seq)
+            if key in leaders:
+                followers.append((seq, leaders[key]))
+            else:
+                leaders[key] = len(rows_of)
+                rows_of.append(seq)
+        return rows_of, followers
+
+    async def _prefill_chunks(self, lane: _Lane, seq: _Seq, window: Any, lengths: np.ndarray,
+                              slots: np.ndarray) -> int | None:
+        """Write every chunk but the last of ``seq``'s long prompt into its slot; the offset of the
+        last chunk, or None when the request went away or a pause sent it back to the queue."""
+        chunk, total, offset, slot = self.cfg.prefill_chunk, int(lengths[0]), 0, seq.slot
+        assert chunk is not None
+        while total - offset > chunk:
+            kv_len = bucket(offset + chunk, self.cfg.kv_buckets)
+            lane.cache = await asyncio.to_thread(
+                self._run_chunk, lane.cache, window(offset), np.int32(offset), lengths, slots, kv_len)
+            self.stats["prefill_chunks"] += 1
+            offset += chunk
+            if lane.slots[slot] is not seq:  # aborted or retracted meanwhile
+                return None
+            if self._paused is not None:  # a pause does not wait for the whole prompt:
+                self._release(seq)  # back to the queue front, prefilled again on resume
+                self._waiting[seq.stream_id] = seq
+                self._waiting.move_to_end(seq.stream_id, last=False)
+                return None
+        return offset
+
+    def _place_followers(self, lane: _Lane, followers: list[tuple[_Seq, int]], free: list[int],
+                         slots: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Give each follower a slot of ``free`` and the arguments of the ``share`` call that
+        copies its leader's row (in ``slots``) into it."""
+        placed = []
+        for (seq, leader), slot in zip(followers, free, strict=True):
+            seq.lane, seq.slot = lane, slot
+            lane.slots[slot] = seq
+            placed.append((seq, int(slots[leader]), slot))
+        shared = sum(seq.length for seq, _ in followers)
+        self.stats["prompt_tokens"] += shared
+        self.stats["shared_prompt_tokens"] += shared
+        return self._share_args(placed, bucket(len(placed), self.share_rows))
 
     def _run_chunk(self, cache: Any, *args: Any) -> Any:
         *rest, kv_len = args

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from areal_jax.inference.config import EngineConfig, powers_of_two
 from areal_jax.inference.sampling import row_keys, sample
 from areal_jax.models.decoder import Decoder, KVCache
 from sharding import constrain
@@ -65,6 +66,39 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
         if b >= n:
             return b
     return buckets[-1]
+
+
+def share_rows(lane_slots: int) -> tuple[int, ...]:
+    """Padded row counts of a ``share`` call (requests given a copy of another's prefill) in a lane
+    of ``lane_slots`` slots."""
+    return (*powers_of_two(1, lane_slots), lane_slots)
+
+
+def step_shapes(cfg: EngineConfig, lane_slots: int) -> list[tuple[str, int, int, int]]:
+    """Every compiled-step shape an engine's scheduler can ask for (lanes of ``lane_slots``), as
+    ``(step, rows, length, kv_len)``: ``prefill`` (rows padded, a length bucket, or the chunk size
+    for a long prompt's last chunk), ``prefill_chunk`` (one row, the chunk, the cache so far) and
+    ``decode`` (rows and length unused: every slot steps); with ``share_prompts``, ``share`` (rows
+    padded)."""
+    chunk = cfg.prefill_chunk
+    most = min(lane_slots, cfg.max_prefill_batch)
+    shapes = []
+    top = cfg.max_seq_len if chunk is None else bucket(chunk, cfg.prefill_buckets)
+    for length in (b for b in cfg.prefill_buckets if b <= top):
+        fewest = 1  # the fewest prompts that pad to each row count
+        for rows in cfg.prefill_rows:
+            if fewest <= most and (fewest == 1 or fewest * length <= cfg.max_prefill_tokens):
+                shapes.append(("prefill", rows, length, length))
+            fewest = rows + 1
+    if chunk is not None:
+        longest = cfg.max_seq_len - 1  # a prompt leaves room for one token
+        shapes += [("prefill", 1, chunk, kv) for kv in cfg.kv_buckets if kv > chunk]
+        shapes += sorted({("prefill_chunk", 1, chunk, bucket(offset + chunk, cfg.kv_buckets))
+                          for offset in range(0, longest - chunk, chunk)})
+    if cfg.share_prompts:
+        shapes += [("share", rows, 0, 0) for rows in share_rows(lane_slots)]
+    shapes += [("decode", 0, 0, kv) for kv in cfg.kv_buckets]
+    return shapes
 
 
 def _forward(model: Decoder, ids: jax.Array, positions: jax.Array, cache: KVCache, kv_len: int,

@@ -6,6 +6,8 @@ then converts every parameter whose HF tensors have all arrived onto the devices
 served model that shares its untouched arrays), so the conversion of one bucket runs while the
 next is still on the wire. ``finish`` converts what is left and returns the state the engine
 swaps in. Nothing touches the served model: a stage that fails or is dropped just goes away.
+``new_state`` builds the state from any one source, and ``check_swappable`` checks that a state
+made elsewhere (an in-process trainer's) fits where the served one is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -99,3 +102,29 @@ def stage_checkpoint(model: Decoder, model_dir: str) -> WeightStage:
         raise CheckpointError(f"{model_dir}: parameters differ in names or shapes from the served model: "
                               f"{len(missing)} tensors missing, e.g. {missing[:3]}")
     return stage
+
+
+def new_state(model: Decoder, *, tensors: Mapping[str, np.ndarray] | None = None, model_dir: str | None = None,
+              stage: WeightStage | None = None) -> nnx.State:
+    """``model``'s state with the new weights of exactly one source: HF-named ``tensors`` (any
+    subset), a whole HF ``model_dir``, or a filled ``stage``. ``model`` is not touched."""
+    if sum(x is not None for x in (tensors, model_dir, stage)) != 1:
+        raise ValueError("new weights need exactly one of tensors, model_dir or stage")
+    if model_dir is not None:
+        stage = stage_checkpoint(model, model_dir)
+    elif tensors is not None:
+        stage = WeightStage(model)
+        stage.add(tensors)
+    assert stage is not None
+    return stage.finish()
+
+
+def check_swappable(served: Any, state: Any) -> None:
+    """Raise ``ValueError`` unless ``state`` has the tree, shapes, dtypes and shardings of the
+    ``served`` state, so that it can serve in its place without a recompile or a copy."""
+    if jax.tree.structure(served) != jax.tree.structure(state):
+        raise ValueError("set_state: the new state's tree differs from the served model's")
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(served), jax.tree.leaves(state), strict=True)):
+        if a.shape != b.shape or a.dtype != b.dtype or not b.sharding.is_equivalent_to(a.sharding, a.ndim):
+            raise ValueError(f"set_state: leaf {i} is {b.shape} {b.dtype} on {b.sharding}; the engine serves "
+                             f"{a.shape} {a.dtype} on {a.sharding}")

@@ -26,7 +26,7 @@ from areal_jax.inference import (
     QueueFullError,
     SamplingParams,
 )
-from areal_jax.inference import engine as engine_module
+from areal_jax.inference import weights as weights_module
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
 from tests.inference.reference import (
@@ -129,14 +129,14 @@ def test_disk_update_reads_outside_the_locks(engine: Engine, ckpt: Path, ckpt_v1
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Decoding goes on while the new checkpoint is read; only the swap stops it."""
     reading = threading.Event()
-    real_load = engine_module.stage_checkpoint
+    real_load = weights_module.stage_checkpoint
 
     def slow_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a slow disk, same loader
         reading.set()
         time.sleep(1.0)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "stage_checkpoint", slow_load)
+    monkeypatch.setattr(weights_module, "stage_checkpoint", slow_load)
 
     async def go() -> None:
         await engine.start()
@@ -151,7 +151,7 @@ def test_disk_update_reads_outside_the_locks(engine: Engine, ckpt: Path, ckpt_v1
             out = await engine.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=2)))
             assert engine.version == 1 and out.output_versions == [1, 1]
         finally:
-            monkeypatch.setattr(engine_module, "stage_checkpoint", real_load)
+            monkeypatch.setattr(weights_module, "stage_checkpoint", real_load)
             await engine.update_weights(model_dir=str(ckpt), version=0)
             await engine.stop()
     run(go())
