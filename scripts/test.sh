@@ -11,9 +11,10 @@ echo "[setup] installing CPU torch (test-only reference for the model)"
 echo "[setup] fetching SGLang's API schema for the protocol contract test"
 PYTHON="$VPY" bash scripts/fetch_sglang_schema.sh >/dev/null || echo "note: could not fetch SGLang's schema; the protocol contract and launch-flag tests will fail"
 # Two worker processes (pytest-xdist), one test file at a time each; tests marked `serial` run
-# alone. TEST_WORKERS=1 runs everything in this process, in order.
+# alone. TEST_WORKERS=1 runs everything in this process, in order. The 25 slowest tests are
+# listed at the end, to keep the suite inside its time budget.
 WORKERS=${TEST_WORKERS:-2}
-ARGS=(-q)
+ARGS=(-q --durations=25)
 if [[ "$WORKERS" != 1 ]]; then ARGS+=(-n "$WORKERS" --dist loadfile); fi
 echo "[test] .venv/bin/python -m pytest ${ARGS[*]} $*"
 exec "$VPY" -m pytest "${ARGS[@]}" "$@"
