@@ -24,11 +24,9 @@ from pathlib import Path
 
 import pytest
 
-# The tests' programs are tiny and compiled once or a few times each: XLA's LLVM optimisation
-# passes cost more (about a third of a compile-heavy file's time) than they save. The HLO passes,
-# which decide the numerics, are the same as at the default level.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true")
+from tests import xla_flags
+
+os.environ.setdefault("XLA_FLAGS", xla_flags.devices(8))  # compiled fast: see tests/xla_flags.py
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Child processes (servers, `areal-jax train` runs) inherit these through the environment.

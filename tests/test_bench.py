@@ -12,6 +12,7 @@ import pytest
 
 from areal_jax.bench import runs
 from areal_jax.bench.cli import parse_args
+from tests import xla_flags
 
 RUN_FIELDS = ("wall_s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "trainer_idle_fraction",
               "rollout_idle_fraction", "accuracy_before", "accuracy_after", "staleness_mean", "answer_len_max")
@@ -295,7 +296,8 @@ def test_staleness_cells_average_over_seeds() -> None:
 
 @pytest.mark.slow
 def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
+    # one CPU device, as a user runs it (compiled fast: a few steps per run, mostly compiling)
+    env = {**os.environ, "XLA_FLAGS": xla_flags.FAST_COMPILE}
     # --steps 5 (not --quick's 4) reaches the async and interrupt parts' runs
     proc = subprocess.run([sys.executable, "-m", "areal_jax.cli", "bench", "--quick", "--steps", "5",
                            "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=1500)
@@ -347,7 +349,7 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
 def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a_difference(tmp_path: Path) -> None:
     """``benchmarks/accelerator.py`` (meant for a GPU) on the CPU with a small model: every part
     writes its figures, and the attention check separates float32 from bfloat16."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags.FAST_COMPILE}  # one device, compiled fast
     out = tmp_path / "acc.json"
     root = Path(__file__).resolve().parents[1]
     args = ("--model small --matmul-n 256 --copy-mib 8 --attention-len 128 --concurrency 2 --new-tokens 64 "

@@ -19,6 +19,7 @@ from aiohttp import web
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from rollout_bridge.launcher import LaunchError, ServerFleet
+from tests import xla_flags
 from tests.inference.reference import reference_logprobs
 from tests.ports import free_port
 from tests.rollout_bridge.bridge_helpers import running_server
@@ -46,7 +47,7 @@ async def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 1
 @pytest.mark.serial
 def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags.FAST_COMPILE, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
          "--max-running-requests", "8", "--context-length", "512", "--lanes", "2", "--log-level", "warning",
@@ -107,7 +108,7 @@ def test_killed_server_is_restarted_and_taken_back_and_every_rid_answered_once(t
     the client, after reloading it with the version pushed while it was down, sends to it again."""
     fleet = ServerFleet(tiny_dir, 1, tmp_path / "logs", max_restarts=1, startup_timeout_s=180,
                         extra_args=["--max-running-requests", "8", "--context-length", "512", "--log-level",
-                                    "warning"], env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"})
+                                    "warning"], env={"XLA_FLAGS": xla_flags.FAST_COMPILE, "JAX_PLATFORMS": "cpu"})
     fleet.start()
 
     async def main() -> None:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from areal_jax.models import load_pretrained
+from tests import xla_flags
 from tests.inference.reference import reference_greedy
 from tests.ports import free_port
 
@@ -138,7 +139,7 @@ def _post(url: str, body: dict) -> dict:
 def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+           "XLA_FLAGS": xla_flags.devices(8)}
     log = tmp_path / "serve.log"
     with log.open("w") as f:
         proc = subprocess.Popen(
@@ -183,7 +184,7 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
 @pytest.mark.slow
 def test_sigterm_answers_requests_in_flight_before_exiting(tiny_dir: Path, tmp_path: Path) -> None:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.FAST_COMPILE}
     log = tmp_path / "serve.log"
     with log.open("w") as f:
         proc = subprocess.Popen(

@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests import xla_flags
 from tests.ports import free_port
 from tests.rollout_bridge.test_failover import _wait_healthy
 
@@ -65,7 +66,7 @@ def test_server_soak(tiny_dir: Path) -> None:
     seconds = float(os.environ.get("SOAK_SECONDS", "30"))
     warmup = WARMUP_S
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags.FAST_COMPILE, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
          "--max-running-requests", "32", "--context-length", "64", "--log-level", "warning"],

@@ -5,7 +5,9 @@ before jax: it sets XLA's flags."""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from tests import xla_flags
+
+os.environ["XLA_FLAGS"] = xla_flags.devices(2)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -15,6 +15,7 @@ from etils import epath
 from areal_jax.config import ConfigError
 from areal_jax.trainer.checkpoint import CheckpointConfig, RunCheckpoints, checkpoint_dir
 from areal_jax.trainer.run_config import load_run_config
+from tests import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -87,8 +88,7 @@ def test_async_save_is_not_spoiled_by_the_next_update(tmp_path: Path) -> None:
 
 def _worker(args: list[str], devices: int | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if devices:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags.devices(devices) if devices else xla_flags.FAST_COMPILE
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "tests.trainer.ckpt_worker", *args], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tests import xla_flags
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def _run_two(run_dir: Path, overrides: list[str], timeout: float) -> tuple[list[
     each); returns their exit codes and output."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": xla_flags.devices(2)}  # three steps: the processes mostly compile
     args = ["--config", str(DEMO), "--log-level", "info", f"run_dir={run_dir}", *QUICK,
             f"distributed.coordinator_address=127.0.0.1:{port}", *overrides]
     procs = [subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *args, f"distributed.process_id={i}"],
