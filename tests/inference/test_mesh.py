@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import xla_flags
+
 SCRIPT = r"""
 import asyncio, json, sys
 import jax
@@ -45,7 +47,7 @@ print(json.dumps({"single": single, "sharded": sharded, "specs": sorted(specs)})
 
 def test_tensor_parallel_greedy_matches_single_device(ckpt: Path) -> None:
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(ckpt)], env=env, capture_output=True, text=True,
                           timeout=300)

@@ -30,6 +30,7 @@ from areal_jax.models.hf_io import load_pretrained
 from areal_jax.trainer import TrainConfig, Trainer
 from rollout_bridge.local import build_engine, handover, split_devices
 from sharding import MeshConfig, make_mesh
+from tests import xla_flags
 from tests.trainer.helpers import assert_every_version_served
 
 FSDP = MeshConfig(data=1, fsdp=-1, tensor=1)
@@ -183,7 +184,7 @@ print(json.dumps({
 @pytest.mark.serial
 def test_split_placement_hands_over_across_submeshes_and_generates_while_training(tiny_dir: Path) -> None:
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags.devices(8), JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_dir)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=root)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import xla_flags
 from tests.trainer.test_metrics import _tensorboard_view
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,8 @@ RUN = ["warm_start=null", "data.size=300", "data.eval_size=0", "eval.every=0", "
 
 
 def _env(cache: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a user's laptop
+    # one device, as a user's laptop (compiled fast: short runs, mostly compiling)
+    env = {**os.environ, "XLA_FLAGS": xla_flags.FAST_COMPILE}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     # Compiled programs are shared between the runs: only the first one compiles.
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
