@@ -36,8 +36,7 @@ from jax.sharding import Mesh
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps, share_rows, step_shapes
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
-from areal_jax.inference.weights import WeightStage, check_swappable
-from areal_jax.inference.weights import new_state as new_state_of
+from areal_jax.inference.weights import WeightStage, check_swappable, new_state
 from areal_jax.models.decoder import Decoder, KVCache
 from sharding import activate, logical_to_sharding
 
@@ -330,14 +329,14 @@ class Engine:
         ``in_place`` ones keep their (stale) KV.
         """
         def build() -> Any:  # committed like the served state, so the compiled steps take it as it is
-            state = new_state_of(self.model, tensors=tensors, model_dir=model_dir, stage=stage)
+            state = new_state(self.model, tensors=tensors, model_dir=model_dir, stage=stage)
             return self._committed(state, like=self._state)
 
         async with self._update_lock:
-            new_state = await asyncio.to_thread(self._in_mesh, build)
+            state = await asyncio.to_thread(self._in_mesh, build)
             async with self._all_lanes():
-                nnx.update(self.model, new_state)
-                self._state = new_state
+                nnx.update(self.model, state)
+                self._state = state
                 self._version = version
 
     def stage_weights(self, *, hf_layout: bool = True) -> WeightStage:
@@ -601,8 +600,8 @@ class Engine:
             if offset is None:
                 return
             kv_len = bucket(min(offset + chunk, int(lengths[0])), cfg.kv_buckets)
-        share = self._place_followers(lane, followers, [free[len(batch) + j] for j in range(len(followers))],
-                                      slots) if followers else None
+        share = (self._place_followers(lane, followers, free[len(batch):len(batch) + len(followers)], slots)
+                 if followers else None)
         version = self._version
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
