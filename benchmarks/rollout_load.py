@@ -9,7 +9,7 @@ does after each step. ``--pause none`` pushes nothing. For each pause mode, the 
 its prefills shared between requests that send the same tokens (the default) and with
 ``--disable-radix-cache``, alternating, ``--rounds`` times. Reports generated tokens/s, answers/s,
 prompt tokens per generated token and how many of them were prefilled rather than shared
-(recomputation after a pause shows here), the
+(recomputation after a pause shows here) and computed with the prefill calls' padding, the
 server's CPU split between XLA's threads and Python's, and how long each pause-push-continue kept
 the server stopped.
 
@@ -105,6 +105,7 @@ async def _load(address: str, prompts: list[list[int]], args: argparse.Namespace
             "prompt_tokens_per_generated": delta("sglang:prompt_tokens_total") / max(gen, 1),
             "prefilled_tokens_per_generated": (delta("sglang:prompt_tokens_total")
                                                - delta("areal_jax:shared_prompt_tokens_total")) / max(gen, 1),
+            "padded_prefill_tokens_per_generated": delta("areal_jax:prefill_padded_tokens_total") / max(gen, 1),
             "pushes": len(windows), "pause_window_ms": 1000 * float(np.mean(windows)) if windows else 0.0,
             "seconds": elapsed}
 
@@ -163,8 +164,9 @@ def main() -> None:
                 print(f"pause {pause:8s} shared prefill {'on ' if share else 'off'}: {r['tokens_per_s']:6.0f} tok/s, "
                       f"{r['answers_per_s']:4.0f} answers/s, per generated token "
                       f"{r['prompt_tokens_per_generated']:.2f} prompt tokens, "
-                      f"{r['prefilled_tokens_per_generated']:.2f} prefilled; {r['pushes']} pushes stopping the "
-                      f"server {r['pause_window_ms']:.0f} ms each; "
+                      f"{r['prefilled_tokens_per_generated']:.2f} prefilled "
+                      f"({r['padded_prefill_tokens_per_generated']:.2f} with padding); "
+                      f"{r['pushes']} pushes stopping the server {r['pause_window_ms']:.0f} ms each; "
                       f"server CPU: XLA {100 * r['server_xla_cpu']:.0f}%, other {100 * r['server_other_cpu']:.0f}%",
                       flush=True)
     print("\n| pause | shared prefill on: tok/s | off: tok/s | on / off | prefilled tokens per generated (on, off) |")

@@ -414,6 +414,8 @@ async def metrics(request: web.Request) -> web.Response:
         ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", tokens, ""),
         ("areal_jax:shared_prompt_tokens_total", "counter", "Prompt tokens not prefilled: copied from a request "
          "admitted with the same tokens.", e.stats["shared_prompt_tokens"], ""),
+        ("areal_jax:prefill_padded_tokens_total", "counter", "Token rows computed by prefill calls, padding "
+         "included (each call pads its rows to one length).", e.stats["prefill_padded_tokens"], ""),
         ("sglang:num_requests_total", "counter", "Number of finished requests.", e.stats["finished_requests"], ""),
         ("areal_jax:weight_version", "gauge", "Weight updates applied (internal version); the label is "
          "weight_version.", e.version, f',weight_version="{label}"'),

@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
+PREFILL_SCAN = 512
+"""Waiting requests one prefill call looks through, in arrival order, for those that fit its
+padded length."""
+
 
 @dataclass(eq=False)
 class _Seq:
@@ -152,7 +156,8 @@ class Engine:
         self._update_lock: asyncio.Lock | None = None
         self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
                       "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
-                      "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0}
+                      "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0,
+                      "prefill_padded_tokens": 0}
 
     # -- properties --
 
@@ -534,30 +539,35 @@ class Engine:
                     lane.cache, lane.slot_state = self._fresh_cache()
 
     def _take_prefill_batch(self, lane: _Lane) -> list[_Seq]:
-        """Waiting requests for one prefill, FIFO: several short prompts, or one long prompt alone
-        (to be prefilled in chunks). With ``share_prompts``, a request whose tokens equal an
-        earlier one's in the batch costs no prefill row, so only distinct prompts count against
-        ``max_prefill_batch`` and ``max_prefill_tokens``."""
+        """Waiting requests for one prefill: the oldest, then, in arrival order, those that fit
+        its padded length (its ``prefill_buckets`` bucket), so a long request does not pad a call
+        of short ones to its length (answers sent again after a pause carry their own tokens and
+        vary most); or one long prompt alone, to be prefilled in chunks. A request left out goes
+        in a later call, in its own padded length. With ``share_prompts``, a request whose tokens
+        equal an earlier one's in the batch costs no prefill row, so only distinct prompts count
+        against ``max_prefill_batch`` and ``max_prefill_tokens``."""
         cfg, chunk = self.cfg, self.cfg.prefill_chunk
+        head = next(iter(self._waiting.values()))
+        if chunk is not None and head.length > chunk:
+            del self._waiting[head.stream_id]
+            return [head]
+        window = bucket(head.length, cfg.prefill_buckets)
+        rows = min(cfg.max_prefill_batch, max(1, cfg.max_prefill_tokens // window))
         batch: list[_Seq] = []
         distinct: set[tuple[int, ...]] = set()
-        while self._waiting and len(batch) < len(lane.free):
-            head = next(iter(self._waiting.values()))
-            if chunk is not None and head.length > chunk:
-                if not batch:
-                    batch.append(head)
-                    del self._waiting[head.stream_id]
+        for seq in itertools.islice(self._waiting.values(), PREFILL_SCAN):
+            if len(batch) >= len(lane.free):
                 break
-            key = _tokens_key(head) if cfg.share_prompts else (head.stream_id,)
+            if seq.length > window or (chunk is not None and seq.length > chunk):
+                continue
+            key = _tokens_key(seq) if cfg.share_prompts else (seq.stream_id,)
             if key not in distinct:
-                if len(distinct) >= cfg.max_prefill_batch:
-                    break
-                longest = max([s.length for s in batch] + [head.length])
-                if distinct and (len(distinct) + 1) * bucket(longest, cfg.prefill_buckets) > cfg.max_prefill_tokens:
+                if len(distinct) >= rows:
                     break
                 distinct.add(key)
-            batch.append(head)
-            del self._waiting[head.stream_id]
+            batch.append(seq)
+        for seq in batch:
+            del self._waiting[seq.stream_id]
         return batch
 
     async def _prefill(self, lane: _Lane) -> None:
@@ -586,6 +596,7 @@ class Engine:
             seq.lane, seq.slot = lane, free[i]
             lane.slots[free[i]] = seq
         self.stats["prompt_tokens"] += int(lengths.sum())
+        self.stats["prefill_padded_tokens"] += rows * length  # the rows the call computes, padding included
 
         def window(offset: int) -> np.ndarray:
             ids = np.zeros((rows, length), np.int32)
@@ -641,6 +652,7 @@ class Engine:
             lane.cache = await asyncio.to_thread(
                 self._run_chunk, lane.cache, window(offset), np.int32(offset), lengths, slots, kv_len)
             self.stats["prefill_chunks"] += 1
+            self.stats["prefill_padded_tokens"] += len(lengths) * chunk
             offset += chunk
             if lane.slots[slot] is not seq:  # aborted or retracted meanwhile
                 return None
