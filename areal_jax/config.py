@@ -131,10 +131,11 @@ def _parse_scalar(raw: str) -> Any:
 
 
 def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    """Recursive dict update: sections merge, values replace."""
+    """Recursive dict update: sections merge, values replace, and an empty mapping replaces the
+    section it names (``model.tiny_options={}`` clears it)."""
     out = dict(base)
     for k, v in update.items():
-        out[k] = merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+        out[k] = merge(out[k], v) if isinstance(v, Mapping) and v and isinstance(out.get(k), Mapping) else v
     return out
 
 

@@ -84,3 +84,13 @@ def test_run_config_advises_against_one_step_decoupled_ppo_at_large_staleness() 
     assert advice(eta, "algo.use_decoupled_loss=false") == []
     assert advice(eta, "rollout.mode=sync") == []  # a synchronous run is never stale
     assert load_run_config("configs/demo.yaml").advisories() == []
+
+
+def test_run_config_says_tiny_options_do_nothing_beside_a_model_path(tmp_path: Path) -> None:
+    from areal_jax.trainer.run_config import load_run_config
+
+    # configs/demo.yaml builds a tiny model with tiny_options; pointing it at a checkpoint keeps them
+    switched = ["model.tiny=null", f"model.path={tmp_path}"]
+    (msg,) = load_run_config("configs/demo.yaml", switched).advisories()
+    assert "model.tiny_options" in msg and "hidden_size" in msg and "model.tiny_options={}" in msg
+    assert load_run_config("configs/demo.yaml", [*switched, "model.tiny_options={}"]).advisories() == []

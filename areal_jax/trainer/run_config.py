@@ -29,7 +29,8 @@ class ModelSource:
     """Build a tiny random model of this size (``tiny``, ``small``, ...) with the project's
     character tokenizer in ``<run dir>/base`` instead of loading ``path``."""
     tiny_options: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the tiny model's config (``hidden_size``, ``num_hidden_layers``, ...)."""
+    """Overrides of the tiny model's config (``hidden_size``, ``num_hidden_layers``, ...); with
+    ``path`` they do nothing, and the run's log says so at start (``RunConfig.advisories``)."""
     model_type: str = "qwen2"
     """Architecture of a tiny model: ``qwen2``, ``qwen3`` or ``llama``."""
     dtype: str | None = None
@@ -116,8 +117,8 @@ class RunConfig:
                              f"({self.rollout.temperature}): the trainer's logprobs must match the sampler's")
 
     def advisories(self) -> list[str]:
-        """Settings that are valid but known to train badly, each with the fix; the run writes
-        them to its log at start."""
+        """Settings that are valid but known to train badly, or that have no effect, each with
+        the fix; the run writes them to its log at start."""
         out = []
         eta = self.rollout.effective_max_staleness
         if self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches == 1 and eta >= STALE_ONE_STEP:
@@ -126,6 +127,11 @@ class RunConfig:
                 "optimizer step per batch the proximal policy is the current one, so the clip never binds and "
                 "nothing bounds how far stale data moves the policy (docs/results.md, staleness ablation). "
                 "Set algo.ppo_n_minibatches >= 2, or lower rollout.max_staleness")
+        if self.model.path is not None and self.model.tiny_options:
+            out.append(
+                f"model.tiny_options {sorted(self.model.tiny_options)} are ignored: model.path is set, and its "
+                "config.json gives the model's shapes. Remove them (model.tiny_options={} on the command line), "
+                "or build a tiny model with model.tiny instead of model.path")
         return out
 
     def to_dict(self) -> dict[str, Any]:

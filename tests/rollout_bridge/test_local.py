@@ -301,7 +301,7 @@ def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None
     http_run = _demo(tmp_path / "http")
     warm = tmp_path / "http" / "warm_start"
     runs = {"http": http_run, "local": _demo(tmp_path / "local", "rollout.backend=local", f"model.path={warm}",
-                                             "model.tiny=null", "warm_start=null")}
+                                             "model.tiny=null", "model.tiny_options={}", "warm_start=null")}
     (before, http), (before_local, local) = runs["http"], runs["local"]
     assert before_local == before  # the same warm start, served alike
     for metrics in (http, local):
