@@ -121,10 +121,12 @@ def new_state(model: Decoder, *, tensors: Mapping[str, np.ndarray] | None = None
 
 def check_swappable(served: Any, state: Any) -> None:
     """Raise ``ValueError`` unless ``state`` has the tree, shapes, dtypes and shardings of the
-    ``served`` state, so that it can serve in its place without a recompile or a copy."""
+    ``served`` state, so that it can serve in its place without a recompile or a copy; the
+    message names the first parameter that differs."""
     if jax.tree.structure(served) != jax.tree.structure(state):
-        raise ValueError("set_state: the new state's tree differs from the served model's")
-    for i, (a, b) in enumerate(zip(jax.tree.leaves(served), jax.tree.leaves(state), strict=True)):
+        raise ValueError("new weights: their parameter tree differs from the served model's; build them from "
+                         "the same model class and config")
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(served), jax.tree.leaves(state), strict=True):
         if a.shape != b.shape or a.dtype != b.dtype or not b.sharding.is_equivalent_to(a.sharding, a.ndim):
-            raise ValueError(f"set_state: leaf {i} is {b.shape} {b.dtype} on {b.sharding}; the engine serves "
-                             f"{a.shape} {a.dtype} on {a.sharding}")
+            raise ValueError(f"new weights: {jax.tree_util.keystr(path, simple=True, separator='.')} is {b.shape} "
+                             f"{b.dtype} on {b.sharding}; the engine serves {a.shape} {a.dtype} on {a.sharding}")

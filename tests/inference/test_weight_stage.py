@@ -73,3 +73,20 @@ def test_a_checkpoint_stages_whole_or_not_at_all(ckpt: Path, ckpt_v1: Path, tmp_
     save_file(partial, str(tmp_path / "part" / "model.safetensors"))
     with pytest.raises(CheckpointError, match="tensors missing"):
         stage_checkpoint(served, str(tmp_path / "part"))
+
+
+def test_a_state_that_cannot_serve_in_place_is_named_by_its_parameter(ckpt: Path) -> None:
+    from areal_jax.inference.weights import check_swappable
+
+    served = nnx.state(load_pretrained(ckpt), nnx.Param)
+    check_swappable(served, served)  # itself: nothing to say
+    leaves, treedef = jax.tree.flatten(served)
+    paths = [jax.tree_util.keystr(p, simple=True, separator=".")
+             for p, _ in jax.tree_util.tree_leaves_with_path(served)]
+    i = next(i for i, p in enumerate(paths) if "q_proj" in p)
+    narrower = jax.tree.unflatten(treedef, [x.astype(jax.numpy.bfloat16) if j == i else x
+                                            for j, x in enumerate(leaves)])
+    with pytest.raises(ValueError, match=rf"new weights: {paths[i]} is .* bfloat16 .* the engine serves .* float32"):
+        check_swappable(served, narrower)
+    with pytest.raises(ValueError, match="parameter tree differs"):
+        check_swappable(served, {"other": leaves[0]})
