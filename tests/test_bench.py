@@ -178,6 +178,10 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     assert out["step_end_s"] == pytest.approx([4.0, 6.0, 9.0])
     assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
     assert out["accuracy_curve"] == [[0, 0.1], [2, 0.2], [3, 0.3]] and out["eval_prompts"] == 50
+    # between polls the token counter is read by interpolation: 250 at 12 s and 350 at 14 s; 175 at
+    # 11 s and 275 at 12.5 s, a window with a single (busy) sample inside
+    assert poller.window(12.0, 14.0) == (pytest.approx(0.5), pytest.approx(100.0))
+    assert poller.window(11.0, 12.5) == (0.0, pytest.approx(100.0))
     assert out["filtered_fraction"] == pytest.approx(4 / (4 + 3 * 2))
     # one warm-up step at the steady 2 s; then step 2 ends at 12 s, step 3 at 15 s less step 2's evaluation
     assert [pytest.approx(x) for x in out["accuracy_clock"]] == [[0.0, 0.1], [4.0, 0.2], [6.0, 0.3]]

@@ -277,12 +277,15 @@ class ServerPoller:
 
     def window(self, t0: float, t1: float) -> tuple[float, float]:
         """``(fraction of samples in [t0, t1] with nothing running or queued, tokens generated
-        between the samples nearest t0 and t1)``."""
+        between t0 and t1)``, the token counter read at t0 and t1 by linear interpolation between
+        the samples around them (a poll every ``POLL_S`` would otherwise cut up to one interval off
+        each end)."""
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
-        if len(inside) < 2:
+        if not inside or len(self.samples) < 2:
             return float("nan"), float("nan")
         idle = sum(1 for s in inside if s[1] == 0) / len(inside)
-        return idle, inside[-1][2] - inside[0][2]
+        times, tokens = [s[0] for s in self.samples], [s[2] for s in self.samples]
+        return idle, float(np.interp(t1, times, tokens) - np.interp(t0, times, tokens))
 
 
 def measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, trainer_cores: list[int] | None,
