@@ -327,7 +327,7 @@ def test_slot_of_a_request_ending_mid_chunk_is_refilled_at_once(model: Decoder, 
 def test_a_prefill_call_takes_the_waiting_requests_that_fit_the_oldest_ones_length(model: Decoder) -> None:
     """One long request between short ones does not pad them to its length: the first call takes
     the oldest request and the short ones after it (padded to 16), the long one follows in its
-    own call (padded to 64), and every answer is the full forward's greedy continuation."""
+    own call (padded to 48), and every answer is the full forward's greedy continuation."""
     engine = Engine(model, EngineConfig(num_slots=8, max_seq_len=96, max_prefill_batch=4, decode_steps=4, lanes=1,
                                         seed=0))
     short_a, long_b, short_c, short_d = prompts([5, 40, 6, 7], seed=3)
@@ -337,7 +337,7 @@ def test_a_prefill_call_takes_the_waiting_requests_that_fit_the_oldest_ones_leng
     for req, out in zip(reqs, outs, strict=True):
         assert out.output_ids == reference_greedy(model, req.input_ids, 3)
     assert engine.stats["prefill_calls"] == 2
-    # rows are padded to a power of two: 3 short prompts take 4 rows of 16, the long one 1 row of 64;
-    # in arrival order, one call would have padded 4 rows to 64 (256)
-    assert engine.stats["prefill_padded_tokens"] == 4 * 16 + 64
+    # rows are padded to a power of two: 3 short prompts take 4 rows of 16, the long one 1 row of 48
+    # (the buckets are 16, 32, 48, 64, 96); in arrival order, one call would have padded 4 rows to 48
+    assert engine.stats["prefill_padded_tokens"] == 4 * 16 + 48
     assert engine.stats["prompt_tokens"] == 5 + 40 + 6 + 7
