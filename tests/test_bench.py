@@ -141,6 +141,20 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
             assert loaded["async_eta4_in_place"].effective_max_staleness == 4
 
 
+def test_run_pinned_runs_in_a_new_process_on_the_cores_given() -> None:
+    before = os.sched_getaffinity(0)
+    core = max(before)
+    pid, cores = runs.run_pinned([core], _pid_and_cores)
+    assert pid != os.getpid() and cores == [core]
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(ZeroDivisionError):  # the child's error is raised here
+        runs.run_pinned([core], divmod, 1, 0)
+
+
+def _pid_and_cores() -> tuple[int, list[int]]:
+    return os.getpid(), sorted(os.sched_getaffinity(0))
+
+
 def test_thread_affinity_reaches_child_processes_and_is_restored() -> None:
     before = os.sched_getaffinity(0)
     core = min(before)

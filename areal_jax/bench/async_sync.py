@@ -3,8 +3,9 @@ run synchronously and then asynchronously at each ``max_staleness``, one after a
 process so machine drift hits them alike; the whole set at ``SEEDS`` RL seeds.
 
 Asynchronous runs split the cores the way a deployment would: the rollout server on the last
-core(s), the trainer process on the others. The synchronous baseline gets every core for each
-phase (generation, then training), since only one of them runs at a time.
+core(s), the trainer on the others, in a process of its own started there (but with ``--quick``,
+whose figures are a smoke test). The synchronous baseline gets every core for each phase
+(generation, then training), since only one of them runs at a time.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
                                   **{"rollout.mode": mode, "rollout.max_staleness": eta, **overrides})
             split = mode == "async"
             row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
-                                    trainer_cores=trainer_cores if split else None, warmup_steps=warmup)
+                                    trainer_cores=trainer_cores if split else None, warmup_steps=warmup,
+                                    own_process=split and not quick)
             row.update(name=name, mode=mode, max_staleness=eta, seed=s)
             rows.append(row)
             print(f"  {name:<12} seed {s}: {row['wall_s_per_step']:.2f} s/step, "

@@ -24,7 +24,8 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
         cfg = runs.run_config(task, checkpoint, out / "runs" / f"update_{name}", steps=steps, seed=seed,
                               **{"rollout.mode": "async", "rollout.max_staleness": eta,
                                  "rollout.interruptible": interruptible, "rollout.pause_mode": pause_mode})
-        row = runs.measured_run(cfg, rollout_cores=rollout_cores, trainer_cores=trainer_cores, warmup_steps=warmup)
+        row = runs.measured_run(cfg, rollout_cores=rollout_cores, trainer_cores=trainer_cores, warmup_steps=warmup,
+                                own_process=not quick)
         row.update(name=name, interruptible=interruptible, pause_mode=pause_mode, max_staleness=eta)
         rows.append(row)
         print(f"  {name:<10} {row['wall_s_per_step']:.2f} s/step, {row['generated_tokens_per_s']:.0f} gen tok/s, "

@@ -288,10 +288,29 @@ class ServerPoller:
         return idle, float(np.interp(t1, times, tokens) - np.interp(t0, times, tokens))
 
 
+def run_pinned(cores: list[int], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a new process started on ``cores`` (spawned, so it imports
+    JAX afresh): its return value, or its exception raised here."""
+    import concurrent.futures
+    import multiprocessing
+
+    with thread_affinity(cores), concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 def measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, trainer_cores: list[int] | None,
-                 warmup_steps: int) -> dict[str, Any]:
-    """Start one rollout server (on ``rollout_cores``; None: all), train ``cfg`` against it with
-    this process on ``trainer_cores`` (None: all), and return the run's figures."""
+                 warmup_steps: int, own_process: bool = False) -> dict[str, Any]:
+    """Start one rollout server (on ``rollout_cores``; None: all), train ``cfg`` against it on
+    ``trainer_cores`` (None: all), and return the run's figures.
+
+    ``own_process``: the trainer is a new process started on ``trainer_cores``, as a deployed
+    trainer is, so XLA sizes its thread pool to them. This process sized its pool for every core;
+    pinned to one core afterwards, its two pool threads made a warm training step 4-7% slower
+    (a replay of the long-tail trainer's steps, 2026-11-26)."""
+    if own_process:
+        return run_pinned(trainer_cores or all_cores(), measured_run, cfg, rollout_cores=rollout_cores,
+                          trainer_cores=trainer_cores, warmup_steps=warmup_steps)
     from areal_jax.trainer.rl import train
     from rollout_bridge.launcher import ServerFleet
 
