@@ -42,6 +42,14 @@ def test_parse_args_rejects_steps_that_leave_nothing_timed(capsys: pytest.Captur
     assert "--steps 4 or more" in capsys.readouterr().err
 
 
+def test_parse_args_keeps_the_warm_start_seed_apart_from_the_rl_seed() -> None:
+    """``--seed`` picks the RL seeds; the warm start has its own seed (0 by default), so
+    invocations at different ``--seed`` start RL from the same checkpoint and can be pooled."""
+    assert parse_args(["--seed", "15"]).warm_start_seed == 0
+    args = parse_args(["--seed", "15", "--warm-start-seed", "3"])
+    assert (args.seed, args.warm_start_seed) == (15, 3)
+
+
 def test_parse_args_selects_async_modes_and_seeds_keeping_the_baseline(capsys: pytest.CaptureFixture) -> None:
     from areal_jax.bench.async_sync import modes
 
@@ -391,3 +399,39 @@ def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a
     assert len(d["full_s"]) == len(d["short_s"]) == 2
     assert [t["attention_impl"] for t in r["train"]] == ["dense", "dot_product"]
     assert all(t["finite_loss"] and t["tokens_per_s"] > 0 and t["fraction_of_bf16_peak"] > 0 for t in r["train"])
+
+
+def test_the_shipped_long_tail_warm_start_is_a_trained_model_of_the_task(tmp_path: Path) -> None:
+    """``--long-tail`` starts from the shipped warm start by default: the copy is a HF checkpoint
+    of the task's model shape whose loss on the task's scratch-pad answers is a fraction of an
+    untrained model's (a wrong or untrained file would not be), a second copy into the same
+    folder is reused, and a folder holding another checkpoint is refused, naming the way out."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from areal_jax.config import from_dict
+    from areal_jax.data import load_prompts
+    from areal_jax.data.datasets import DatasetConfig
+    from areal_jax.models import Decoder, load_pretrained, load_tokenizer
+    from areal_jax.trainer.sft import pad_batch, sft_loss
+
+    assert parse_args(["--long-tail"]).warm_start == "shipped"
+    path = runs.shipped_warm_start("long_tail", tmp_path)
+    assert path == tmp_path / "warm_start"
+    model, tokenizer = load_pretrained(path), load_tokenizer(path)
+    opts = runs.LONG_TAIL_TASK["model"]["tiny_options"]
+    assert {k: getattr(model.config, k) for k in opts} == opts
+    task = runs.task_config(False, runs.LONG_TAIL_TASK)
+    data = from_dict(DatasetConfig, {**task["data"], "size": 80, "eval_size": 8})
+    rows = load_prompts(data, tokenizer).train_rows
+    examples = [e for e in runs.scratch_examples(rows, tokenizer, 0, runs.LONG_TAIL_SCRATCH)
+                if len(e[0]) + len(e[1]) <= 160][:32]
+    batch = {k: jnp.asarray(v) for k, v in pad_batch(examples, 160).items()}
+    trained = float(sft_loss(model, batch))
+    untrained = float(sft_loss(Decoder(model.config, rngs=nnx.Rngs(0)), batch))
+    assert trained < 0.2 * untrained, (trained, untrained)
+
+    assert runs.shipped_warm_start("long_tail", tmp_path) == path  # the same files: reused
+    (path / "model.safetensors").write_bytes(b"another model")
+    with pytest.raises(FileExistsError, match="--warm-start build"):
+        runs.shipped_warm_start("long_tail", tmp_path)

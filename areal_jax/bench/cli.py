@@ -24,7 +24,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         f"{runs.LONG_TAIL_TASK['rollout']['max_new_tokens']} tokens with a long tail, "
                         "so generation is most of a synchronous step")
     p.add_argument("--out", default="runs/bench", help="results folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first RL seed of the async, staleness and interrupt parts")
+    p.add_argument("--warm-start", choices=("shipped", "build"), default="shipped",
+                   help="--long-tail's starting checkpoint: 'shipped' copies the one in areal_jax/bench/warm_starts/"
+                        "long_tail (every long-tail result in docs/results.md starts from it); 'build' trains one now "
+                        "(400 supervised steps, about 6 minutes), which with today's code is a different model. "
+                        "The other tasks always build theirs")
+    p.add_argument("--warm-start-seed", type=int, default=0,
+                   help="seed of a built warm start (the tiny model's initial weights, the supervised steps and the "
+                        "scratch lengths): every --seed of an invocation, and invocations with different --seed, "
+                        "start RL from the same checkpoint")
     p.add_argument("--steps", type=int, default=None,
                    help="RL steps per run of the async and interrupt parts (default 30; 4 with --quick): longer runs "
                         "show whether a staleness bound stays stable")
@@ -87,16 +96,20 @@ def main(argv: list[str]) -> dict[str, Any]:
     if rl_parts:
         task = runs.task_config(args.quick, runs.LONG_TAIL_TASK if args.long_tail else runs.TASK)
         if "async" in rl_parts or "interrupt" in rl_parts:
-            print(f"warm start of the long-tailed task ({task['warm_start']['steps']} supervised steps) ...",
-                  flush=True)
             # its own folder: a warm start is reused when present, and the two tasks' differ
-            checkpoint = runs.warm_checkpoint({**task, "seed": args.seed},
-                                              out / ("checkpoint_long_tail" if args.long_tail else "checkpoint"),
-                                              scratch=runs.LONG_TAIL_SCRATCH if args.long_tail else runs.SCRATCH)
+            folder = out / ("checkpoint_long_tail" if args.long_tail else "checkpoint")
+            if args.long_tail and args.warm_start == "shipped":
+                checkpoint = runs.shipped_warm_start("long_tail", folder)
+                print(f"warm start of the long-tailed task: the shipped one, copied to {checkpoint}", flush=True)
+            else:
+                print(f"warm start of the {'long-tailed ' if args.long_tail else ''}task "
+                      f"({task['warm_start']['steps']} supervised steps) ...", flush=True)
+                checkpoint = runs.warm_checkpoint({**task, "seed": args.warm_start_seed}, folder,
+                                                  scratch=runs.LONG_TAIL_SCRATCH if args.long_tail else runs.SCRATCH)
         if "staleness" in rl_parts:
             demo_task = runs.task_config(args.quick, runs.DEMO_TASK)
             print(f"warm start of the demo task ({demo_task['warm_start']['steps']} supervised steps) ...", flush=True)
-            demo_checkpoint = runs.warm_checkpoint({**demo_task, "seed": args.seed}, out / "checkpoint_demo",
+            demo_checkpoint = runs.warm_checkpoint({**demo_task, "seed": args.warm_start_seed}, out / "checkpoint_demo",
                                                    scratch=None)
     for part in args.parts:
         t = time.perf_counter()

@@ -191,6 +191,40 @@ def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, An
     return Path(save_pretrained(model, target, tokenizer_dir=base))
 
 
+SHIPPED_WARM_STARTS = Path(__file__).parent / "warm_starts"
+"""Warm starts that ship with the package, one folder each (a HF checkpoint and a README saying
+how it was made)."""
+
+
+def shipped_warm_start(name: str, out_dir: Path) -> Path:
+    """Copy the shipped warm start ``name`` (``SHIPPED_WARM_STARTS / name``) to
+    ``<out_dir>/warm_start`` and return that path; a copy already there is checked and reused.
+
+    Why ship one: a warm start at a constant learning rate ends wherever its last batches put it,
+    so the same 400 steps land elsewhere when rounding changes. Rebuilt with the decoder as it
+    computes since 2026-11-25 (the same maths, another summation order), the long-tail warm start
+    evaluated 10.5-10.8% instead of 21.75%, and 30 RL steps moved it 0-4 points instead of about 20.
+    Benchmarks compare runs from one fixed checkpoint, as RL papers start from one released model."""
+    import filecmp
+    import shutil
+
+    source = SHIPPED_WARM_STARTS / name
+    if not (source / "config.json").exists():
+        raise FileNotFoundError(f"no shipped warm start {name!r} in {SHIPPED_WARM_STARTS}")
+    target = out_dir / "warm_start"
+    files = sorted(p.name for p in source.iterdir() if p.is_file() and p.name != "README.md")
+    if target.exists():
+        _, differ, missing = filecmp.cmpfiles(source, target, files, shallow=False)
+        if differ or missing:
+            raise FileExistsError(f"{target} holds another checkpoint ({differ + missing} differ from the shipped "
+                                  f"{name!r}): give a new --out, or --warm-start build to train one")
+        return target
+    target.mkdir(parents=True)
+    for f in files:
+        shutil.copyfile(source / f, target / f)
+    return target
+
+
 def run_config(task: dict[str, Any], checkpoint: Path, run_dir: Path, **overrides: Any) -> dict[str, Any]:
     """A run of ``task`` from ``checkpoint``; ``overrides`` are dotted keys (``rollout.mode``), and
     a key ending in ``+`` extends the list there (``rollout.server_args+``)."""

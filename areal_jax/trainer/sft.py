@@ -32,14 +32,33 @@ class SFTConfig:
     batch_size: int = 32
     """Examples per step, drawn at random from the training split."""
     lr: float = 1e-3
-    """Peak AdamW learning rate (linear warmup over ``warmup_steps``, then constant)."""
+    """Peak AdamW learning rate, reached by a linear warmup over ``warmup_steps``."""
     warmup_steps: int = 10
+    schedule: str = "constant"
+    """After the warmup: ``constant`` (``lr`` to the end), or ``cosine`` (down to 0 at ``steps``).
+    At a constant high rate the last few batches decide where the weights end up, so the warm
+    start's accuracy moves with the seed and with rounding; a decay to 0 settles it."""
     weight_decay: float = 0.0
     max_len: int = 128
     """Prompt + answer tokens of one example; longer examples are left out."""
     answer_format: str = "{answer}"
     """How a reference answer becomes the target text (``{answer}`` is replaced)."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"warm_start.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}")
+
+
+SCHEDULES = ("constant", "cosine")
+
+
+def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
+    """The warm start's learning rate at each step (see ``SFTConfig.schedule``)."""
+    warmup = max(cfg.warmup_steps, 1)
+    after = (optax.constant_schedule(cfg.lr) if cfg.schedule == "constant"
+             else optax.cosine_decay_schedule(cfg.lr, max(cfg.steps - warmup, 1)))
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
 def reference_answer(row: PromptRow) -> str:
@@ -97,9 +116,7 @@ def warm_start(model: Any, cfg: SFTConfig, tokenizer: Any, rows: Sequence[Prompt
     """Train ``model`` in place on the rows' reference answers (or on ``examples``, ``(prompt_ids,
     answer_ids)`` pairs made elsewhere); returns loss and timing stats."""
     examples = list(examples) if examples is not None else sft_examples(rows, tokenizer, cfg)
-    schedule = optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)),
-                                     optax.constant_schedule(cfg.lr)], [max(cfg.warmup_steps, 1)])
-    tx = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    tx = optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     opt_state = tx.init(params)
 

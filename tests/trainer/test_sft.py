@@ -5,6 +5,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from areal_jax.models import load_pretrained
@@ -45,3 +46,25 @@ def test_warm_start_on_a_mesh_matches_one_device_and_splits_the_rows(tmp_path: P
         # lr a step. 1e-5 is 0.1% of how far 4 steps move it; a sharding error moves it by ~lr.
         atol = 1e-5 if path[-2:] == ("k_proj", "bias") else 2e-6
         np.testing.assert_allclose(np.asarray(x.get_value()), np.asarray(y.get_value()), atol=atol, err_msg=str(path))
+
+
+def test_warm_start_schedule_cosine_decays_to_zero_and_a_bad_name_is_refused() -> None:
+    """``warm_start.schedule``: constant holds ``lr`` after the warmup; cosine follows
+    lr * (1 + cos(pi * t / T)) / 2 over the steps after it and ends at 0, so the last batches
+    no longer decide where the weights land. An unknown name is a config error naming the key."""
+    from areal_jax.config import ConfigError, from_dict
+    from areal_jax.trainer.run_config import RunConfig
+    from areal_jax.trainer.sft import lr_schedule
+
+    steps, warmup, lr = 50, 10, 3e-3
+    constant = lr_schedule(SFTConfig(steps=steps, warmup_steps=warmup, lr=lr))
+    cosine = lr_schedule(SFTConfig(steps=steps, warmup_steps=warmup, lr=lr, schedule="cosine"))
+    t = np.arange(steps + 1)
+    ramp = lr * np.minimum(t, warmup) / warmup
+    after = lr * (1 + np.cos(np.pi * np.clip(t - warmup, 0, steps - warmup) / (steps - warmup))) / 2
+    np.testing.assert_allclose([float(constant(i)) for i in t], np.where(t < warmup, ramp, lr), rtol=1e-6)
+    np.testing.assert_allclose([float(cosine(i)) for i in t], np.where(t < warmup, ramp, after), rtol=1e-5,
+                               atol=1e-9)
+    assert float(cosine(steps - 1)) < 0.01 * lr
+    with pytest.raises(ConfigError, match="warm_start.schedule='cos'.*constant, cosine"):
+        from_dict(RunConfig, {"warm_start": {"schedule": "cos"}})
