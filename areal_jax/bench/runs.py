@@ -78,7 +78,7 @@ LONG_TAIL_TASK: dict[str, Any] = {
     "rollout": {**TASK["rollout"], "max_new_tokens": 448,
                 "server_args": ["--max-running-requests", "128", "--context-length", "512", "--server-warmup"]},
     "algo": {**TASK["algo"], "ppo_n_minibatches": 2},
-    "train": {**TASK["train"], "max_seq_len": 512, "lr": 1e-4},
+    "train": {**TASK["train"], "max_seq_len": 512, "lr": 1e-4, "compile_warmup": True},
 }
 """``areal-jax bench --long-tail``: the regime of AReaL's long reasoning answers, where generation
 is most of a synchronous step. The echoed scratch pad (``LONG_TAIL_SCRATCH``) under RL grows a
@@ -88,7 +88,10 @@ asks of decoupled PPO at ``max_staleness`` 4. Warm-started to about 20% (tempera
 held-out prompts, so that a few points of learning stand out of the noise. Learning rate 1e-4, a
 third of ``TASK``'s: at 3e-4 synchronous RL stalled near 34% after 10 steps and each policy
 version moved the trained tokens' KL by 0.015-0.08, far from the small steps of RL on real
-models; at 1e-4 both synchronous and asynchronous runs end about 9-12 points higher."""
+models; at 1e-4 both synchronous and asynchronous runs end about 9-12 points higher. The trainer
+compiles its step shapes before the first step (``train.compile_warmup``), as the server does:
+otherwise a fresh trainer process compiled 0.04 s a step, on average, inside the timed steps of a
+30-step run, as the answers grew into new attention pair budgets."""
 
 DEMO_TASK: dict[str, Any] = {
     "batch_size": 16,

@@ -50,6 +50,12 @@ class TrainConfig:
     """Each data-parallel group runs at least this many micro-batches per minibatch (memory cap)."""
     length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     """Row lengths a micro-batch is padded to; each is one compiled shape, so keep the set small."""
+    compile_warmup: bool = False
+    """Compile every step shape before the first step (``Trainer.warmup``): each length bucket up
+    to ``micro_batch_tokens`` with each attention pair budget it can take. A run then never
+    stops mid-way to compile a shape its answers first need, at the cost of compiling shapes it
+    may never use (seconds each on a CPU; the persistent compile cache keeps them for later
+    runs, though each new process still traces them)."""
     compute_dtype: Any = None
     """Activation and matmul dtype (``float32`` or ``bfloat16``, a name or the JAX/NumPy dtype);
     parameters and optimizer state stay float32 either way (master weights), and logits are

@@ -200,6 +200,51 @@ class BatchPreparer:
         bisect.insort(used, budget)
         return budget
 
+    def budget_ladder(self, length: int) -> list[int]:
+        """Every pair budget a micro-batch of rows of ``length`` tokens can take (each a compiled
+        shape), ascending: ``pair_budget`` of each pair count from one per block up to the most
+        a row of sequences of at most ``train.max_seq_len`` tokens can need. Empty when the
+        preparer plans no pairs for this length."""
+        block = min(self.pairs_block, length)
+        if not block or length % block:
+            return []
+        blocks = length // block
+        reach = blocks if self.train.max_seq_len is None else -(-self.train.max_seq_len // block) + 1
+        most = sum(min(q + 1, reach) for q in range(blocks))
+        return sorted({pair_budget(n, blocks) for n in range(blocks, most + 1)})
+
+    def warmup_micro_batches(self, length: int) -> list[MicroBatch]:
+        """Micro-batches of rows of ``length`` tokens, one per pair budget of ``budget_ladder``
+        (one without pairs when it is empty), with every field a step reads: they compile the
+        shapes of that length before real batches meet them (``Trainer.warmup``). Their tokens
+        are placeholders. The budgets are registered as used, so real batches take the same ones."""
+        seq = length if self.train.max_seq_len is None else min(length, self.train.max_seq_len)
+        lengths = [seq] * (length // seq) + ([length % seq] if length % seq else [])
+        trajectories = [Trajectory(input_ids=np.full(n, 1, np.int32), loss_mask=np.r_[0.0, np.ones(n - 1)],
+                                   behavior_logprobs=np.zeros(n, np.float32),
+                                   versions=np.r_[-1, np.zeros(n - 1, np.int32)],
+                                   reward=0.0, group_id=0, prompt_len=1) for n in lengths if n > 1]
+        seqs = [batching.shifted_fields(t) for t in trajectories]
+        plan = batching.MicroBatchPlan(tuple(tuple(range(len(trajectories))) for _ in range(self.dp_groups)), length)
+        arrays = self.place(seqs, plan)
+        zeros = np.zeros((len(plan.rows), length), np.float32)
+        for key in ("advantages", "proximal_logprobs"):
+            arrays[key] = jax.make_array_from_callback(zeros.shape, self.data_sharding, lambda index: zeros[index])
+        budgets = self.budget_ladder(length)
+        if not budgets:
+            return [MicroBatch(plan, arrays, 1.0, 1.0)]
+        block = min(self.pairs_block, length)
+        real = attention_block_pairs([len(t) for t in trajectories], length, block)
+        self._pair_budgets[length] = sorted(set(self._pair_budgets.get(length, [])) | set(budgets))
+        out = []
+        for budget in budgets:
+            pairs = np.zeros((len(plan.rows), budget, 2), np.int32)
+            pairs[..., 1] = length // block - 1
+            pairs[:, :min(budget, len(real))] = real[:budget]
+            placed = jax.make_array_from_callback(pairs.shape, self.data_sharding, lambda index, p=pairs: p[index])
+            out.append(MicroBatch(plan, {**arrays, "attention_pairs": placed}, 1.0, 1.0))
+        return out
+
     def logprobs(self, policy: Learner, micro: list[MicroBatch], lengths: Sequence[int],
                  params: Any = None) -> list[np.ndarray]:
         """Per-token logprobs of ``params`` (the policy's current ones by default), unpacked."""

@@ -215,6 +215,10 @@ async def _train(cfg: RunConfig, resume: bool = False,
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        if cfg.train.compile_warmup:
+            warm = await asyncio.to_thread(trainer.warmup)
+            logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "
+                         f"({warm['compile_seconds']:.1f}s compiling)")
         if meta is not None:
             from areal_jax.trainer.checkpoint import set_rng_state
 

@@ -41,6 +41,7 @@ from areal_jax.trainer.learner import Learner, place
 from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
 from areal_jax.trainer.prepare import (
     CRITIC_KEYS,
+    LOGPROB_KEYS,
     POLICY_KEYS,
     BatchPreparer,
     MicroBatch,
@@ -198,6 +199,26 @@ class Trainer:
         stats["compile_seconds"] = compiling.seconds
         stats["tokens_per_s"] = stats["real_tokens"] / elapsed
         return stats
+
+    def warmup(self, lengths: Sequence[int] | None = None) -> dict[str, float]:
+        """Compile the policy's step shapes before the first batch, as a server's warm-up does:
+        for each row length (default: the length buckets up to ``micro_batch_tokens``) and each
+        attention pair budget a micro-batch of that length can take, the proximal forward and
+        the gradient, each run once on placeholder tokens (nothing is applied). Without it a
+        shape compiles the first time a batch needs it, in the middle of a run. The optimizer
+        step and a critic's shapes are not warmed. Returns the shapes, the seconds, and the part
+        of them spent compiling."""
+        t = self.train
+        lengths = [b for b in t.length_buckets if b <= t.micro_batch_tokens] if lengths is None else list(lengths)
+        start, shapes, last = time.perf_counter(), 0, None
+        with compile_clock() as compiling:
+            for length in lengths:
+                for m in self.preparer.warmup_micro_batches(length):
+                    out = self.policy.forward(m.inputs(LOGPROB_KEYS))
+                    last = (out, self.minibatch_grads([m.inputs((*POLICY_KEYS, "proximal_logprobs"))], units=[1.0]))
+                    shapes += 1
+            jax.block_until_ready(last)
+        return {"shapes": shapes, "seconds": time.perf_counter() - start, "compile_seconds": compiling.seconds}
 
     def prepare_batch(self, trajectories: Sequence[Trajectory], version: int) -> PreparedBatch:
         """The pre-update half (``trainer/prepare.py``): packed, placed, scored, with advantages."""
