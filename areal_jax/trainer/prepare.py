@@ -112,6 +112,17 @@ def loss_units(arrays: dict[str, Any], aggregation: str) -> float:
     return float(mask.sum())
 
 
+def padded_pairs(pairs: Sequence[np.ndarray], budget: int, blocks: int) -> np.ndarray:
+    """``int32 [rows, budget, 2]``: each row's block pairs, cut to ``budget`` (only a warm-up's
+    placeholder rows have more), the rest padded with query block 0 against the last key block
+    (``blocks - 1``), which causality masks."""
+    out = np.zeros((len(pairs), budget, 2), np.int32)
+    out[..., 1] = blocks - 1
+    for r, p in enumerate(pairs):
+        out[r, :min(budget, len(p))] = p[:budget]
+    return out
+
+
 class BatchPreparer:
     """Packs, places and scores training batches for one trainer's mesh and configs."""
 
@@ -167,8 +178,7 @@ class BatchPreparer:
             arrays = self.place(seqs, p)
             pairs = self.attention_pairs([[len(trajectories[i]) for i in row] for row in p.rows], p.length)
             if pairs is not None:
-                arrays["attention_pairs"] = jax.make_array_from_callback(pairs.shape, self.data_sharding,
-                                                                         lambda index, pairs=pairs: pairs[index])
+                arrays["attention_pairs"] = self._put(pairs)
             out.append(MicroBatch(p, arrays, units, tokens))
         return out
 
@@ -176,17 +186,22 @@ class BatchPreparer:
         """``[rows, P, 2]``: each packed row's block pairs (rows of sequences of these lengths, padded
         to ``length``), padded to the budget for ``length`` with pairs causality masks; None when
         the preparer plans none or the row is not a whole number of blocks."""
-        block = min(self.pairs_block, length)
-        if not block or length % block:
+        block = self._pair_block(length)
+        if not block:
             return None
-        blocks = length // block
         pairs = [attention_block_pairs(lengths, length, block) for lengths in rows]
-        budget = self.pair_budget_for(length, blocks, max(len(p) for p in pairs))
-        out = np.zeros((len(rows), budget, 2), np.int32)
-        out[..., 1] = blocks - 1  # unused: query block 0 against the last key block, which causality masks
-        for r, p in enumerate(pairs):
-            out[r, :len(p)] = p
-        return out
+        return padded_pairs(pairs, self.pair_budget_for(length, length // block, max(len(p) for p in pairs)),
+                            length // block)
+
+    def _pair_block(self, length: int) -> int:
+        """Block size of the pairs of a row of ``length`` tokens; 0 when the preparer plans none
+        for it (no pairs at all, or the row is not a whole number of blocks)."""
+        block = min(self.pairs_block, length)
+        return block if block and length % block == 0 else 0
+
+    def _put(self, host: np.ndarray) -> jax.Array:
+        """A ``[rows, ...]`` host array on the mesh's batch sharding."""
+        return jax.make_array_from_callback(host.shape, self.data_sharding, lambda index: host[index])
 
     def pair_budget_for(self, length: int, blocks: int, needed: int) -> int:
         """The pair budget of a micro-batch of rows of ``length`` tokens (``blocks`` blocks) whose
@@ -205,8 +220,8 @@ class BatchPreparer:
         shape), ascending: ``pair_budget`` of each pair count from one per block up to the most
         a row of sequences of at most ``train.max_seq_len`` tokens can need. Empty when the
         preparer plans no pairs for this length."""
-        block = min(self.pairs_block, length)
-        if not block or length % block:
+        block = self._pair_block(length)
+        if not block:
             return []
         blocks = length // block
         reach = blocks if self.train.max_seq_len is None else -(-self.train.max_seq_len // block) + 1
@@ -227,23 +242,16 @@ class BatchPreparer:
         seqs = [batching.shifted_fields(t) for t in trajectories]
         plan = batching.MicroBatchPlan(tuple(tuple(range(len(trajectories))) for _ in range(self.dp_groups)), length)
         arrays = self.place(seqs, plan)
-        zeros = np.zeros((len(plan.rows), length), np.float32)
         for key in ("advantages", "proximal_logprobs"):
-            arrays[key] = jax.make_array_from_callback(zeros.shape, self.data_sharding, lambda index: zeros[index])
+            arrays[key] = self._put(np.zeros((len(plan.rows), length), np.float32))
         budgets = self.budget_ladder(length)
         if not budgets:
             return [MicroBatch(plan, arrays, 1.0, 1.0)]
-        block = min(self.pairs_block, length)
-        real = attention_block_pairs([len(t) for t in trajectories], length, block)
+        block = self._pair_block(length)
+        real = [attention_block_pairs([len(t) for t in trajectories], length, block)] * len(plan.rows)
         self._pair_budgets[length] = sorted(set(self._pair_budgets.get(length, [])) | set(budgets))
-        out = []
-        for budget in budgets:
-            pairs = np.zeros((len(plan.rows), budget, 2), np.int32)
-            pairs[..., 1] = length // block - 1
-            pairs[:, :min(budget, len(real))] = real[:budget]
-            placed = jax.make_array_from_callback(pairs.shape, self.data_sharding, lambda index, p=pairs: p[index])
-            out.append(MicroBatch(plan, {**arrays, "attention_pairs": placed}, 1.0, 1.0))
-        return out
+        return [MicroBatch(plan, {**arrays, "attention_pairs": self._put(padded_pairs(real, b, length // block))},
+                           1.0, 1.0) for b in budgets]
 
     def logprobs(self, policy: Learner, micro: list[MicroBatch], lengths: Sequence[int],
                  params: Any = None) -> list[np.ndarray]:

@@ -56,9 +56,10 @@ SCHEDULES = ("constant", "cosine")
 def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
     """The warm start's learning rate at each step (see ``SFTConfig.schedule``)."""
     warmup = max(cfg.warmup_steps, 1)
-    after = (optax.constant_schedule(cfg.lr) if cfg.schedule == "constant"
-             else optax.cosine_decay_schedule(cfg.lr, max(cfg.steps - warmup, 1)))
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=0.0)
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
+                                [warmup])
 
 
 def reference_answer(row: PromptRow) -> str:
