@@ -148,18 +148,22 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
 
 
 def train(shape: dict[str, Any], impls: list[str], groups: int, group_size: int, max_answer: int, budget: int,
-          batches: int, peak: float) -> list[dict[str, Any]]:
+          batches: int, peak: float, compile_warmup: bool = False) -> list[dict[str, Any]]:
     rows = []
     for impl in impls:
         cfg = ModelConfig(**shape, attention_impl=impl)
         max_len = 96 + max_answer
         trainer = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), AlgoConfig(),
-                          TrainConfig(lr=1e-6, micro_batch_tokens=budget, max_seq_len=max_len))
+                          TrainConfig(lr=1e-6, micro_batch_tokens=budget, max_seq_len=max_len,
+                                      compile_warmup=compile_warmup))
         rng = np.random.default_rng(0)
         data = [batch(rng, groups, group_size, max_answer) for _ in range(batches)]
+        # With --compile-warmup, Trainer.warmup compiles every step shape first (as an RL run with
+        # train.compile_warmup does), and after the first batch (which compiles the optimizer's
+        # update, not warmed) the first pass must compile nothing.
+        ahead = trainer.warmup() if compile_warmup else None
         t0 = time.perf_counter()
-        for b in data:  # compile every bucket the timed pass meets
-            trainer.train_batch(b, 0)
+        first = [trainer.train_batch(b, 0) for b in data]  # compiles every bucket the timed pass meets
         warmup = time.perf_counter() - t0
         t0 = time.perf_counter()
         stats = [trainer.train_batch(b, 0) for b in data]
@@ -173,8 +177,14 @@ def train(shape: dict[str, Any], impls: list[str], groups: int, group_size: int,
                      "tokens_per_batch": sum(lengths) / batches, "mean_length": float(np.mean(lengths)),
                      "micro_batches_per_batch": float(np.mean([s["n_micro_batches"] for s in stats])),
                      "padding_efficiency": float(np.mean([s["padding_efficiency"] for s in stats])),
-                     "finite_loss": bool(all(np.isfinite(s["loss"]) for s in stats)), "warmup_s": warmup})
+                     "finite_loss": bool(all(np.isfinite(s["loss"]) for s in stats)), "warmup_s": warmup,
+                     "first_pass_compile_s": [float(s["compile_seconds"]) for s in first],
+                     "compile_warmup": ahead})
         r = rows[-1]
+        if ahead is not None:
+            print(f"train {impl:>11}: compile warm-up {ahead['shapes']} shapes in {ahead['seconds']:.0f} s; the "
+                  f"first pass's batches then compiled " + ", ".join(f"{x:.2f}" for x in r["first_pass_compile_s"])
+                  + " s (the optimizer update is not warmed)", flush=True)
         print(f"train {impl:>11}: {r['tokens_per_s']:10,.0f} tok/s, {r['model_tflops_per_s']:.1f} TFLOP/s = "
               f"{100 * r['fraction_of_bf16_peak']:.1f}% of bf16 peak; {r['seconds_per_batch']:.2f} s/batch "
               f"({r['tokens_per_batch']:,.0f} tokens, {r['micro_batches_per_batch']:.1f} micro-batches); "
@@ -202,6 +212,8 @@ def main() -> None:
     ap.add_argument("--max-answer", type=int, default=1024)
     ap.add_argument("--budget", type=int, default=16384, help="micro-batch token budget")
     ap.add_argument("--batches", type=int, default=2)
+    ap.add_argument("--compile-warmup", action="store_true",
+                    help="train: Trainer.warmup() first (train.compile_warmup); report what the first pass compiled")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -227,7 +239,7 @@ def main() -> None:
                                  args.rounds, c["copy_gb_per_s"] * 1e9, args.decode_unroll),
         "train": lambda: [row for impl in args.impls for row in train(
             shape, [impl], args.groups, args.group_size, args.max_answer, args.budget, args.batches,
-            c["bf16_matmul_tflops_per_s"] * 1e12)],
+            c["bf16_matmul_tflops_per_s"] * 1e12, args.compile_warmup)],
     }
     for name, fn in steps.items():
         if name.split("_")[0] not in parts:

@@ -140,6 +140,14 @@ class BatchPreparer:
         self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
         self._ev_fn = jax.jit(explained_variance)
 
+    @property
+    def recomputes_proximal(self) -> bool:
+        """Whether micro-batches carry ``proximal_logprobs``, recomputed with the weights before
+        the update (decoupled PPO over more than one minibatch). With one minibatch the proximal
+        policy is the policy being trained, and the loss takes its own logprobs."""
+        a = self.algo
+        return a.use_decoupled_loss and a.proximal_logprobs == "recompute" and a.ppo_n_minibatches > 1
+
     def plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
         t = self.train
         if t.max_seq_len is not None and max(lengths, default=0) > t.max_seq_len:
@@ -242,7 +250,8 @@ class BatchPreparer:
         seqs = [batching.shifted_fields(t) for t in trajectories]
         plan = batching.MicroBatchPlan(tuple(tuple(range(len(trajectories))) for _ in range(self.dp_groups)), length)
         arrays = self.place(seqs, plan)
-        for key in ("advantages", "proximal_logprobs"):
+        # The fields of a real micro-batch and no others: a field more or less is another shape.
+        for key in ("advantages", "proximal_logprobs") if self.recomputes_proximal else ("advantages",):
             arrays[key] = self._put(np.zeros((len(plan.rows), length), np.float32))
         budgets = self.budget_ladder(length)
         if not budgets:
@@ -279,7 +288,7 @@ class BatchPreparer:
         # (The first minibatch's micro-batches carry the behaviour logprobs in their place, so that
         # one compiled step serves them all; ``PreparedBatch.own_proximal`` says so.)
         own_proximal = False
-        if self.algo.use_decoupled_loss and self.algo.proximal_logprobs == "recompute" and n_mb > 1:
+        if self.recomputes_proximal:
             own_proximal = True
             for m in minibatches[0]:
                 m.arrays["proximal_logprobs"] = m.arrays["behavior_logprobs"]

@@ -203,18 +203,20 @@ class Trainer:
     def warmup(self, lengths: Sequence[int] | None = None) -> dict[str, float]:
         """Compile the policy's step shapes before the first batch, as a server's warm-up does:
         for each row length (default: the length buckets up to ``micro_batch_tokens``) and each
-        attention pair budget a micro-batch of that length can take, the proximal forward and
-        the gradient, each run once on placeholder tokens (nothing is applied). Without it a
-        shape compiles the first time a batch needs it, in the middle of a run. The optimizer
-        step and a critic's shapes are not warmed. Returns the shapes, the seconds, and the part
-        of them spent compiling."""
+        attention pair budget a micro-batch of that length can take, the gradient and (where
+        batches recompute proximal logprobs or score a reference) the forward, each run once on
+        placeholder tokens that carry the fields a real micro-batch carries (nothing is applied).
+        Without it a shape compiles the first time a batch needs it, in the middle of a run. The
+        optimizer step and a critic's shapes are not warmed. Returns the shapes, the seconds, and
+        the part of them spent compiling."""
         t = self.train
         lengths = [b for b in t.length_buckets if b <= t.micro_batch_tokens] if lengths is None else list(lengths)
+        forward = self.preparer.recomputes_proximal or self.ref_params is not None
         start, shapes, last = time.perf_counter(), 0, None
         with compile_clock() as compiling:
             for length in lengths:
                 for m in self.preparer.warmup_micro_batches(length):
-                    out = self.policy.forward(m.inputs(LOGPROB_KEYS))
+                    out = self.policy.forward(m.inputs(LOGPROB_KEYS)) if forward else None
                     last = (out, self.minibatch_grads([m.inputs((*POLICY_KEYS, "proximal_logprobs"))], units=[1.0]))
                     shapes += 1
             jax.block_until_ready(last)
