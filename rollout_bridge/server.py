@@ -416,6 +416,10 @@ async def metrics(request: web.Request) -> web.Response:
          "admitted with the same tokens.", e.stats["shared_prompt_tokens"], ""),
         ("areal_jax:prefill_padded_tokens_total", "counter", "Token rows computed by prefill calls, padding "
          "included (each call pads its rows to one length).", e.stats["prefill_padded_tokens"], ""),
+        ("areal_jax:prefill_seconds_total", "counter", "Seconds in compiled prefill calls (prompts, and the "
+         "prefixes of requests resumed after a pause), summed over lanes.", e.stats["prefill_seconds"], ""),
+        ("areal_jax:decode_seconds_total", "counter", "Seconds in compiled decode calls, summed over lanes.",
+         e.stats["decode_seconds"], ""),
         ("sglang:num_requests_total", "counter", "Number of finished requests.", e.stats["finished_requests"], ""),
         ("areal_jax:weight_version", "gauge", "Weight updates applied (internal version); the label is "
          "weight_version.", e.version, f',weight_version="{label}"'),

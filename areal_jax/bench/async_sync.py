@@ -98,7 +98,7 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
             rows.append(row)
             print(f"  {name:<12} seed {s}: {row['wall_s_per_step']:.2f} s/step, "
                   f"{row['generated_tokens_per_s']:.0f} gen tok/s, idle trainer {row['trainer_idle_fraction']:.0%} "
-                  f"rollout {row['rollout_idle_fraction']:.0%}, "
+                  f"rollout {row['rollout_idle_fraction']:.0%} (in prefill {row['rollout_prefill_share']:.0%}), "
                   f"accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}", flush=True)
         compare(rows)
         by_seed.append(rows)

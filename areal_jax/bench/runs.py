@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import http.client
+import math
 import os
 import re
 import threading
@@ -279,11 +280,12 @@ def metric_values(text: str) -> dict[str, float]:
 
 class ServerPoller:
     """Polls a server's ``/metrics`` in a thread: ``(time, requests running + queued, generated
-    tokens so far)`` every ``POLL_S`` seconds."""
+    tokens so far, seconds in prefill calls so far, seconds in decode calls so far)`` every
+    ``POLL_S`` seconds (the last two NaN from a server that does not count them, stock SGLang's)."""
 
     def __init__(self, address: str):
         self.address = address
-        self.samples: list[tuple[float, int, float]] = []
+        self.samples: list[tuple[float, int, float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-poller", daemon=True)
 
@@ -297,7 +299,9 @@ class ServerPoller:
                     text = conn.getresponse().read().decode()
                     vals = metric_values(text)
                     busy = int(vals["sglang:num_running_reqs"] + vals["sglang:num_queue_reqs"])
-                    self.samples.append((time.perf_counter(), busy, vals["sglang:generation_tokens_total"]))
+                    self.samples.append((time.perf_counter(), busy, vals["sglang:generation_tokens_total"],
+                                         vals.get("areal_jax:prefill_seconds_total", math.nan),
+                                         vals.get("areal_jax:decode_seconds_total", math.nan)))
                 except (OSError, http.client.HTTPException, KeyError, ValueError):
                     conn.close()  # the next request opens a new connection
                 self._stop.wait(POLL_S)
@@ -323,6 +327,18 @@ class ServerPoller:
         idle = sum(1 for s in inside if s[1] == 0) / len(inside)
         times, tokens = [s[0] for s in self.samples], [s[2] for s in self.samples]
         return idle, float(np.interp(t1, times, tokens) - np.interp(t0, times, tokens))
+
+    def prefill_share(self, t0: float, t1: float) -> float:
+        """Of the server's seconds in compiled prefill and decode calls between t0 and t1, the
+        share in prefill (the prompts, and the prefixes that requests resumed after a weight
+        update's pause compute again); NaN where the server does not count them."""
+        if len(self.samples) < 2:
+            return float("nan")
+        times = [s[0] for s in self.samples]
+        prefill, decode = ([s[i] for s in self.samples] for i in (3, 4))
+        p = float(np.interp(t1, times, prefill) - np.interp(t0, times, prefill))
+        d = float(np.interp(t1, times, decode) - np.interp(t0, times, decode))
+        return p / (p + d) if p + d > 0 else float("nan")
 
 
 def run_pinned(cores: list[int], fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -406,6 +422,7 @@ def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPo
         "trained_tokens_per_s": trained / wall,
         "trainer_idle_fraction": min(1.0, waiting / wall),
         "rollout_idle_fraction": rollout_idle,
+        "rollout_prefill_share": poller.prefill_share(t0, t1),
         "train_s_per_step": float(np.mean([m["train_seconds"] for m in timed])),
         "weight_sync_s_per_step": float(np.mean([m["weight_sync_seconds"] for m in timed])),
         "staleness_mean": float(np.mean([m["staleness_mean"] for m in timed])),

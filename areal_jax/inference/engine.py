@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -157,7 +158,10 @@ class Engine:
         self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
                       "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0,
-                      "prefill_padded_tokens": 0}
+                      "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+        """``prefill_seconds`` and ``decode_seconds``: wall seconds from handing a compiled prefill
+        (its chunks included) or decode call to the worker thread to holding its result, summed
+        over lanes (so with several lanes they can add up to more than the time that passed)."""
 
     # -- properties --
 
@@ -614,9 +618,11 @@ class Engine:
         share = (self._place_followers(lane, followers, free[len(batch):len(batch) + len(followers)], slots)
                  if followers else None)
         version = self._version
+        t0 = time.perf_counter()
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
             np.int32(offset), lengths, slots, first_step, *params.arrays(), kv_len=kv_len, share=share)
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
         self.stats["prefill_calls"] += 1
         main, top_values, top_ids = out
         for i, seq in enumerate(batch):
@@ -649,8 +655,10 @@ class Engine:
         assert chunk is not None
         while total - offset > chunk:
             kv_len = bucket(offset + chunk, self.cfg.kv_buckets)
+            t0 = time.perf_counter()
             lane.cache = await asyncio.to_thread(
                 self._run_chunk, lane.cache, window(offset), np.int32(offset), lengths, slots, kv_len)
+            self.stats["prefill_seconds"] += time.perf_counter() - t0
             self.stats["prefill_chunks"] += 1
             self.stats["prefill_padded_tokens"] += len(lengths) * chunk
             offset += chunk
@@ -689,10 +697,12 @@ class Engine:
         version = self._version
         active = np.array([s is not None for s in lane.slots])
         waiting = bool(self._waiting)  # someone wants a slot: end the chunk where a request ends
+        t0 = time.perf_counter()
         lane.cache, lane.slot_state, out = await asyncio.to_thread(
             self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active,
             np.bool_(waiting and self.cfg.end_chunk_at_finish),
             kv_len=kv_len, num_steps=n)
+        self.stats["decode_seconds"] += time.perf_counter() - t0
         self.stats["decode_calls"] += 1
         main, top_values, top_ids, steps = out
         steps = int(steps)

@@ -61,10 +61,14 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             assert f"sglang:num_running_reqs{{{name}}} 0.0" in text
             assert f'areal_jax:weight_version{{{name},weight_version="v1"}} 1.0' in text
             assert "# TYPE sglang:generation_tokens_total counter" in text
+            assert f"areal_jax:prefill_seconds_total{{{name}}} 0.0" in text  # nothing has run yet
+            assert f"areal_jax:decode_seconds_total{{{name}}} 0.0" in text
+            t_resume = time.monotonic()
             async with s.post(url + "/continue_generation", json={}) as r:
                 assert r.status == 200
             async with await first as r:
                 reply = await r.json()
+            t_done = time.monotonic()
             assert reply["meta_info"]["weight_version"] == "v1" and len(reply["output_ids"]) == 24
             t_before_2 = time.monotonic()
             async with s.get(url + "/metrics") as r:
@@ -75,6 +79,12 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             rate = float(next(line.split()[-1] for line in text.splitlines()
                               if line.startswith("sglang:gen_throughput{")))
             assert 24 / (t_after_2 - t_before) <= rate <= 24 / (t_before_2 - t_after), rate
+            # One request, so one lane at a time: its prefill and decode calls ran between resume and reply.
+            seconds = {k: float(next(line.split()[-1] for line in text.splitlines()
+                                     if line.startswith(f"areal_jax:{k}_seconds_total{{")))
+                       for k in ("prefill", "decode")}
+            assert seconds["prefill"] > 0 and seconds["decode"] > 0, seconds
+            assert seconds["prefill"] + seconds["decode"] <= t_done - t_resume, seconds
 
     asyncio.run(main())
 
