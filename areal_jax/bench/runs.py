@@ -325,8 +325,13 @@ class ServerPoller:
         if not inside or len(self.samples) < 2:
             return float("nan"), float("nan")
         idle = sum(1 for s in inside if s[1] == 0) / len(inside)
-        times, tokens = [s[0] for s in self.samples], [s[2] for s in self.samples]
-        return idle, float(np.interp(t1, times, tokens) - np.interp(t0, times, tokens))
+        return idle, self._delta(2, t0, t1)
+
+    def _delta(self, field: int, t0: float, t1: float) -> float:
+        """How much counter ``field`` of the samples grew from t0 to t1, each end read by linear
+        interpolation between the samples around it."""
+        times, values = [s[0] for s in self.samples], [s[field] for s in self.samples]
+        return float(np.interp(t1, times, values) - np.interp(t0, times, values))
 
     def prefill_share(self, t0: float, t1: float) -> float:
         """Of the server's seconds in compiled prefill and decode calls between t0 and t1, the
@@ -334,10 +339,7 @@ class ServerPoller:
         update's pause compute again); NaN where the server does not count them."""
         if len(self.samples) < 2:
             return float("nan")
-        times = [s[0] for s in self.samples]
-        prefill, decode = ([s[i] for s in self.samples] for i in (3, 4))
-        p = float(np.interp(t1, times, prefill) - np.interp(t0, times, prefill))
-        d = float(np.interp(t1, times, decode) - np.interp(t0, times, decode))
+        p, d = self._delta(3, t0, t1), self._delta(4, t0, t1)
         return p / (p + d) if p + d > 0 else float("nan")
 
 

@@ -618,11 +618,9 @@ class Engine:
         share = (self._place_followers(lane, followers, free[len(batch):len(batch) + len(followers)], slots)
                  if followers else None)
         version = self._version
-        t0 = time.perf_counter()
-        lane.cache, lane.slot_state, out = await asyncio.to_thread(
-            self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state, window(offset),
-            np.int32(offset), lengths, slots, first_step, *params.arrays(), kv_len=kv_len, share=share)
-        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        lane.cache, lane.slot_state, out = await self._timed(
+            "prefill_seconds", self._run_step, self.prefill_fn, self._state, lane.cache, lane.slot_state,
+            window(offset), np.int32(offset), lengths, slots, first_step, *params.arrays(), kv_len=kv_len, share=share)
         self.stats["prefill_calls"] += 1
         main, top_values, top_ids = out
         for i, seq in enumerate(batch):
@@ -655,10 +653,8 @@ class Engine:
         assert chunk is not None
         while total - offset > chunk:
             kv_len = bucket(offset + chunk, self.cfg.kv_buckets)
-            t0 = time.perf_counter()
-            lane.cache = await asyncio.to_thread(
-                self._run_chunk, lane.cache, window(offset), np.int32(offset), lengths, slots, kv_len)
-            self.stats["prefill_seconds"] += time.perf_counter() - t0
+            lane.cache = await self._timed("prefill_seconds", self._run_chunk, lane.cache, window(offset),
+                                           np.int32(offset), lengths, slots, kv_len)
             self.stats["prefill_chunks"] += 1
             self.stats["prefill_padded_tokens"] += len(lengths) * chunk
             offset += chunk
@@ -697,12 +693,10 @@ class Engine:
         version = self._version
         active = np.array([s is not None for s in lane.slots])
         waiting = bool(self._waiting)  # someone wants a slot: end the chunk where a request ends
-        t0 = time.perf_counter()
-        lane.cache, lane.slot_state, out = await asyncio.to_thread(
-            self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active,
+        lane.cache, lane.slot_state, out = await self._timed(
+            "decode_seconds", self._run_step, self.decode_fn, self._state, lane.cache, lane.slot_state, active,
             np.bool_(waiting and self.cfg.end_chunk_at_finish),
             kv_len=kv_len, num_steps=n)
-        self.stats["decode_seconds"] += time.perf_counter() - t0
         self.stats["decode_calls"] += 1
         main, top_values, top_ids, steps = out
         steps = int(steps)
@@ -725,6 +719,13 @@ class Engine:
     def _notify(self, seq: _Seq) -> None:
         if seq.updates is not None and seq.finish_reason is None:
             seq.updates.put_nowait(self._snapshot(seq))
+
+    async def _timed(self, stat: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in a worker thread, its seconds added to ``stats[stat]``."""
+        t0 = time.perf_counter()
+        out = await asyncio.to_thread(fn, *args, **kwargs)
+        self.stats[stat] += time.perf_counter() - t0
+        return out
 
     def _run_step(self, fn: Any, *args: Any, share: tuple[np.ndarray, ...] | None = None,
                   **kwargs: Any) -> tuple[Any, SlotState, tuple[np.ndarray, ...]]:

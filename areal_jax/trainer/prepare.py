@@ -287,9 +287,8 @@ class BatchPreparer:
         # updates, so theirs are recomputed now, with the weights before the first.
         # (The first minibatch's micro-batches carry the behaviour logprobs in their place, so that
         # one compiled step serves them all; ``PreparedBatch.own_proximal`` says so.)
-        own_proximal = False
-        if self.recomputes_proximal:
-            own_proximal = True
+        own_proximal = self.recomputes_proximal
+        if own_proximal:
             for m in minibatches[0]:
                 m.arrays["proximal_logprobs"] = m.arrays["behavior_logprobs"]
             for m in micro[len(minibatches[0]):]:
