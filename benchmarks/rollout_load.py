@@ -7,13 +7,16 @@ answers to one prompt in flight through the real HTTP client, as the controller 
 weights (the same checkpoint, from disk, under a new version) and continues it, as the trainer
 does after each step. ``--pause none`` pushes nothing. For each pause mode, the server runs with
 its prefills shared between requests that send the same tokens (the default) and with
-``--disable-radix-cache``, alternating, ``--rounds`` times. Reports generated tokens/s, answers/s,
+``--disable-radix-cache``, alternating, ``--rounds`` times; with ``--compare batch`` it alternates
+instead between each group asked as one request (SGLang's batch form, the client's default) and
+one request per answer, prefills shared in both. Reports generated tokens/s, answers/s,
 prompt tokens per generated token and how many of them were prefilled rather than shared
 (recomputation after a pause shows here) and computed with the prefill calls' padding, the
 server's CPU split between XLA's threads and Python's, and how long each pause-push-continue kept
 the server stopped.
 
-    python benchmarks/rollout_load.py [--pause none,abort,retract,in_place] [--rounds 2] [--out f.json]
+    python benchmarks/rollout_load.py [--pause none,abort,retract,in_place] [--rounds 2] [--compare share|batch]
+                                      [--out f.json]
 
 The first run trains the warm start (400 supervised steps, about a minute) into ``--work``.
 Needs two cores (the server on the last, this process on the first).
@@ -38,7 +41,7 @@ from areal_jax.bench import runs
 from areal_jax.data import load_prompts
 from areal_jax.data.datasets import DatasetConfig
 from areal_jax.models import load_tokenizer
-from rollout_bridge.client import HttpRolloutClient
+from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from rollout_bridge.launcher import ServerFleet
 
 
@@ -61,18 +64,17 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-async def _load(address: str, prompts: list[list[int]], args: argparse.Namespace, pause: str) -> dict[str, Any]:
+async def _load(address: str, prompts: list[list[int]], args: argparse.Namespace, pause: str,
+                batch: bool) -> dict[str, Any]:
     sampling = {"max_new_tokens": runs.LONG_TAIL_TASK["rollout"]["max_new_tokens"], "temperature": 1.0}
     done = {"tokens": 0, "answers": 0}
     windows: list[float] = []
     stop = [0.0]
-    async with HttpRolloutClient([address]) as client:
+    async with HttpRolloutClient([address], config=ClientConfig(batch_requests=batch)) as client:
         async def group(i: int) -> None:
-            async def one() -> None:
-                r = await client.generate(list(prompts[i % len(prompts)]), sampling)
-                done["tokens"] += len(r.output_ids)
-                done["answers"] += 1
-            await asyncio.gather(*(one() for _ in range(args.group_size)))
+            answers = await client.generate_many([list(prompts[i % len(prompts)])] * args.group_size, sampling)
+            done["tokens"] += sum(len(r.output_ids) for r in answers)
+            done["answers"] += len(answers)
 
         async def lane(k: int) -> None:
             i = k
@@ -110,7 +112,8 @@ async def _load(address: str, prompts: list[list[int]], args: argparse.Namespace
             "seconds": elapsed}
 
 
-def measure(args: argparse.Namespace, prompts: list[list[int]], pause: str, share: bool) -> dict[str, Any]:
+def measure(args: argparse.Namespace, prompts: list[list[int]], pause: str, share: bool,
+            batch: bool = True) -> dict[str, Any]:
     everything = sorted(os.sched_getaffinity(0))
     server_core, own = everything[-1:], everything[:1]
     flags = [a for a in runs.LONG_TAIL_TASK["rollout"]["server_args"] if a != "--server-warmup"]
@@ -124,14 +127,15 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], pause: str, shar
         os.sched_setaffinity(0, own)
         pid = fleet.children[0].proc.pid
         cpu0, t0 = _thread_cpu(pid), time.perf_counter()
-        out = asyncio.run(_load(address, prompts, args, pause))
+        out = asyncio.run(_load(address, prompts, args, pause, batch))
         wall = time.perf_counter() - t0
         cpu = {k: v - cpu0.get(k, 0.0) for k, v in _thread_cpu(pid).items()}
     finally:
         os.sched_setaffinity(0, everything)
         fleet.stop()
     xla = sum(v for k, v in cpu.items() if "XLA" in k or "Eigen" in k)
-    out.update(pause=pause, share=share, server_xla_cpu=xla / wall, server_other_cpu=(sum(cpu.values()) - xla) / wall)
+    out.update(pause=pause, share=share, batch=batch, server_xla_cpu=xla / wall,
+               server_other_cpu=(sum(cpu.values()) - xla) / wall)
     return out
 
 
@@ -145,6 +149,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="timed seconds per run")
     ap.add_argument("--model", default=None, help="checkpoint to serve (default: the long-tail warm start in --work)")
     ap.add_argument("--work", default="runs/rollout_load")
+    ap.add_argument("--compare", choices=("share", "batch"), default="share",
+                    help="what alternates: shared prefills on / off, or a group per request / an answer per request")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
@@ -156,12 +162,13 @@ def main() -> None:
     data = load_prompts(DatasetConfig(**{**cfg["data"], "eval_size": 100}), load_tokenizer(args.model))
     prompts = [list(r.prompt_ids) for r in data.train_rows]
     results = []
+    key, label = ("share", "shared prefill") if args.compare == "share" else ("batch", "a group per request")
     for pause in args.pause.split(","):
         for _ in range(args.rounds):
-            for share in (True, False):
-                r = measure(args, prompts, pause, share)
+            for on in (True, False):
+                r = measure(args, prompts, pause, **{"share": True, "batch": True, key: on})
                 results.append(r)
-                print(f"pause {pause:8s} shared prefill {'on ' if share else 'off'}: {r['tokens_per_s']:6.0f} tok/s, "
+                print(f"pause {pause:8s} {label} {'on ' if on else 'off'}: {r['tokens_per_s']:6.0f} tok/s, "
                       f"{r['answers_per_s']:4.0f} answers/s, per generated token "
                       f"{r['prompt_tokens_per_generated']:.2f} prompt tokens, "
                       f"{r['prefilled_tokens_per_generated']:.2f} prefilled "
@@ -169,15 +176,17 @@ def main() -> None:
                       f"{r['pushes']} pushes stopping the server {r['pause_window_ms']:.0f} ms each; "
                       f"server CPU: XLA {100 * r['server_xla_cpu']:.0f}%, other {100 * r['server_other_cpu']:.0f}%",
                       flush=True)
-    print("\n| pause | shared prefill on: tok/s | off: tok/s | on / off | prefilled tokens per generated (on, off) |")
-    print("|---|---|---|---|---|")
+    print(f"\n| pause | {label} on: tok/s | off: tok/s | on / off | prefilled tokens per generated (on, off) "
+          "| server CPU in Python (on, off) |")
+    print("|---|---|---|---|---|---|")
     for pause in args.pause.split(","):
-        on = [r for r in results if r["pause"] == pause and r["share"]]
-        off = [r for r in results if r["pause"] == pause and not r["share"]]
+        on = [r for r in results if r["pause"] == pause and r[key]]
+        off = [r for r in results if r["pause"] == pause and not r[key]]
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
         print(f"| {pause} | {mean(on, 'tokens_per_s'):.0f} | {mean(off, 'tokens_per_s'):.0f} | "
               f"{mean(on, 'tokens_per_s') / mean(off, 'tokens_per_s'):.2f}x | "
-              f"{mean(on, 'prefilled_tokens_per_generated'):.2f}, {mean(off, 'prefilled_tokens_per_generated'):.2f} |")
+              f"{mean(on, 'prefilled_tokens_per_generated'):.2f}, {mean(off, 'prefilled_tokens_per_generated'):.2f} | "
+              f"{100 * mean(on, 'server_other_cpu'):.0f}%, {100 * mean(off, 'server_other_cpu'):.0f}% |")
     if args.out:
         Path(args.out).write_text(json.dumps({"utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                                               "args": vars(args), "runs": results}, indent=1))

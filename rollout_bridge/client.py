@@ -71,6 +71,15 @@ class RolloutClient(abc.ABC):
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
                        rid: str | None = None) -> GenerateResult: ...
 
+    async def generate_many(self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *,
+                            rids: list[str] | None = None) -> list[GenerateResult]:
+        """One answer to each prompt (a group: the same prompt n times); here one ``generate``
+        each, concurrently. The HTTP client sends them as one batch request."""
+        if rids is not None and len(rids) != len(prompts):
+            raise ValueError(f"rids has {len(rids)} entries for {len(prompts)} prompts")
+        return list(await asyncio.gather(*(self.generate(p, sampling_params, rid=rids[i] if rids else None)
+                                           for i, p in enumerate(prompts))))
+
     @abc.abstractmethod
     async def pause(self, mode: str = "abort") -> None: ...
 
@@ -110,26 +119,38 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         ``sampling_params`` uses SGLang's names (``max_new_tokens``, ``temperature``, ...).
         A 400 from a server is the caller's error and raises ``RolloutError`` without retrying.
         """
-        sp = dict(sampling_params or {})
-        budget = int(sp.get("max_new_tokens", P.SamplingParams().max_new_tokens))
-        rid = rid or uuid.uuid4().hex
-        prompt = list(input_ids)
-        out: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        text = ""
-        finish: dict[str, Any] = {"type": "length", "length": budget}
-        attempt = idle = busy = errors = 0
+        return (await self._answer([_Answer(input_ids, sampling_params, rid)], batch=False))[0]
+
+    async def generate_many(self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *,
+                            rids: list[str] | None = None) -> list[GenerateResult]:
+        """One answer to each prompt, asked of one server in one /generate (SGLang's batch form:
+        ``input_ids`` a list of lists), as ``generate`` would give them one by one. After an
+        abort, the unfinished answers are re-sent together; with ``ClientConfig.batch_requests``
+        off, each answer is its own request."""
+        if rids is not None and len(rids) != len(prompts):
+            raise ValueError(f"rids has {len(rids)} entries for {len(prompts)} prompts")
+        answers = [_Answer(p, sampling_params, rids[i] if rids else None) for i, p in enumerate(prompts)]
+        if not self.cfg.batch_requests or len(answers) < 2:
+            return [r[0] for r in await asyncio.gather(*(self._answer([a], batch=False) for a in answers))]
+        return await self._answer(answers, batch=True)
+
+    async def _answer(self, answers: list[_Answer], *, batch: bool) -> list[GenerateResult]:
+        """Run ``answers`` to the end, all sent to one server in each attempt (one request in
+        SGLang's batch form when ``batch``, else the single form for the one answer)."""
+        key = answers[0].rid
+        busy = errors = 0
         try:
-            while len(out) < budget or budget == 0:
-                if attempt > self.cfg.max_resends:
-                    raise RolloutError(f"request {rid}: gave up after {self.cfg.max_resends} re-sends")
-                server = await self._pick(rid)
-                sub_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
-                payload = {"input_ids": prompt + out, "rid": sub_rid, "return_logprob": True, "stream": False,
-                           "sampling_params": {**sp, "max_new_tokens": budget - len(out)}}
-                attempt += 1
-                server.inflight.add(sub_rid)
+            while live := [a for a in answers if not a.done]:
+                for a in live:
+                    if a.attempt > self.cfg.max_resends:
+                        raise RolloutError(f"request {a.rid}: gave up after {self.cfg.max_resends} re-sends")
+                server = await self._pick(key)
+                parts = [a.next_part() for a in live]
+                subs = [p["rid"] for p in parts]
+                payload = parts[0] if not batch else {
+                    "input_ids": [p["input_ids"] for p in parts], "rid": subs, "return_logprob": True,
+                    "stream": False, "sampling_params": [p["sampling_params"] for p in parts]}
+                server.inflight.update(subs)
                 sent_version, headers = server.version, {}
                 try:
                     status, body = await self._request(server, "POST", "/generate", json_body=payload,
@@ -137,61 +158,59 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                                                        reply_headers=headers)
                 except TimeoutError:
                     # The server may still be working on it: stop it there before re-sending elsewhere.
-                    await self._call_one(server, "/abort_request", {"rid": sub_rid}, self.cfg.control_timeout_s)
+                    for sub in subs:
+                        await self._call_one(server, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
                     self._mark_down(server, f"/generate timed out after {self.cfg.generate_timeout_s:g}s")
                     continue
                 except (aiohttp.ClientError, OSError) as e:
                     self._mark_down(server, e)
                     continue
                 finally:
-                    server.inflight.discard(sub_rid)
+                    server.inflight.difference_update(subs)
                 if status == 503:  # full queue: wait and re-send, the server is fine
                     busy += 1
                     await asyncio.sleep(_retry_after(headers, self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3)))
-                    self._sticky.pop(rid, None)
+                    self._sticky.pop(key, None)
                     continue
                 busy = 0
                 if status == 400 or status == 401:
-                    raise RolloutError(f"{server.url}/generate rejected request {rid} ({status}): "
+                    raise RolloutError(f"{server.url}/generate rejected request {key} ({status}): "
                                        f"{reply_message(body)}")
-                if status != 200 or not isinstance(body, dict):
-                    errors = await self._after_error(rid, server, errors, f"answered {status}: {reply_message(body)}")
+                replies = _replies(body, subs) if status == 200 else None
+                if replies is None:
+                    what = (f"answered {status}: {reply_message(body)}" if status != 200 else
+                            f"answered a batch of {len(subs)} with {reply_message(body)[:200]}")
+                    errors = await self._after_error(key, server, errors, what)
                     continue
-                ids, lps, finish = _parse_reply(body)
-                vers = self._stamp(server, sent_version, body.get("meta_info") or {}, len(ids))
-                out += ids
-                logprobs += lps
-                versions += vers
-                text += body.get("text") or ""
-                if finish.get("type") == "abort":
-                    code = finish.get("status_code")
-                    if rid in self._cancelled:
-                        break
-                    if code is not None and 400 <= int(code) < 500:
-                        raise RolloutError(f"{server.url} aborted request {rid}: {finish.get('message')}")
-                    if code is not None and int(code) >= 500:
-                        errors = await self._after_error(rid, server, errors,
-                                                         f"aborted with {code}: {finish.get('message')}")
+                failed, idle = None, 0
+                for a, reply in zip(live, replies, strict=True):
+                    ids, lps, finish = _parse_reply(reply)
+                    a.take(ids, lps, self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids)),
+                           reply.get("text") or "", finish)
+                    if finish.get("type") != "abort":
+                        a.done = True
                         continue
-                    # Aborted by a pause or weight update: resume with what we have. A server that
-                    # keeps aborting without progress is backed off, not hammered.
-                    idle = 0 if ids else idle + 1
-                    if idle:
-                        await asyncio.sleep(min(0.05 * 2 ** min(idle, 5), 1.0))
-                    continue
-                if budget == 0:
-                    break
-                if finish.get("type") in ("stop", "length"):
-                    break
-            if len(out) >= budget and finish.get("type") == "abort":
-                finish = {"type": "length", "length": budget}
+                    code = finish.get("status_code")
+                    if a.rid in self._cancelled or (a.budget and len(a.out) >= a.budget):
+                        a.done = True
+                    elif code is not None and 400 <= int(code) < 500:
+                        raise RolloutError(f"{server.url} aborted request {a.rid}: {finish.get('message')}")
+                    elif code is not None and int(code) >= 500:
+                        failed = f"aborted with {code}: {finish.get('message')}"
+                    else:
+                        # Aborted by a pause or weight update: resume with what we have. A server
+                        # that keeps aborting without progress is backed off, not hammered.
+                        a.idle = 0 if ids else a.idle + 1
+                        idle = max(idle, a.idle)
+                if failed is not None:
+                    errors = await self._after_error(key, server, errors, failed)
+                elif idle:
+                    await asyncio.sleep(min(0.05 * 2 ** min(idle, 5), 1.0))
         finally:
-            self._sticky.pop(rid, None)
-            self._cancelled.discard(rid)
-        if finish.get("type") == "length":
-            finish = {"type": "length", "length": len(out)}
-        return GenerateResult(rid=rid, input_ids=prompt, output_ids=out, output_logprobs=logprobs,
-                              output_versions=versions, finish_reason=finish, text=text, resends=attempt - 1)
+            for a in answers:
+                self._sticky.pop(a.rid, None)
+                self._cancelled.discard(a.rid)
+        return [a.result() for a in answers]
 
     async def _after_error(self, rid: str, server: _Server, errors: int, what: str) -> int:
         """A server failed this request (5xx, or an abort with a 5xx status): count it, give up
@@ -223,6 +242,59 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         for s in self.servers:
             for sub in [r for r in s.inflight if r == rid or r.startswith(f"{rid}-r")]:
                 await self._call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
+
+
+class _Answer:
+    """One answer being generated: its prompt, budget, the tokens so far and their versions."""
+
+    def __init__(self, input_ids: list[int], sampling_params: dict[str, Any] | None, rid: str | None):
+        self.sp = dict(sampling_params or {})
+        self.budget = int(self.sp.get("max_new_tokens", P.SamplingParams().max_new_tokens))
+        self.rid = rid or uuid.uuid4().hex
+        self.prompt = list(input_ids)
+        self.out: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.text = ""
+        self.finish: dict[str, Any] = {"type": "length", "length": self.budget}
+        self.attempt = self.idle = 0
+        self.done = False
+
+    def next_part(self) -> dict[str, Any]:
+        """The next attempt's request: prompt + tokens so far, with the budget left."""
+        sub = self.rid if self.attempt == 0 else f"{self.rid}-r{self.attempt}"
+        self.attempt += 1
+        return {"input_ids": self.prompt + self.out, "rid": sub, "return_logprob": True, "stream": False,
+                "sampling_params": {**self.sp, "max_new_tokens": self.budget - len(self.out)}}
+
+    def take(self, ids: list[int], lps: list[float], versions: list[int], text: str, finish: dict[str, Any]) -> None:
+        self.out += ids
+        self.logprobs += lps
+        self.versions += versions
+        self.text += text
+        self.finish = finish
+
+    def result(self) -> GenerateResult:
+        finish = self.finish
+        if finish.get("type") == "length" or (finish.get("type") == "abort" and len(self.out) >= self.budget):
+            finish = {"type": "length", "length": len(self.out)}
+        return GenerateResult(rid=self.rid, input_ids=self.prompt, output_ids=self.out,
+                              output_logprobs=self.logprobs, output_versions=self.versions, finish_reason=finish,
+                              text=self.text, resends=self.attempt - 1)
+
+
+def _replies(body: Any, subs: list[str]) -> list[dict[str, Any]] | None:
+    """The replies of one /generate, one per request sent (``subs``, their rids), in that order:
+    a dict for the single form, a list for the batch form (matched by ``meta_info.id`` when every
+    reply has one, else by position). None when the body is not that."""
+    if len(subs) == 1 and isinstance(body, dict):
+        return [body]
+    if not isinstance(body, list) or len(body) != len(subs) or not all(isinstance(r, dict) for r in body):
+        return None
+    by_id = {(r.get("meta_info") or {}).get("id"): r for r in body}
+    if set(by_id) == set(subs):
+        return [by_id[s] for s in subs]
+    return body
 
 
 def _retry_after(headers: dict[str, str], default: float) -> float:

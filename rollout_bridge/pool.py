@@ -72,6 +72,9 @@ class ClientConfig:
     busy_backoff_s: float = 1.0
     """Wait after a 503 (full queue) when the server gives no Retry-After; doubles while it stays
     full, up to 8x."""
+    batch_requests: bool = True
+    """``generate_many`` asks for a group's answers in one /generate (SGLang's batch form), not
+    one request per answer: one HTTP round trip per group on both sides."""
     initial_version: int = 0
     """The policy version every server holds when the client starts (the weights it was launched with)."""
 

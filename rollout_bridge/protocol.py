@@ -39,6 +39,7 @@ class ProtocolError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
 
 
 
@@ -69,7 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 
 
 class GenerateReqInput(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
-    """Body of POST /generate (one request; SGLang's batch form is not used by areal-jax).
+    """Body of POST /generate: one request (``decode_generate`` splits SGLang's batch form into these).
 
     Every field of SGLang's request schema is here: the ones this server implements, then the
     ones it does not, which are refused (``validate_generate``) unless left at their default. A
@@ -252,19 +253,79 @@ def decode(body: bytes, cls: type) -> Any:
     try:
         return dec.decode(body or b"{}")
     except msgspec.ValidationError as e:
-        # msgspec says "... - at `$.sampling_params`"; turn the path into the field name.
-        msg = str(e)
-        field = "body"
-        if " - at `$." in msg:
-            msg, path = msg.rsplit(" - at `$.", 1)
-            field = path.rstrip("`")
-        if "unknown field `" in msg:
-            name = msg.split("unknown field `", 1)[1].split("`", 1)[0]
-            field = f"{field}.{name}" if field != "body" else name
-            msg = f"unknown parameter {name!r}; supported: {sorted(cls_fields(cls, field))}"
-        raise ProtocolError(field, msg) from None
+        raise _field_error(e, cls) from None
     except msgspec.DecodeError as e:
         raise ProtocolError("body", f"not valid JSON ({e})") from None
+
+
+def _field_error(e: msgspec.ValidationError, cls: type, where: str = "") -> ProtocolError:
+    """msgspec's "... - at `$.sampling_params`" as a ``ProtocolError`` naming the field."""
+    msg = str(e)
+    field = "body"
+    if " - at `$." in msg:
+        msg, path = msg.rsplit(" - at `$.", 1)
+        field = path.rstrip("`")
+    if "unknown field `" in msg:
+        name = msg.split("unknown field `", 1)[1].split("`", 1)[0]
+        field = f"{field}.{name}" if field != "body" else name
+        msg = f"unknown parameter {name!r}; supported: {sorted(cls_fields(cls, field))}"
+    return ProtocolError(field + where, msg)
+
+
+BATCH_PER_INPUT = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
+"""Fields a /generate batch may give as a list, one entry per input; any other is shared."""
+
+
+def decode_generate(body: bytes) -> GenerateReqInput | list[GenerateReqInput]:
+    """A /generate body: one request, or SGLang's batch form (``input_ids`` a list of token-id
+    lists, or ``text`` a list of strings) as one request per input, in order. In a batch each
+    field of ``BATCH_PER_INPUT`` is one value for every input or a list with one per input
+    (``rid`` only a list: rids are unique); a batch cannot stream."""
+    try:
+        return decode(body, GenerateReqInput)
+    except ProtocolError as e:
+        try:
+            raw = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            raise e from None
+        if not isinstance(raw, dict):
+            raise
+        ids, text = raw.get("input_ids"), raw.get("text")
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            return _batch_members(raw, "input_ids", "text")
+        if isinstance(text, list):
+            return _batch_members(raw, "text", "input_ids")
+        raise
+
+
+def _batch_members(raw: dict[str, Any], key: str, other: str) -> list[GenerateReqInput]:
+    inputs = raw[key]
+    n = len(inputs)
+    if not n:
+        raise ProtocolError(key, "an empty batch; send at least one input")
+    if raw.get(other) is not None:
+        raise ProtocolError(other, "send either text or input_ids, not both")
+    if raw.get("stream"):
+        raise ProtocolError("stream", f"a batch ({key} as a list) cannot stream here; send stream: false, "
+                            "or one request per stream")
+    per: dict[str, list[Any]] = {}
+    for name in BATCH_PER_INPUT:
+        value = raw.get(name)
+        if isinstance(value, list):
+            if len(value) != n:
+                raise ProtocolError(name, f"has {len(value)} entries for a batch of {n} inputs; give one per "
+                                    f"input{'' if name == 'rid' else ', or one value for all'}")
+            per[name] = value
+        elif name == "rid" and value is not None:
+            raise ProtocolError("rid", f"a batch of {n} inputs needs a list of {n} rids (rids are unique), or none")
+    members = []
+    for i in range(n):
+        member = {**raw, key: inputs[i], **{name: v[i] for name, v in per.items()}}
+        try:
+            members.append(msgspec.convert(member, GenerateReqInput))
+        except msgspec.ValidationError as e:
+            raise _field_error(e, GenerateReqInput, f" (batch input {i})") from None
+    return members
 
 
 def cls_fields(cls: type, field: str) -> tuple[str, ...]:

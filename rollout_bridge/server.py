@@ -259,7 +259,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     if st.shutting_down:
         return _error(503, SHUTDOWN_MESSAGE)
-    req = P.decode(await request.read(), P.GenerateReqInput)
+    req = P.decode_generate(await request.read())
+    if isinstance(req, list):
+        return json_response(await _generate_batch(st, req, t0))
     ereq = engine_request(st, req)
     prompt = await input_logprobs(st, req)
     if not req.stream:
@@ -269,6 +271,29 @@ async def generate(request: web.Request) -> web.StreamResponse:
     render = (_Increments(st, req, t0, prompt) if st.incremental_streaming_output
               else lambda part: _reply(st, part, req, t0, prompt))
     return await stream_events(request, st.engine.stream(ereq), render)
+
+
+async def _generate_batch(st: ServerState, reqs: list[P.GenerateReqInput], t0: float) -> list[P.GenerateReqOutput]:
+    """SGLang's batch form: every input runs as its own engine request, all at once; the replies
+    come back in input order. One that fails ends the others (they are aborted) and the call
+    answers with its error."""
+    ereqs = []
+    for i, req in enumerate(reqs):
+        try:
+            ereqs.append(engine_request(st, req))
+        except P.ProtocolError as e:
+            raise P.ProtocolError(f"{e.field} (batch input {i})", e.message) from None
+    prompts = [await input_logprobs(st, req) for req in reqs]
+
+    async def one(ereq: GenerateRequest) -> GenerateOutput:
+        return checked(await st.engine.generate(ereq))
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(one(e)) for e in ereqs]
+    except BaseExceptionGroup as eg:  # the first failure is the answer (cancelled ones are aborted)
+        raise eg.exceptions[0] from None
+    return [_reply(st, t.result(), req, t0, prompt) for t, req, prompt in zip(tasks, reqs, prompts, strict=True)]
 
 
 class _Increments:

@@ -112,6 +112,10 @@ class RolloutConfig:
     stops starting episodes and the update waits for the ones in flight to finish (the baseline
     that interruptible generation is measured against; async mode only)."""
 
+    batch_group_requests: bool = True
+    """``single_turn`` asks for a group's answers together: one /generate per group in SGLang's
+    batch form (``input_ids`` a list of lists) to one server, re-sending only the unfinished
+    answers after an abort. False: one request per answer, as AReaL's client sends them."""
     overlap_weight_push: bool = True
     """Async mode: the push of version ``v`` runs while the batch after it trains, instead of
     before it. The controller counts ``v`` at once; tokens made under the version before until

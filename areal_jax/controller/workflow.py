@@ -49,10 +49,23 @@ class EpisodeClient:
     options: dict[str, Any] = field(default_factory=dict)
     """The workflow's own options from the config (``rollout.workflow_options``)."""
     reward_failures: int = 0
+    batch_groups: bool = True
+    """``generate_group`` asks the rollout client for the group at once (``generate_many``: one
+    HTTP request per group); False: one ``generate`` per answer."""
 
     async def generate(self, input_ids: list[int], **overrides: Any) -> Any:
         """One answer (a ``GenerateResult``): tokens, logprobs, per-token policy versions."""
         return await self.rollout.generate(list(input_ids), {**self.sampling, **overrides})
+
+    async def generate_group(self, input_ids: list[int], n: int | None = None, **overrides: Any) -> list[Any]:
+        """``n`` answers (default ``group_size``) to one prompt, asked together: the HTTP client
+        sends them as one batch request, to one server."""
+        n = self.group_size if n is None else n
+        sp = {**self.sampling, **overrides}
+        many = getattr(self.rollout, "generate_many", None) if self.batch_groups else None
+        if many is None:  # off, or a user's client with generate only
+            return list(await asyncio.gather(*(self.rollout.generate(list(input_ids), sp) for _ in range(n))))
+        return list(await many([list(input_ids) for _ in range(n)], sp))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -80,16 +93,16 @@ def truncated(result: Any) -> bool:
 
 
 async def single_turn(client: EpisodeClient, row: Any) -> list[Trajectory]:
-    """``group_size`` independent answers to ``row``, each scored by the reward service."""
+    """``group_size`` independent answers to ``row`` (asked as one group), each scored by the
+    reward service."""
 
-    async def one() -> Trajectory | None:
-        result = await client.generate(row.prompt_ids)
+    async def scored(result: Any) -> Trajectory | None:
         if not result.output_ids:
             return None
         reward = await client.reward(row, client.decode(result.output_ids))
         return client.trajectory(row.prompt_ids, result, reward)
 
-    done = await asyncio.gather(*(one() for _ in range(client.group_size)))
+    done = await asyncio.gather(*(scored(r) for r in await client.generate_group(row.prompt_ids)))
     return [t for t in done if t is not None]
 
 

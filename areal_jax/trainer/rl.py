@@ -294,7 +294,8 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
             await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
         with RewardPool(cfg.reward) as pool:
             episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
-                                           rollout.group_size, dict(rollout.workflow_options))
+                                           rollout.group_size, dict(rollout.workflow_options),
+                                           batch_groups=rollout.batch_group_requests)
             if meta is None:
                 result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
                                                     max_new_tokens=rollout.max_new_tokens)

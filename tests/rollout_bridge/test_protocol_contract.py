@@ -254,3 +254,59 @@ def test_every_sglang_request_field_is_served_or_refused(sgl: Any, tiny_dir: Pat
             assert reply.prompt_token_ids == [5, 6, 7]
 
     asyncio.run(main())
+
+
+def test_client_batches_against_stock_sglang_replies(sgl: Any) -> None:
+    """A group asked with ``generate_many`` against a stand-in for stock SGLang's batch form: the
+    request validates against SGLang's schema, the reply is a JSON list of SGLang's own reply type,
+    in input order. The first call aborts the odd-numbered answers after 2 tokens (a pause):
+    only those are re-sent, together, as prompt + tokens so far with the budget left."""
+    calls: list[dict[str, Any]] = []
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        req = sgl.GenerateRequest.from_json_value(body)
+        calls.append(body)
+        assert isinstance(req.input_ids[0], list) and isinstance(req.rid, list)
+        params = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(req.rid)
+        replies = []
+        for i, (ids, rid, sp) in enumerate(zip(req.input_ids, req.rid, params, strict=True)):
+            aborted = len(calls) == 1 and i % 2 == 1
+            n = 2 if aborted else sp.max_new_tokens
+            out = [(ids[-1] + 1 + k) % 100 for k in range(n)]
+            finish = sgl.FinishAbort(message="Abort before prefill") if aborted else sgl.FinishLength(length=n)
+            replies.append(sgl.GenerateResponse(text="y" * n, output_ids=out, meta_info=sgl.GenerateMetaInfo(
+                id=rid, prompt_tokens=len(ids), completion_tokens=n, finish_reason=finish,
+                output_token_logprobs=[sgl.LogprobEntry(logprob=-0.25, token_id=t) for t in out],
+                e2e_latency=0.01, weight_version="default")).to_json_value())
+        return web.json_response(replies[::-1] if len(calls) == 2 else replies)  # ids, not order, match
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default"})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_model_info", model_info)
+
+    async def main() -> None:
+        async with _serving(app) as addr:
+            async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
+                res = await client.generate_many([[5, 6, 7]] * 4, {"max_new_tokens": 6, "temperature": 1.0},
+                                                 rids=["q0", "q1", "q2", "q3"])
+        assert len(calls) == 2
+        assert calls[0]["rid"] == ["q0", "q1", "q2", "q3"] and calls[0]["input_ids"] == [[5, 6, 7]] * 4
+        assert calls[1]["rid"] == ["q1-r1", "q3-r1"] and calls[1]["input_ids"] == [[5, 6, 7, 8, 9]] * 2
+        assert [sp["max_new_tokens"] for sp in calls[1]["sampling_params"]] == [4, 4]
+        assert [r.rid for r in res] == ["q0", "q1", "q2", "q3"]
+        assert [r.resends for r in res] == [0, 1, 0, 1]
+        assert res[0].output_ids == [8, 9, 10, 11, 12, 13]
+        assert res[1].output_ids == [8, 9] + [10, 11, 12, 13] and res[1].text == "yy" + "yyyy"
+        assert all(r.output_logprobs == [-0.25] * 6 and r.output_versions == [0] * 6 for r in res)
+        assert all(r.finish_reason == {"type": "length", "length": 6} for r in res)
+
+    asyncio.run(main())
