@@ -440,18 +440,21 @@ class ServerPool:
 
     async def push_tensor_bucket(self, payload: bytes | Sequence[bytes | memoryview], *, version: int,
                                  transfer_id: str, bucket: int, last: bool, flush_cache: bool = True,
-                                 skip: Any = (), layout: str = "hf") -> list[dict[str, Any]]:
+                                 skip: Any = (), layout: str = "hf", hold: bool = False) -> list[dict[str, Any]]:
         """One safetensors bucket of a version (its bytes, or the pieces of them in order, as
         ``protocol.tensor_bucket_parts`` makes them) to every embedded server but those in
         ``skip`` (URLs that failed an earlier bucket of this transfer, see ``HttpBucketSink``);
         after the ``last`` one, the servers that applied it are recorded as holding ``version``.
-        ``layout``: ``hf``, or ``native`` for kernels in our own layout (``protocol``)."""
+        ``layout``: ``hf``, or ``native`` for kernels in our own layout (``protocol``). ``hold``
+        (with ``last``): the servers build the version but serve it only at ``commit_weights``."""
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
         size = sum(memoryview(p).nbytes for p in parts)
         params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
                   "last": "true" if last else "false", "flush_cache": "true" if flush_cache else "false"}
         if layout != "hf":
             params["layout"] = layout
+        if hold:
+            params["hold"] = "true"
         targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/update_weights_from_tensor: no healthy server")
@@ -473,11 +476,30 @@ class ServerPool:
             return s, status, reply
 
         results = await asyncio.gather(*(one(s) for s in targets))
-        if last:
+        if last and not hold:
             self._pushed(version, [(s, r) for s, st, r in results if st == 200])
+        return self._weight_replies("/update_weights_from_tensor", results)
+
+    async def commit_weights(self, version: int, transfer_id: str, *, skip: Any = (),
+                             flush_cache: bool = True) -> list[dict[str, Any]]:
+        """Every embedded server but those in ``skip`` serves ``version``, which it holds from
+        a transfer pushed with ``hold``; those that do are recorded as holding it."""
+        body = {"transfer_id": transfer_id, "weight_version": str(version), "flush_cache": flush_cache}
+        targets = [s for s in self.servers if s.healthy and s.url not in skip]
+        if not targets:
+            raise AllServersDownError("/commit_weights: no healthy server")
+        results = await asyncio.gather(*(self._call_one(s, "/commit_weights", body, self.cfg.weight_timeout_s)
+                                         for s in targets))
+        self._pushed(version, [(s, r) for s, st, r in results if st == 200])
+        return self._weight_replies("/commit_weights", results)
+
+    @staticmethod
+    def _weight_replies(path: str, results: list[tuple[_Server, int, Any]]) -> list[dict[str, Any]]:
+        """The replies of a weight call fanned out to servers; ``WeightUpdateError`` naming each
+        server that answered but refused (one that could not be reached is already marked down)."""
         bad = [(s, st, r) for s, st, r in results if st not in (0, 200)]
         if bad:
-            raise WeightUpdateError("/update_weights_from_tensor failed on "
+            raise WeightUpdateError(f"{path} failed on "
                                     + "; ".join(f"{s.url} ({st}): {reply_message(r)}" for s, st, r in bad),
                                     {s.url: f"({st}) {reply_message(r)}" for s, st, r in bad})
         return [{"server": s.url, "status": st, "reply": r} for s, st, r in results if st == 200]

@@ -14,7 +14,8 @@ SGLang or ours. JSON field names, types and defaults are SGLang's (0.5.x, ``io_s
   carries the transfer's ``weight_version``, ``transfer_id``, ``bucket`` index and ``last``,
   and ``layout=native`` when the kernels are in our own ``[in, out]`` layout rather than HF's.
   Buckets are staged by the server and applied together, atomically, when the one marked
-  ``last`` arrives.
+  ``last`` arrives; with ``hold`` as well, the server builds them but serves them only when
+  ``POST /commit_weights`` (``{"transfer_id", "weight_version"}``) names the transfer.
 
 Validation raises ``ProtocolError`` whose message names the field; servers answer it with 400.
 """
@@ -211,11 +212,23 @@ class TensorBucketParams(msgspec.Struct, kw_only=True):
     """0, 1, 2, ... in order; a gap or repeat is a 400."""
     last: bool = False
     """The final bucket: apply everything staged under ``transfer_id`` as ``weight_version``."""
+    hold: bool = False
+    """With ``last``: build the new weights but go on serving the old ones until
+    ``/commit_weights`` names this transfer, so a server keeps generating while a version
+    travels and stops only for the swap."""
     flush_cache: bool = True
     abort_all_requests: bool = False
     layout: Literal["hf", "native"] = "hf"
     """``hf``: HF tensors (``[out, in]`` weights); ``native``: the same names with our own
     ``[in, out]`` kernels, which neither side transposes. One transfer keeps one layout."""
+
+
+class CommitWeightsReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of our ``/commit_weights``: serve the weights a transfer sent with ``hold``."""
+
+    transfer_id: str
+    weight_version: str
+    flush_cache: bool = True
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

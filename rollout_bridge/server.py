@@ -64,6 +64,8 @@ class ServerState:
     paused: bool = False
     staged: Any = None
     """The weight transfer being received (``weights_api``)."""
+    held: Any = None
+    """A finished transfer sent with ``hold``: weights built, waiting for ``/commit_weights``."""
     weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     weight_version: str = DEFAULT_WEIGHT_VERSION
     """The label served now; any string."""
@@ -445,6 +447,9 @@ async def metrics(request: web.Request) -> web.Response:
          "prefixes of requests resumed after a pause), summed over lanes.", e.stats["prefill_seconds"], ""),
         ("areal_jax:decode_seconds_total", "counter", "Seconds in compiled decode calls, summed over lanes.",
          e.stats["decode_seconds"], ""),
+        ("areal_jax:paused_seconds_total", "counter", "Seconds paused (from each pause_generation to the "
+         "continue_generation after it): weight updates that keep the server from generating.",
+         e.stats["paused_seconds"], ""),
         ("sglang:num_requests_total", "counter", "Number of finished requests.", e.stats["finished_requests"], ""),
         ("areal_jax:weight_version", "gauge", "Weight updates applied (internal version); the label is "
          "weight_version.", e.version, f',weight_version="{label}"'),

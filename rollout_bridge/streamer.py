@@ -75,9 +75,17 @@ class WeightSink(abc.ABC):
     """Whether this sink takes kernels in our own layout (``iter_hf_tensors(hf_layout=False)``):
     only the HTTP buckets to our own servers do; disk checkpoints and SGLang stay HF."""
 
+    can_hold: bool = False
+    """Whether ``push(hold=True)`` and ``commit`` work: the servers take a version while they
+    generate and serve it at ``commit`` (only our own servers, over HTTP buckets)."""
+
     @abc.abstractmethod
     async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
         """Deliver ``tensors`` (HF names) as ``version``; returns once every server serves it."""
+
+    async def commit(self, version: int) -> None:
+        """Serve ``version``, pushed with ``hold``; sinks that cannot hold never get here."""
+        raise NotImplementedError(f"{type(self).__name__} does not hold pushed weights")
 
 
 class DiskSink(WeightSink):
@@ -164,6 +172,8 @@ class HttpBucketSink(WeightSink):
     the next bucket is gathered first, to learn whether this one is the last.
     """
 
+    can_hold = True
+
     def __init__(self, client: Any, *, bucket_bytes: int = 256 * 1024**2, flush_cache: bool = True,
                  native_layout: bool = True):
         """``native_layout``: ask the trainer for kernels in our own layout (see ``WeightSink``);
@@ -172,8 +182,11 @@ class HttpBucketSink(WeightSink):
         self.bucket_bytes = bucket_bytes
         self.flush_cache = flush_cache
         self.native_layout = native_layout
+        self._held: tuple[int, str, dict[str, str]] | None = None
 
-    async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
+    async def push(self, version: int, tensors: Tensors, *, hold: bool = False) -> TransferMetrics:
+        """``hold``: the servers build the version while they keep generating and serve it only
+        at ``commit(version)``, so a pause need only cover the swap."""
         t0 = time.perf_counter()
         transfer_id = uuid.uuid4().hex
         nbytes = n = sent = servers = 0
@@ -184,7 +197,7 @@ class HttpBucketSink(WeightSink):
                 try:
                     replies = await self.client.push_tensor_bucket(
                         tensor_bucket_parts(cur), version=version, transfer_id=transfer_id, bucket=sent,
-                        last=last, flush_cache=self.flush_cache, skip=failed, layout=layout)
+                        last=last, flush_cache=self.flush_cache, skip=failed, layout=layout, hold=hold)
                 except WeightUpdateError as e:
                     # A server that refused a bucket gets no more of this transfer (it keeps its old
                     # weights and drops the part it staged); the others still get the whole version.
@@ -196,11 +209,26 @@ class HttpBucketSink(WeightSink):
                 nbytes += sum(a.nbytes for _, a in cur)
                 n += len(cur)
                 sent += 1
+        self._held = (version, transfer_id, failed) if hold else None
         if failed:
             raise WeightUpdateError(f"/update_weights_from_tensor of version {version} failed on "
                                     + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
         return TransferMetrics(version=version, bytes=nbytes, seconds=time.perf_counter() - t0,
                                buckets=sent, tensors=n, servers=servers)
+
+    @property
+    def held_version(self) -> int | None:
+        """The version pushed with ``hold`` and not committed yet, if some server took it."""
+        return None if self._held is None else self._held[0]
+
+    async def commit(self, version: int) -> None:
+        """The servers that took ``version`` (pushed with ``hold``) serve it."""
+        if self._held is None or self._held[0] != version:
+            raise RuntimeError(f"version {version} was not pushed with hold=True (holding "
+                               f"{None if self._held is None else self._held[0]})")
+        _, transfer_id, failed = self._held
+        self._held = None
+        await self.client.commit_weights(version, transfer_id, skip=failed, flush_cache=self.flush_cache)
 
 
 async def _planned_buckets(tensors: Tensors, bucket_bytes: int) -> AsyncIterator[tuple[Bucket, bool]]:

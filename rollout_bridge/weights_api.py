@@ -1,5 +1,5 @@
 """The embedded server's weight endpoints: ``/update_weights_from_disk``, ``/update_weight_version``
-and our bucketed ``/update_weights_from_tensor`` (see ``protocol``).
+and our bucketed ``/update_weights_from_tensor`` with its ``/commit_weights`` (see ``protocol``).
 
 A new version is read and converted while the engine keeps generating and swapped in between
 steps; it is served under the label the request names (any string, as in SGLang; none keeps the
@@ -62,6 +62,15 @@ class _Staged:
         self.work = asyncio.ensure_future(run())
 
 
+@dataclass
+class _Held:
+    """A transfer sent with ``hold``: its weights, prepared to serve, until ``/commit_weights``."""
+
+    transfer_id: str
+    label: str
+    state: Any
+
+
 def _drop(st: ServerState, staged: _Staged | None, why: str) -> None:
     if staged is None:
         return
@@ -108,12 +117,16 @@ def resolve_model_dir(st: ServerState, path: Any) -> str | None:
 
 
 async def _apply(st: ServerState, label: str | None, *, stage: Any = None, model_dir: str | None = None,
-                 flush: bool = True) -> web.Response:
-    """New weights under ``label`` (None keeps the current label, as SGLang does)."""
+                 state: Any = None, flush: bool = True) -> web.Response:
+    """New weights under ``label`` (None keeps the current label, as SGLang does): from a
+    ``stage`` or a ``model_dir``, or a ``state`` the engine already prepared."""
     label = st.weight_version if label is None else label
     t0 = time.perf_counter()
     try:
-        await st.engine.update_weights(model_dir=model_dir, stage=stage, version=st.engine.version + 1)
+        if state is not None:
+            await st.engine.swap_weights(state, version=st.engine.version + 1)
+        else:
+            await st.engine.update_weights(model_dir=model_dir, stage=stage, version=st.engine.version + 1)
     except Exception as e:  # the engine keeps the old weights serving
         log.warning("weight update to %r failed: %s", label, e)
         return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
@@ -122,8 +135,10 @@ async def _apply(st: ServerState, label: str | None, *, stage: Any = None, model
     t1 = time.perf_counter()
     if flush:
         await st.engine.flush_cache()
+    how = ("read and swapped" if model_dir is not None else "held weights swapped" if state is not None
+           else "last bucket applied")
     log.info("serving weights %r (update %d; %s in %.3f s, cache flushed in %.3f s)", label, st.engine.version,
-             "read and swapped" if model_dir is not None else "last bucket applied", t1 - t0,
+             how, t1 - t0,
              time.perf_counter() - t1)
     return json_response(P.UpdateWeightsResult(success=True, message="Succeeded to update model weights.",
                                        weight_version=st.weight_version))
@@ -233,9 +248,35 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             log.warning("weight update to %r failed: %s", label, e)
             return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
                                                        weight_version=st.weight_version), 400)
+        if q.hold:
+            try:
+                state = await st.engine.prepare_weights(stage=staged.stage)
+            except Exception as e:  # nothing held; the old weights keep serving
+                log.warning("weight transfer %s for %r failed: %s", q.transfer_id, label, e)
+                return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
+                                                           weight_version=st.weight_version), 400)
+            st.held = _Held(q.transfer_id, label, state)
+            return json_response(P.UpdateWeightsResult(
+                success=True, message=f"weights {label!r} held; POST /commit_weights to serve them",
+                weight_version=st.weight_version))
         if q.abort_all_requests:
             await st.engine.abort(abort_all=True)
         return await _apply(st, label, stage=staged.stage, flush=q.flush_cache)
+
+
+async def commit_weights(request: web.Request) -> web.Response:
+    """Serve the weights of a transfer sent with ``hold`` (see ``protocol``): only the swap is
+    left to do, so a paused server resumes at once."""
+    st = request.app[STATE]
+    req = P.decode(await request.read(), P.CommitWeightsReqInput)
+    async with st.weight_lock:
+        held = st.held
+        if held is None or held.transfer_id != req.transfer_id or held.label != req.weight_version:
+            have = "none" if held is None else f"transfer {held.transfer_id!r} of version {held.label!r}"
+            raise P.ProtocolError("transfer_id", f"no held transfer {req.transfer_id!r} of version "
+                                  f"{req.weight_version!r} (this server holds {have}); send the version again")
+        st.held = None
+        return await _apply(st, held.label, state=held.state, flush=req.flush_cache)
 
 
 # --- app -----------------------------------------------------------------------------------------
@@ -245,3 +286,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    app.router.add_post("/commit_weights", commit_weights)

@@ -128,7 +128,8 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
         task = runs.task_config(quick, runs.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
         loaded = {}
-        on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po", "async_eta4_push_inline"])[1:]
+        on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po", "async_eta4_push_inline",
+                                   "async_eta4_pause_first", "async_eta4_per_answer"])[1:]
         for name, mode, eta, overrides in modes(quick, None) + on_request:
             cfg = runs.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
                                                                      "rollout.max_staleness": eta, **overrides})
@@ -142,8 +143,10 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
         assert m2po.m2_threshold == 0.04 and m2po.use_decoupled_loss
         if quick:
             assert list(loaded) == ["sync", "async_eta4", "async_eta4_naive", "async_eta4_m2po",
-                                    "async_eta4_push_inline"]
+                                    "async_eta4_push_inline", "async_eta4_pause_first", "async_eta4_per_answer"]
         assert loaded["async_eta4"].overlap_weight_push and not loaded["async_eta4_push_inline"].overlap_weight_push
+        assert loaded["async_eta4"].push_before_pause and not loaded["async_eta4_pause_first"].push_before_pause
+        assert loaded["async_eta4"].batch_group_requests and not loaded["async_eta4_per_answer"].batch_group_requests
         if not quick:
             assert loaded["async_eta4_in_place"].pause_mode == "in_place"
             assert loaded["async_eta4_in_place"].effective_max_staleness == 4
@@ -177,12 +180,13 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     """Three steps ending at 10, 12 and 15 s, one left out: a 5 s window of two steps, less the
     second step's 1 s held-out evaluation (a step's time is taken before its evaluation, so the
     last step's 0.5 s one falls after the window); the server polled idle in half of its samples
-    there and generated 300 tokens, and spent 1 of its 4 compiled-call seconds in prefill; 4
-    groups of 2-group batches were filtered over the run."""
+    there and generated 300 tokens, spent 1 of its 4 compiled-call seconds in prefill and 1 of
+    the 4 s paused; 4 groups of 2-group batches were filtered over the run."""
     poller = runs.ServerPoller("127.0.0.1:1")
-    # (time, running + queued, generated tokens, prefill seconds, decode seconds), all counters
-    poller.samples = [(9.0, 5, 0.0, 0.0, 0.0), (10.0, 0, 100.0, 0.5, 0.5), (12.0, 3, 250.0, 1.0, 1.5),
-                      (13.0, 0, 300.0, 1.0, 2.0), (15.0, 2, 400.0, 1.5, 3.5), (16.0, 0, 999.0, 9.0, 9.0)]
+    # (time, running + queued, generated tokens, prefill seconds, decode seconds, paused seconds)
+    poller.samples = [(9.0, 5, 0.0, 0.0, 0.0, 0.0), (10.0, 0, 100.0, 0.5, 0.5, 0.2),
+                      (12.0, 3, 250.0, 1.0, 1.5, 0.7), (13.0, 0, 300.0, 1.0, 2.0, 0.8),
+                      (15.0, 2, 400.0, 1.5, 3.5, 1.2), (16.0, 0, 999.0, 9.0, 9.0, 9.0)]
     step = {"trajectories": 4, "answer_len_mean": 10.0, "rollout_seconds": 0.5, "train_seconds": 1.0,
             "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5,
             "prompt_ids": ["a", "b"]}
@@ -200,6 +204,7 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     assert out["trainer_idle_fraction"] == pytest.approx(1.0 / 4)
     assert out["rollout_idle_fraction"] == pytest.approx(0.5)
     assert out["rollout_prefill_share"] == pytest.approx(1.0 / 4)
+    assert out["rollout_paused_share"] == pytest.approx(1.0 / 5)  # 1 s of the 10-15 s window
     assert out["step_end_s"] == pytest.approx([4.0, 6.0, 9.0])
     assert (out["accuracy_before"], out["accuracy_after"]) == (0.1, 0.3)
     assert out["accuracy_curve"] == [[0, 0.1], [2, 0.2], [3, 0.3]] and out["eval_prompts"] == 50
@@ -208,9 +213,11 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     assert poller.window(12.0, 14.0) == (pytest.approx(0.5), pytest.approx(100.0))
     assert poller.window(11.0, 12.5) == (0.0, pytest.approx(100.0))
     assert poller.prefill_share(12.0, 14.0) == pytest.approx(0.25 / (0.25 + 1.25))  # interpolated as well
+    assert poller.paused_share(12.0, 14.0) == pytest.approx((1.0 - 0.7) / 2)
     stock = runs.ServerPoller("127.0.0.1:1")  # a stock SGLang server: no such counters, NaN
-    stock.samples = [(t, b, g, float("nan"), float("nan")) for t, b, g, *_ in poller.samples]
-    assert math.isnan(stock.prefill_share(10.0, 15.0)) and stock.window(10.0, 15.0) == poller.window(10.0, 15.0)
+    stock.samples = [(t, b, g, float("nan"), float("nan"), float("nan")) for t, b, g, *_ in poller.samples]
+    assert math.isnan(stock.prefill_share(10.0, 15.0)) and math.isnan(stock.paused_share(10.0, 15.0))
+    assert stock.window(10.0, 15.0) == poller.window(10.0, 15.0)
     assert out["filtered_fraction"] == pytest.approx(4 / (4 + 3 * 2))
     # one warm-up step at the steady 2 s; then step 2 ends at 12 s, step 3 at 15 s less step 2's evaluation
     assert [pytest.approx(x) for x in out["accuracy_clock"]] == [[0.0, 0.1], [4.0, 0.2], [6.0, 0.3]]

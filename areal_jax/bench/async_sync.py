@@ -26,6 +26,8 @@ ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
     ("async_eta4_push_inline", "async", 4, {"rollout.overlap_weight_push": False}),
     ("async_eta4_retract", "async", 4, {"rollout.pause_mode": "retract"}),
     ("async_eta4_unshared", "async", 4, {"rollout.server_args+": ["--disable-radix-cache"]}),
+    ("async_eta4_pause_first", "async", 4, {"rollout.push_before_pause": False}),
+    ("async_eta4_per_answer", "async", 4, {"rollout.batch_group_requests": False}),
 ]
 """Modes run only when ``--modes`` names them, both at ``max_staleness`` 4:
 
@@ -41,7 +43,10 @@ ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
   ``rollout.overlap_weight_push`` (which the plain asynchronous modes use): what the overlap buys.
 - ``async_eta4_retract``: servers pause with ``retract``: the answers in flight go back to the
   server's queue and are prefilled again under the new weights there, instead of returning to
-  the client to be sent again (abort). The KV is recomputed either way."""
+  the client to be sent again (abort). The KV is recomputed either way.
+- ``async_eta4_pause_first``: each push pauses the servers first and sends the weights while
+  they wait, as before ``rollout.push_before_pause``: what sending them beforehand buys.
+- ``async_eta4_per_answer``: one /generate per answer, as before ``rollout.batch_group_requests``."""
 
 
 def modes(quick: bool, only: list[str] | None = None) -> list[tuple[str, str, int, dict[str, Any]]]:
@@ -98,7 +103,8 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
             rows.append(row)
             print(f"  {name:<12} seed {s}: {row['wall_s_per_step']:.2f} s/step, "
                   f"{row['generated_tokens_per_s']:.0f} gen tok/s, idle trainer {row['trainer_idle_fraction']:.0%} "
-                  f"rollout {row['rollout_idle_fraction']:.0%} (in prefill {row['rollout_prefill_share']:.0%}), "
+                  f"rollout {row['rollout_idle_fraction']:.0%} (in prefill {row['rollout_prefill_share']:.0%}, "
+                  f"paused {row['rollout_paused_share']:.0%}), "
                   f"accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}", flush=True)
         compare(rows)
         by_seed.append(rows)

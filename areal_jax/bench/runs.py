@@ -280,12 +280,13 @@ def metric_values(text: str) -> dict[str, float]:
 
 class ServerPoller:
     """Polls a server's ``/metrics`` in a thread: ``(time, requests running + queued, generated
-    tokens so far, seconds in prefill calls so far, seconds in decode calls so far)`` every
-    ``POLL_S`` seconds (the last two NaN from a server that does not count them, stock SGLang's)."""
+    tokens so far, seconds in prefill calls so far, seconds in decode calls so far, seconds paused
+    so far)`` every ``POLL_S`` seconds (the last three NaN from a server that does not count them,
+    stock SGLang's)."""
 
     def __init__(self, address: str):
         self.address = address
-        self.samples: list[tuple[float, int, float, float, float]] = []
+        self.samples: list[tuple[float, int, float, float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-poller", daemon=True)
 
@@ -301,7 +302,8 @@ class ServerPoller:
                     busy = int(vals["sglang:num_running_reqs"] + vals["sglang:num_queue_reqs"])
                     self.samples.append((time.perf_counter(), busy, vals["sglang:generation_tokens_total"],
                                          vals.get("areal_jax:prefill_seconds_total", math.nan),
-                                         vals.get("areal_jax:decode_seconds_total", math.nan)))
+                                         vals.get("areal_jax:decode_seconds_total", math.nan),
+                                         vals.get("areal_jax:paused_seconds_total", math.nan)))
                 except (OSError, http.client.HTTPException, KeyError, ValueError):
                     conn.close()  # the next request opens a new connection
                 self._stop.wait(POLL_S)
@@ -341,6 +343,13 @@ class ServerPoller:
             return float("nan")
         p, d = self._delta(3, t0, t1), self._delta(4, t0, t1)
         return p / (p + d) if p + d > 0 else float("nan")
+
+    def paused_share(self, t0: float, t1: float) -> float:
+        """The share of [t0, t1] the server spent paused (weight updates); NaN where the server
+        does not count it."""
+        if len(self.samples) < 2 or t1 <= t0:
+            return float("nan")
+        return self._delta(5, t0, t1) / (t1 - t0)
 
 
 def run_pinned(cores: list[int], fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -425,6 +434,7 @@ def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPo
         "trainer_idle_fraction": min(1.0, waiting / wall),
         "rollout_idle_fraction": rollout_idle,
         "rollout_prefill_share": poller.prefill_share(t0, t1),
+        "rollout_paused_share": poller.paused_share(t0, t1),
         "train_s_per_step": float(np.mean([m["train_seconds"] for m in timed])),
         "weight_sync_s_per_step": float(np.mean([m["weight_sync_seconds"] for m in timed])),
         "staleness_mean": float(np.mean([m["staleness_mean"] for m in timed])),

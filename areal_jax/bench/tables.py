@@ -25,11 +25,11 @@ def async_table(d: dict[str, Any]) -> list[str]:
              f"the synchronous run on every core. {d['steps']} steps each, the first {d['warmup_steps']} left out "
              "of the timings.", "",
              "| mode | s / step | train s / step | of which compiling | generated tok/s | trained tok/s | trainer idle "
-             "| rollout idle | rollout in prefill | mean staleness | longest answer | groups filtered "
+             "| rollout idle | rollout in prefill | rollout paused | mean staleness | longest answer | groups filtered "
              "| accuracy before -> after "
              "| final accuracy - sync's | sync / this wall-clock | trained tok/s, this / sync "
              "| sync / this, to the same accuracy | first reach of sync's final accuracy: s (sync / this) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     many = len(d.get("seeds", [])) > 1
     for m in d.get("seed_runs", d["modes"]):
         n = m.get("eval_prompts")
@@ -38,7 +38,7 @@ def async_table(d: dict[str, Any]) -> list[str]:
                      f"{_num(m.get('compile_s_per_step'))} | {m['generated_tokens_per_s']:.0f} | "
                      f"{m['trained_tokens_per_s']:.0f} | "
                      f"{_pct(m['trainer_idle_fraction'])} | {_pct(m['rollout_idle_fraction'])} | "
-                     f"{_pct(m.get('rollout_prefill_share'))} | "
+                     f"{_pct(m.get('rollout_prefill_share'))} | {_pct(m.get('rollout_paused_share'))} | "
                      f"{m['staleness_mean']:.2f} | {m['answer_len_max']} | {_pct(m.get('filtered_fraction'))} | "
                      f"{_pct(m['accuracy_before'])} -> {_acc(m['accuracy_after'], n)} | {_difference(m)} | "
                      f"{m['sync_over_this_wall']:.2f}x | {m.get('this_over_sync_trained_tokens', float('nan')):.2f}x | "

@@ -116,6 +116,11 @@ class RolloutConfig:
     """``single_turn`` asks for a group's answers together: one /generate per group in SGLang's
     batch form (``input_ids`` a list of lists) to one server, re-sending only the unfinished
     answers after an abort. False: one request per answer, as AReaL's client sends them."""
+    push_before_pause: bool = True
+    """Async mode, HTTP pushes to our own servers: the servers take each new version while they
+    keep generating and pause only to swap it in (``/commit_weights``), so a pause lasts
+    milliseconds, not the whole transfer; tokens made meanwhile carry the version before. False:
+    pause first, then push (AReaL's order; SGLang servers and disk pushes always use it)."""
     overlap_weight_push: bool = True
     """Async mode: the push of version ``v`` runs while the batch after it trains, instead of
     before it. The controller counts ``v`` at once; tokens made under the version before until

@@ -158,10 +158,14 @@ class Engine:
         self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
                       "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0,
-                      "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0}
+                      "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
+                      "paused_seconds": 0.0}
         """``prefill_seconds`` and ``decode_seconds``: wall seconds from handing a compiled prefill
         (its chunks included) or decode call to the worker thread to holding its result, summed
-        over lanes (so with several lanes they can add up to more than the time that passed)."""
+        over lanes (so with several lanes they can add up to more than the time that passed).
+        ``paused_seconds``: wall seconds between each ``pause`` and the ``resume`` after it, the
+        time weight updates keep the engine from generating."""
+        self._paused_at = 0.0
 
     # -- properties --
 
@@ -312,6 +316,8 @@ class Engine:
         recompute their KV and continue; ``in_place``: slots and KV stay as they are."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        if self._paused is None:
+            self._paused_at = time.perf_counter()
         self._paused = mode
         async with self._all_lanes():
             if mode == "abort":
@@ -324,6 +330,8 @@ class Engine:
                     self._waiting.move_to_end(seq.stream_id, last=False)
 
     async def resume(self) -> None:
+        if self._paused is not None:
+            self.stats["paused_seconds"] += time.perf_counter() - self._paused_at
         self._paused = None
         self._wake_all()
 
@@ -337,16 +345,33 @@ class Engine:
         lanes stop only for the swap. Retracted requests recompute their KV under the new weights;
         ``in_place`` ones keep their (stale) KV.
         """
+        async with self._update_lock:
+            state = await self.prepare_weights(tensors, model_dir=model_dir, stage=stage)
+            await self._swap(state, version)
+
+    async def prepare_weights(self, tensors: dict[str, np.ndarray] | None = None, *, model_dir: str | None = None,
+                              stage: WeightStage | None = None) -> Any:
+        """New weights (one source, as ``update_weights`` takes them) read, converted and placed
+        like the served ones in a worker thread while generation goes on, but not served: hand
+        them to ``swap_weights``, which only swaps. Raises on invalid weights."""
         def build() -> Any:  # committed like the served state, so the compiled steps take it as it is
             state = new_state(self.model, tensors=tensors, model_dir=model_dir, stage=stage)
             return self._committed(state, like=self._state)
 
+        return await asyncio.to_thread(self._in_mesh, build)
+
+    async def swap_weights(self, state: Any, *, version: int) -> None:
+        """Serve ``state`` (from ``prepare_weights``) from the next step on: the lanes stop only
+        for the swap."""
+        check_swappable(self._state, state)
         async with self._update_lock:
-            state = await asyncio.to_thread(self._in_mesh, build)
-            async with self._all_lanes():
-                nnx.update(self.model, state)
-                self._state = state
-                self._version = version
+            await self._swap(state, version)
+
+    async def _swap(self, state: Any, version: int) -> None:
+        async with self._all_lanes():
+            nnx.update(self.model, state)
+            self._state = state
+            self._version = version
 
     def stage_weights(self, *, hf_layout: bool = True) -> WeightStage:
         """An empty ``WeightStage`` for the next weights of the served model, to fill part by part

@@ -43,9 +43,10 @@ def flatten_groups(groups: list[Any]) -> list[Trajectory]:
 
 
 async def push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, iter_hf_tensors: Any,
-                       hub: Any = None, lent: Any = None) -> None:
+                       hub: Any = None, lent: Any = None, hold: bool = False) -> None:
     """Push the trainer's params, or ``lent`` (from ``lend_params``: params that outlive the next
-    update, for a push that overlaps it), as ``version``."""
+    update, for a push that overlaps it), as ``version``; ``hold``: the servers serve it only at
+    ``sink.commit(version)``."""
     if cfg.rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
         shared = cfg.rollout.local.placement == "shared"
         await sink.push_params(version, lent if lent is not None else
@@ -56,7 +57,7 @@ async def push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, it
         await asyncio.to_thread(hub.announce, "push", version=version, hf_layout=hf_layout)
     tensors = iter_hf_tensors(trainer.model(lent), hf_layout=hf_layout)
     try:
-        await sink.push(version, tensors)
+        await (sink.push(version, tensors, hold=True) if hold else sink.push(version, tensors))
     finally:
         if hub is not None and hub.processes > 1:
             # The other processes gather every tensor with this one (collectives): a push that
@@ -238,11 +239,22 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
                on_paused: Callable[[], None] | None = None) -> None:
     """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
     a continue, so answers in flight resume under them (with ``rollout.interruptible: false``,
-    after the episodes in flight have finished instead). ``lent``: push these params (see
-    ``push_weights``); ``on_paused`` is called once the servers have paused."""
+    after the episodes in flight have finished instead). With ``rollout.push_before_pause`` and
+    a sink that can hold a version (HTTP buckets to our servers), the servers take it while they
+    still generate and the pause covers only the swap (``sink.commit``); the tokens made
+    meanwhile carry the version before. ``lent``: push these params (see ``push_weights``);
+    ``on_paused`` is called once the servers have paused."""
     from rollout_bridge.client import WeightUpdateError
 
     rollout = cfg.rollout
+    hold = (rollout.mode == "async" and rollout.push_before_pause and getattr(sink, "can_hold", False)
+            and (hub is None or hub.processes == 1))
+    refused: WeightUpdateError | None = None
+    if hold:
+        try:
+            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, hold=True)
+        except WeightUpdateError as e:  # those that refused keep their weights; the others serve it below
+            refused = e
     if rollout.mode == "async":
         if not rollout.interruptible:
             await controller.drain()
@@ -250,7 +262,13 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
     if on_paused is not None:
         on_paused()
     try:
-        await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent)
+        if hold:
+            if sink.held_version == version:  # some servers took it
+                await sink.commit(version)
+            if refused is not None:
+                raise refused
+        else:
+            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent)
     except WeightUpdateError as e:
         # Servers that failed keep their old weights and stay out of rotation until a later push
         # reaches them; the run goes on while at least one server holds this version.

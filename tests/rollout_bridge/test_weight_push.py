@@ -15,7 +15,7 @@ from flax import nnx
 
 from areal_jax.models import iter_hf_tensors, load_pretrained
 from areal_jax.models.hf_io import assign_hf_tensors
-from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from rollout_bridge.client import ClientConfig, HttpRolloutClient, WeightUpdateError
 from rollout_bridge.streamer import DiskSink, HttpBucketSink
 from tests.inference.reference import reference_logprobs
 from tests.ports import free_port
@@ -184,3 +184,49 @@ def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_
     np.testing.assert_allclose(logprobs, want, atol=1e-4)
     # The update that ran meanwhile did change the weights: serving them would have shown.
     assert np.abs(reference_logprobs(trainer.model(), prompt, ids, 0.8) - want).max() > 1e-3
+
+
+def test_held_push_serves_the_old_weights_until_the_commit(tiny_dir: Path, tmp_path: Path) -> None:
+    """``HttpBucketSink.push(hold=True)``: the server builds the version while it goes on serving
+    (and stamping) the old one; ``commit`` swaps it in, after which the new weights answer. A
+    commit that names no held transfer is refused, naming the field, and changes nothing."""
+    prompt = [5, 17, 3, 42]
+    greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+    async def main() -> None:
+        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
+                HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=30)) as client:
+            url = f"http://{addr}"
+            sink = HttpBucketSink(client, bucket_bytes=16 * 1024)
+            old = load_pretrained(tiny_dir)
+            new = _trained(tiny_dir, 1.4)
+            before = await client.generate(prompt, greedy)
+            metrics = await sink.push(1, iter_hf_tensors(new, "float32", hf_layout=False), hold=True)
+            assert metrics.buckets > 1 and sink.held_version == 1
+            held = await client.generate(prompt, greedy)  # still the old weights, stamped as such
+            assert held.output_ids == before.output_ids and held.output_versions == [0] * 6
+            assert client.server_versions() == {url: 0} and engine.version == 0
+            assert await client.reported_versions() == {url: "default"}
+            sampled = await client.generate(prompt, SP)
+            np.testing.assert_allclose(sampled.output_logprobs,
+                                       reference_logprobs(old, prompt, sampled.output_ids, 0.8), atol=1e-4)
+
+            with pytest.raises(WeightUpdateError, match="transfer_id: no held transfer 'nope'"):
+                await client.commit_weights(1, "nope")
+            assert engine.version == 0 and client.server_versions() == {url: 0}
+
+            await client.pause("abort")
+            t = engine.stats["paused_seconds"]
+            await sink.commit(1)
+            await client.continue_generation()
+            assert engine.stats["paused_seconds"] > t
+            assert client.server_versions() == {url: 1} and engine.version == 1 and sink.held_version is None
+            assert await client.reported_versions() == {url: "1"}
+            after = await client.generate(prompt, SP)
+            assert after.output_versions == [1] * 8
+            np.testing.assert_allclose(after.output_logprobs,
+                                       reference_logprobs(new, prompt, after.output_ids, 0.8), atol=1e-4)
+            with pytest.raises(RuntimeError, match="not pushed with hold"):
+                await sink.commit(1)
+
+    asyncio.run(main())
