@@ -480,11 +480,15 @@ class ServerPool:
             self._pushed(version, [(s, r) for s, st, r in results if st == 200])
         return self._weight_replies("/update_weights_from_tensor", results)
 
-    async def commit_weights(self, version: int, transfer_id: str, *, skip: Any = (),
-                             flush_cache: bool = True) -> list[dict[str, Any]]:
+    async def commit_weights(self, version: int, transfer_id: str, *, skip: Any = (), flush_cache: bool = True,
+                             pause_mode: str | None = None) -> list[dict[str, Any]]:
         """Every embedded server but those in ``skip`` serves ``version``, which it holds from
-        a transfer pushed with ``hold``; those that do are recorded as holding it."""
-        body = {"transfer_id": transfer_id, "weight_version": str(version), "flush_cache": flush_cache}
+        a transfer pushed with ``hold``; those that do are recorded as holding it. With a
+        ``pause_mode``, each server pauses that way for the swap and continues right after."""
+        body: dict[str, Any] = {"transfer_id": transfer_id, "weight_version": str(version),
+                                "flush_cache": flush_cache}
+        if pause_mode is not None:
+            body["pause_mode"] = pause_mode
         targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/commit_weights: no healthy server")

@@ -15,7 +15,8 @@ SGLang or ours. JSON field names, types and defaults are SGLang's (0.5.x, ``io_s
   and ``layout=native`` when the kernels are in our own ``[in, out]`` layout rather than HF's.
   Buckets are staged by the server and applied together, atomically, when the one marked
   ``last`` arrives; with ``hold`` as well, the server builds them but serves them only when
-  ``POST /commit_weights`` (``{"transfer_id", "weight_version"}``) names the transfer.
+  ``POST /commit_weights`` (``{"transfer_id", "weight_version", "pause_mode"}``) names the
+  transfer, pausing (``pause_mode``) and continuing around the swap itself.
 
 Validation raises ``ProtocolError`` whose message names the field; servers answer it with 400.
 """
@@ -229,6 +230,11 @@ class CommitWeightsReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     transfer_id: str
     weight_version: str
     flush_cache: bool = True
+    pause_mode: Literal["abort", "retract", "in_place"] | None = None
+    """Pause generation this way for the swap and continue right after, within this call, so
+    the server stops only for the swap (an interruptible update without a round trip in
+    between). None: swap between steps, requests in flight keep their KV; a server paused
+    by ``/pause_generation`` stays paused either way."""
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

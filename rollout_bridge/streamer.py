@@ -83,8 +83,9 @@ class WeightSink(abc.ABC):
     async def push(self, version: int, tensors: Tensors) -> TransferMetrics:
         """Deliver ``tensors`` (HF names) as ``version``; returns once every server serves it."""
 
-    async def commit(self, version: int) -> None:
-        """Serve ``version``, pushed with ``hold``; sinks that cannot hold never get here."""
+    async def commit(self, version: int, *, pause_mode: str | None = None) -> None:
+        """Serve ``version``, pushed with ``hold`` (inside a pause of ``pause_mode``, if given);
+        sinks that cannot hold never get here."""
         raise NotImplementedError(f"{type(self).__name__} does not hold pushed weights")
 
 
@@ -221,14 +222,16 @@ class HttpBucketSink(WeightSink):
         """The version pushed with ``hold`` and not committed yet, if some server took it."""
         return None if self._held is None else self._held[0]
 
-    async def commit(self, version: int) -> None:
-        """The servers that took ``version`` (pushed with ``hold``) serve it."""
+    async def commit(self, version: int, *, pause_mode: str | None = None) -> None:
+        """The servers that took ``version`` (pushed with ``hold``) serve it; with a
+        ``pause_mode`` each pauses that way for the swap and continues right after."""
         if self._held is None or self._held[0] != version:
             raise RuntimeError(f"version {version} was not pushed with hold=True (holding "
                                f"{None if self._held is None else self._held[0]})")
         _, transfer_id, failed = self._held
         self._held = None
-        await self.client.commit_weights(version, transfer_id, skip=failed, flush_cache=self.flush_cache)
+        await self.client.commit_weights(version, transfer_id, skip=failed, flush_cache=self.flush_cache,
+                                         pause_mode=pause_mode)
 
 
 async def _planned_buckets(tensors: Tensors, bucket_bytes: int) -> AsyncIterator[tuple[Bucket, bool]]:

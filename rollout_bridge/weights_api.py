@@ -266,7 +266,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
 
 async def commit_weights(request: web.Request) -> web.Response:
     """Serve the weights of a transfer sent with ``hold`` (see ``protocol``): only the swap is
-    left to do, so a paused server resumes at once."""
+    left to do, inside a pause of its own when ``pause_mode`` asks for one."""
     st = request.app[STATE]
     req = P.decode(await request.read(), P.CommitWeightsReqInput)
     async with st.weight_lock:
@@ -276,7 +276,13 @@ async def commit_weights(request: web.Request) -> web.Response:
             raise P.ProtocolError("transfer_id", f"no held transfer {req.transfer_id!r} of version "
                                   f"{req.weight_version!r} (this server holds {have}); send the version again")
         st.held = None
-        return await _apply(st, held.label, state=held.state, flush=req.flush_cache)
+        if req.pause_mode is None or st.paused:
+            return await _apply(st, held.label, state=held.state, flush=req.flush_cache)
+        await st.engine.pause(req.pause_mode)
+        try:
+            return await _apply(st, held.label, state=held.state, flush=req.flush_cache)
+        finally:
+            await st.engine.resume()
 
 
 # --- app -----------------------------------------------------------------------------------------

@@ -118,9 +118,11 @@ class RolloutConfig:
     answers after an abort. False: one request per answer, as AReaL's client sends them."""
     push_before_pause: bool = True
     """Async mode, HTTP pushes to our own servers: the servers take each new version while they
-    keep generating and pause only to swap it in (``/commit_weights``), so a pause lasts
-    milliseconds, not the whole transfer; tokens made meanwhile carry the version before. False:
-    pause first, then push (AReaL's order; SGLang servers and disk pushes always use it)."""
+    keep generating, then each pauses (``pause_mode``), swaps it in and continues within one
+    ``/commit_weights`` call, so a pause lasts about a decode step, not a transfer and three round
+    trips; tokens made meanwhile carry the version before. False: pause, push, continue (AReaL's
+    order; SGLang servers, disk pushes and ``max_staleness`` 0 with ``overlap_weight_push``,
+    whose next batch waits for the pause, always use it)."""
     overlap_weight_push: bool = True
     """Async mode: the push of version ``v`` runs while the batch after it trains, instead of
     before it. The controller counts ``v`` at once; tokens made under the version before until

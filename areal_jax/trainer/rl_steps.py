@@ -241,34 +241,41 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
     a continue, so answers in flight resume under them (with ``rollout.interruptible: false``,
     after the episodes in flight have finished instead). With ``rollout.push_before_pause`` and
     a sink that can hold a version (HTTP buckets to our servers), the servers take it while they
-    still generate and the pause covers only the swap (``sink.commit``); the tokens made
-    meanwhile carry the version before. ``lent``: push these params (see ``push_weights``);
-    ``on_paused`` is called once the servers have paused."""
+    still generate, then each pauses, swaps it in and continues within one call
+    (``sink.commit``); the tokens made meanwhile carry the version before. ``lent``: push these
+    params (see ``push_weights``); ``on_paused`` is called once the servers have paused."""
     from rollout_bridge.client import WeightUpdateError
 
     rollout = cfg.rollout
+    # Not when the caller waits for the pause (``max_staleness`` 0 overlapped): the pause comes
+    # first there, so that the next update overlaps the transfer.
     hold = (rollout.mode == "async" and rollout.push_before_pause and getattr(sink, "can_hold", False)
-            and (hub is None or hub.processes == 1))
-    refused: WeightUpdateError | None = None
-    if hold:
-        try:
-            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, hold=True)
-        except WeightUpdateError as e:  # those that refused keep their weights; the others serve it below
-            refused = e
-    if rollout.mode == "async":
-        if not rollout.interruptible:
-            await controller.drain()
-        await client.pause(rollout.pause_mode)
-    if on_paused is not None:
-        on_paused()
+            and (hub is None or hub.processes == 1) and on_paused is None)
     try:
         if hold:
+            refused: WeightUpdateError | None = None
+            try:
+                await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, hold=True)
+            except WeightUpdateError as e:  # those that refused keep their weights; the others serve it
+                refused = e
+            if not rollout.interruptible:
+                await controller.drain()
             if sink.held_version == version:  # some servers took it
-                await sink.commit(version)
+                await sink.commit(version, pause_mode=rollout.pause_mode)
             if refused is not None:
                 raise refused
-        else:
+            return
+        if rollout.mode == "async":
+            if not rollout.interruptible:
+                await controller.drain()
+            await client.pause(rollout.pause_mode)
+        if on_paused is not None:
+            on_paused()
+        try:
             await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent)
+        finally:
+            if rollout.mode == "async":
+                await client.continue_generation()
     except WeightUpdateError as e:
         # Servers that failed keep their old weights and stay out of rotation until a later push
         # reaches them; the run goes on while at least one server holds this version.
@@ -278,7 +285,6 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
                     "up): %s", version, e)
     finally:
         if rollout.mode == "async":
-            await client.continue_generation()
             controller.resume()
 
 

@@ -188,8 +188,9 @@ def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_
 
 def test_held_push_serves_the_old_weights_until_the_commit(tiny_dir: Path, tmp_path: Path) -> None:
     """``HttpBucketSink.push(hold=True)``: the server builds the version while it goes on serving
-    (and stamping) the old one; ``commit`` swaps it in, after which the new weights answer. A
-    commit that names no held transfer is refused, naming the field, and changes nothing."""
+    (and stamping) the old one; ``commit`` swaps it in, inside a pause of its own, after which the
+    new weights answer. A commit that names no held transfer is refused, naming the field, and
+    changes nothing."""
     prompt = [5, 17, 3, 42]
     greedy = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -215,11 +216,23 @@ def test_held_push_serves_the_old_weights_until_the_commit(tiny_dir: Path, tmp_p
                 await client.commit_weights(1, "nope")
             assert engine.version == 0 and client.server_versions() == {url: 0}
 
-            await client.pause("abort")
+            # The commit pauses the server itself (abort) around the swap: an answer in flight is
+            # aborted, re-sent by the client and finished under the new weights.
+            task = asyncio.create_task(client.generate(prompt, {"max_new_tokens": 40, "temperature": 1.0,
+                                                                "ignore_eos": True}, rid="long"))
+            live = engine._live  # noqa: SLF001
+
+            async def started() -> None:
+                while "long" not in live or len(live["long"].out_ids) < 5:
+                    await asyncio.sleep(0.002)
+
+            await asyncio.wait_for(started(), 30)
             t = engine.stats["paused_seconds"]
-            await sink.commit(1)
-            await client.continue_generation()
-            assert engine.stats["paused_seconds"] > t
+            await sink.commit(1, pause_mode="abort")
+            assert engine.stats["paused_seconds"] > t and engine.paused is None  # paused, and continued
+            long = await task
+            vs = np.array(long.output_versions)
+            assert len(vs) == 40 and long.resends >= 1 and set(vs.tolist()) == {0, 1} and (np.diff(vs) >= 0).all()
             assert client.server_versions() == {url: 1} and engine.version == 1 and sink.held_version is None
             assert await client.reported_versions() == {url: "1"}
             after = await client.generate(prompt, SP)
@@ -228,5 +241,12 @@ def test_held_push_serves_the_old_weights_until_the_commit(tiny_dir: Path, tmp_p
                                        reference_logprobs(new, prompt, after.output_ids, 0.8), atol=1e-4)
             with pytest.raises(RuntimeError, match="not pushed with hold"):
                 await sink.commit(1)
+            # a server the client paused stays paused through a commit, until continued
+            await sink.push(2, iter_hf_tensors(old, "float32", hf_layout=False), hold=True)
+            await client.pause("abort")
+            await sink.commit(2, pause_mode="abort")
+            assert engine.version == 2 and engine.paused == "abort"
+            await client.continue_generation()
+            assert engine.paused is None and (await client.generate(prompt, greedy)).output_ids == before.output_ids
 
     asyncio.run(main())
