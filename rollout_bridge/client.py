@@ -75,10 +75,8 @@ class RolloutClient(abc.ABC):
                             rids: list[str] | None = None) -> list[GenerateResult]:
         """One answer to each prompt (a group: the same prompt n times); here one ``generate``
         each, concurrently. The HTTP client sends them as one batch request."""
-        if rids is not None and len(rids) != len(prompts):
-            raise ValueError(f"rids has {len(rids)} entries for {len(prompts)} prompts")
-        return list(await asyncio.gather(*(self.generate(p, sampling_params, rid=rids[i] if rids else None)
-                                           for i, p in enumerate(prompts))))
+        return list(await asyncio.gather(*(self.generate(p, sampling_params, rid=rid)
+                                           for p, rid in zip(prompts, _rids_for(prompts, rids), strict=True))))
 
     @abc.abstractmethod
     async def pause(self, mode: str = "abort") -> None: ...
@@ -127,12 +125,10 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         ``input_ids`` a list of lists), as ``generate`` would give them one by one. After an
         abort, the unfinished answers are re-sent together; with ``ClientConfig.batch_requests``
         off, each answer is its own request."""
-        if rids is not None and len(rids) != len(prompts):
-            raise ValueError(f"rids has {len(rids)} entries for {len(prompts)} prompts")
-        answers = [_Answer(p, sampling_params, rids[i] if rids else None) for i, p in enumerate(prompts)]
-        if not self.cfg.batch_requests or len(answers) < 2:
-            return [r[0] for r in await asyncio.gather(*(self._answer([a], batch=False) for a in answers))]
-        return await self._answer(answers, batch=True)
+        if not self.cfg.batch_requests or len(prompts) < 2:
+            return await super().generate_many(prompts, sampling_params, rids=rids)
+        return await self._answer([_Answer(p, sampling_params, rid)
+                                   for p, rid in zip(prompts, _rids_for(prompts, rids), strict=True)], batch=True)
 
     async def _answer(self, answers: list[_Answer], *, batch: bool) -> list[GenerateResult]:
         """Run ``answers`` to the end, all sent to one server in each attempt (one request in
@@ -242,6 +238,15 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         for s in self.servers:
             for sub in [r for r in s.inflight if r == rid or r.startswith(f"{rid}-r")]:
                 await self._call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
+
+
+def _rids_for(prompts: list[list[int]], rids: list[str] | None) -> list[str | None]:
+    """``rids``, checked to give one per prompt (None: each gets its own)."""
+    if rids is None:
+        return [None] * len(prompts)
+    if len(rids) != len(prompts):
+        raise ValueError(f"rids has {len(rids)} entries for {len(prompts)} prompts")
+    return list(rids)
 
 
 class _Answer:

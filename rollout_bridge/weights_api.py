@@ -276,13 +276,14 @@ async def commit_weights(request: web.Request) -> web.Response:
             raise P.ProtocolError("transfer_id", f"no held transfer {req.transfer_id!r} of version "
                                   f"{req.weight_version!r} (this server holds {have}); send the version again")
         st.held = None
-        if req.pause_mode is None or st.paused:
-            return await _apply(st, held.label, state=held.state, flush=req.flush_cache)
-        await st.engine.pause(req.pause_mode)
+        own_pause = req.pause_mode is not None and not st.paused  # a client's pause stays
+        if own_pause:
+            await st.engine.pause(req.pause_mode)
         try:
             return await _apply(st, held.label, state=held.state, flush=req.flush_cache)
         finally:
-            await st.engine.resume()
+            if own_pause:
+                await st.engine.resume()
 
 
 # --- app -----------------------------------------------------------------------------------------

@@ -252,22 +252,21 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
     hold = (rollout.mode == "async" and rollout.push_before_pause and getattr(sink, "can_hold", False)
             and (hub is None or hub.processes == 1) and on_paused is None)
     try:
+        refused: WeightUpdateError | None = None
         if hold:
-            refused: WeightUpdateError | None = None
             try:
                 await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, hold=True)
             except WeightUpdateError as e:  # those that refused keep their weights; the others serve it
                 refused = e
-            if not rollout.interruptible:
-                await controller.drain()
+        if rollout.mode == "async" and not rollout.interruptible:
+            await controller.drain()
+        if hold:
             if sink.held_version == version:  # some servers took it
                 await sink.commit(version, pause_mode=rollout.pause_mode)
             if refused is not None:
                 raise refused
             return
         if rollout.mode == "async":
-            if not rollout.interruptible:
-                await controller.drain()
             await client.pause(rollout.pause_mode)
         if on_paused is not None:
             on_paused()
