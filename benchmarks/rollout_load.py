@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_jax.bench import runs
+from areal_jax.bench import runs, tasks
 from areal_jax.data import load_prompts
 from areal_jax.data.datasets import DatasetConfig
 from areal_jax.models import load_tokenizer
@@ -66,7 +66,7 @@ def _thread_cpu(pid: int) -> dict[str, float]:
 
 async def _load(address: str, prompts: list[list[int]], args: argparse.Namespace, pause: str,
                 batch: bool) -> dict[str, Any]:
-    sampling = {"max_new_tokens": runs.LONG_TAIL_TASK["rollout"]["max_new_tokens"], "temperature": 1.0}
+    sampling = {"max_new_tokens": tasks.LONG_TAIL_TASK["rollout"]["max_new_tokens"], "temperature": 1.0}
     done = {"tokens": 0, "answers": 0}
     windows: list[float] = []
     stop = [0.0]
@@ -116,7 +116,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], pause: str, shar
             batch: bool = True) -> dict[str, Any]:
     everything = sorted(os.sched_getaffinity(0))
     server_core, own = everything[-1:], everything[:1]
-    flags = [a for a in runs.LONG_TAIL_TASK["rollout"]["server_args"] if a != "--server-warmup"]
+    flags = [a for a in tasks.LONG_TAIL_TASK["rollout"]["server_args"] if a != "--server-warmup"]
     flags += ["--weight-roots", str(Path(args.model).absolute().parent)]
     if not share:
         flags.append("--disable-radix-cache")
@@ -155,10 +155,10 @@ def main() -> None:
     args = ap.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         sys.exit("needs two cores: the server on one, the client on another")
-    cfg = runs.task_config(False, runs.LONG_TAIL_TASK)
+    cfg = tasks.task_config(False, tasks.LONG_TAIL_TASK)
     if args.model is None:
-        args.model = str(runs.warm_checkpoint({**cfg, "seed": 0}, Path(args.work) / "checkpoint",
-                                              scratch=runs.LONG_TAIL_SCRATCH))
+        args.model = str(tasks.warm_checkpoint({**cfg, "seed": 0}, Path(args.work) / "checkpoint",
+                                               scratch=tasks.LONG_TAIL_SCRATCH))
     data = load_prompts(DatasetConfig(**{**cfg["data"], "eval_size": 100}), load_tokenizer(args.model))
     prompts = [list(r.prompt_ids) for r in data.train_rows]
     results = []

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.bench import runs
+from areal_jax.bench import runs, tasks
 from areal_jax.bench.cli import parse_args
 from tests import xla_flags
 
@@ -88,8 +88,8 @@ def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
         reward_fields = {"entry": {"answer": "12", "metadata": {"expression": "7 + 5"}}}
 
     p99s = {}
-    for name, scratch in (("task", runs.SCRATCH), ("long", runs.LONG_TAIL_SCRATCH)):
-        ex = runs.scratch_examples([Row()] * 2000, Tok(), seed=0, scratch=scratch)
+    for name, scratch in (("task", tasks.SCRATCH), ("long", tasks.LONG_TAIL_SCRATCH)):
+        ex = tasks.scratch_examples([Row()] * 2000, Tok(), seed=0, scratch=scratch)
         unit = "." if name == "task" else "7+5;"  # dots, or the sum written out again
         pads = [bytes(a[:-4]).decode() for _, a in ex]
         assert all(a[-4:] == [ord("\n"), ord("1"), ord("2"), 0] for _, a in ex)
@@ -101,18 +101,18 @@ def test_scratch_examples_are_long_tailed_and_end_in_the_answer() -> None:
     assert p99s["long"] >= 2 * p99s["task"]
     Row.reward_fields = {"answer": "12"}  # a GSM8K-style row has no expression to echo: named
     with pytest.raises(ValueError, match="basic_arithmetic:0.*metadata.expression"):
-        runs.scratch_examples([Row()], Tok(), seed=0, scratch=runs.LONG_TAIL_SCRATCH)
+        tasks.scratch_examples([Row()], Tok(), seed=0, scratch=tasks.LONG_TAIL_SCRATCH)
 
 
 def test_long_tail_task_has_room_for_its_answers() -> None:
-    task, scratch = runs.task_config(False, runs.LONG_TAIL_TASK), runs.LONG_TAIL_SCRATCH
+    task, scratch = tasks.task_config(False, tasks.LONG_TAIL_TASK), tasks.LONG_TAIL_SCRATCH
     answer = 4 * scratch["max"] + 4  # "a+b;" units, newline, a two-digit sum, eos
     assert task["warm_start"]["max_len"] >= answer + 40  # and the prompt (35 tokens)
     assert task["rollout"]["max_new_tokens"] >= 2 * answer  # RL grows the tail past the warm start's
     context = int(task["rollout"]["server_args"][task["rollout"]["server_args"].index("--context-length") + 1])
     assert context >= task["rollout"]["max_new_tokens"] + 64  # room for the prompt, as in the measured run
     assert task["train"]["max_seq_len"] >= context
-    assert runs.TASK["rollout"]["max_new_tokens"] == 96  # the variant did not change the default task
+    assert tasks.TASK["rollout"]["max_new_tokens"] == 96  # the variant did not change the default task
     assert parse_args(["--long-tail"]).long_tail and not parse_args([]).long_tail
 
 
@@ -125,20 +125,20 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
     from areal_jax.trainer.run_config import RunConfig
 
     for quick in (True, False):
-        task = runs.task_config(quick, runs.LONG_TAIL_TASK)
+        task = tasks.task_config(quick, tasks.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
         loaded = {}
         on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po", "async_eta4_push_inline",
                                    "async_eta4_pause_first", "async_eta4_per_answer"])[1:]
         for name, mode, eta, overrides in modes(quick, None) + on_request:
-            cfg = runs.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
-                                                                     "rollout.max_staleness": eta, **overrides})
+            cfg = tasks.run_config(task, tmp_path, tmp_path / name, **{"rollout.mode": mode,
+                                                                      "rollout.max_staleness": eta, **overrides})
             loaded[name] = from_dict(RunConfig, cfg).rollout
         assert list(loaded)[0] == "sync" and loaded["async_eta4"].pause_mode == "abort"
-        assert not from_dict(RunConfig, runs.run_config(task, tmp_path, tmp_path / "n", **{
+        assert not from_dict(RunConfig, tasks.run_config(task, tmp_path, tmp_path / "n", **{
             "rollout.mode": "async", "rollout.max_staleness": 4, **modes(quick, ["async_eta4_naive"])[1][3]})
         ).algo.use_decoupled_loss
-        m2po = from_dict(RunConfig, runs.run_config(task, tmp_path, tmp_path / "m", **{
+        m2po = from_dict(RunConfig, tasks.run_config(task, tmp_path, tmp_path / "m", **{
             "rollout.mode": "async", "rollout.max_staleness": 4, **on_request[1][3]})).algo
         assert m2po.m2_threshold == 0.04 and m2po.use_decoupled_loss
         if quick:
@@ -430,22 +430,22 @@ def test_the_shipped_long_tail_warm_start_is_a_trained_model_of_the_task(tmp_pat
     from areal_jax.trainer.sft import pad_batch, sft_loss
 
     assert parse_args(["--long-tail"]).warm_start == "shipped"
-    path = runs.shipped_warm_start("long_tail", tmp_path)
+    path = tasks.shipped_warm_start("long_tail", tmp_path)
     assert path == tmp_path / "warm_start"
     model, tokenizer = load_pretrained(path), load_tokenizer(path)
-    opts = runs.LONG_TAIL_TASK["model"]["tiny_options"]
+    opts = tasks.LONG_TAIL_TASK["model"]["tiny_options"]
     assert {k: getattr(model.config, k) for k in opts} == opts
-    task = runs.task_config(False, runs.LONG_TAIL_TASK)
+    task = tasks.task_config(False, tasks.LONG_TAIL_TASK)
     data = from_dict(DatasetConfig, {**task["data"], "size": 80, "eval_size": 8})
     rows = load_prompts(data, tokenizer).train_rows
-    examples = [e for e in runs.scratch_examples(rows, tokenizer, 0, runs.LONG_TAIL_SCRATCH)
+    examples = [e for e in tasks.scratch_examples(rows, tokenizer, 0, tasks.LONG_TAIL_SCRATCH)
                 if len(e[0]) + len(e[1]) <= 160][:32]
     batch = {k: jnp.asarray(v) for k, v in pad_batch(examples, 160).items()}
     trained = float(sft_loss(model, batch))
     untrained = float(sft_loss(Decoder(model.config, rngs=nnx.Rngs(0)), batch))
     assert trained < 0.2 * untrained, (trained, untrained)
 
-    assert runs.shipped_warm_start("long_tail", tmp_path) == path  # the same files: reused
+    assert tasks.shipped_warm_start("long_tail", tmp_path) == path  # the same files: reused
     (path / "model.safetensors").write_bytes(b"another model")
     with pytest.raises(FileExistsError, match="--warm-start build"):
-        runs.shipped_warm_start("long_tail", tmp_path)
+        tasks.shipped_warm_start("long_tail", tmp_path)

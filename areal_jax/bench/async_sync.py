@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from areal_jax.bench import report, runs
+from areal_jax.bench import report, runs, tasks
 
 SEEDS = 3
 """RL seeds per mode in a full run: one run's answer lengths, and so its step time, drift with its
@@ -84,17 +84,17 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
         steps: int | None = None, only: list[str] | None = None, n_seeds: int | None = None) -> dict[str, Any]:
     """The modes (``modes(quick, only)``) at RL seeds ``seed, seed + 1, ...`` (``n_seeds``, by
     default ``SEEDS``; one with ``quick``), all from one warm start, ``steps`` RL steps each
-    (``runs.run_steps``). ``modes`` holds the first seed's runs (the plots are theirs),
+    (``tasks.run_steps``). ``modes`` holds the first seed's runs (the plots are theirs),
     ``seed_runs`` every seed's, and ``summary`` each mode's ratios and accuracies over the seeds."""
-    steps, warmup = runs.run_steps(quick, steps)
+    steps, warmup = tasks.run_steps(quick, steps)
     seeds = list(range(seed, seed + (n_seeds or (1 if quick else SEEDS))))
     rollout_cores, trainer_cores = split_cores()
     by_seed = []
     for s in seeds:
         rows = []
         for name, mode, eta, overrides in modes(quick, only):
-            cfg = runs.run_config(task, checkpoint, out / "runs" / f"{name}_seed{s}", steps=steps, seed=s,
-                                  **{"rollout.mode": mode, "rollout.max_staleness": eta, **overrides})
+            cfg = tasks.run_config(task, checkpoint, out / "runs" / f"{name}_seed{s}", steps=steps, seed=s,
+                                   **{"rollout.mode": mode, "rollout.max_staleness": eta, **overrides})
             split = mode == "async"
             row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
                                     trainer_cores=trainer_cores if split else None, warmup_steps=warmup,
@@ -111,7 +111,7 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
     data = {**report.core_split_header("async", steps=steps, warmup=warmup, seed=seed,
                                        rollout_cores=rollout_cores, trainer_cores=trainer_cores),
             "seeds": seeds, "accuracy_target": by_seed[0][0]["accuracy_target"],
-            "config": runs.run_config(task, checkpoint, out / "runs"), "modes": by_seed[0],
+            "config": tasks.run_config(task, checkpoint, out / "runs"), "modes": by_seed[0],
             "seed_runs": [r for rows in by_seed for r in rows], "summary": summary(by_seed),
             "plots": plot(by_seed[0], out)}
     report.write_json(out, "async", data)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from areal_jax.bench import PARTS, report, runs
+from areal_jax.bench import PARTS, report, tasks
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -20,8 +20,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true", help="small settings: every part in a few minutes")
     p.add_argument("--long-tail", action="store_true",
-                   help="async and interrupt parts on runs.LONG_TAIL_TASK: answers up to "
-                        f"{runs.LONG_TAIL_TASK['rollout']['max_new_tokens']} tokens with a long tail, "
+                   help="async and interrupt parts on tasks.LONG_TAIL_TASK: answers up to "
+                        f"{tasks.LONG_TAIL_TASK['rollout']['max_new_tokens']} tokens with a long tail, "
                         "so generation is most of a synchronous step")
     p.add_argument("--out", default="runs/bench", help="results folder")
     p.add_argument("--seed", type=int, default=0, help="first RL seed of the async, staleness and interrupt parts")
@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "'none' turns it off")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    warmup = runs.warmup_steps(args.quick)
+    warmup = tasks.warmup_steps(args.quick)
     if args.steps is not None and args.steps <= warmup:
         p.error(f"--steps {args.steps} leaves no timed step: the first {warmup} steps compile and are left out of "
                 f"the figures; give --steps {warmup + 1} or more")
@@ -94,23 +94,23 @@ def main(argv: list[str]) -> dict[str, Any]:
     t0 = time.perf_counter()
     rl_parts = [p for p in args.parts if p in ("async", "staleness", "interrupt")]
     if rl_parts:
-        task = runs.task_config(args.quick, runs.LONG_TAIL_TASK if args.long_tail else runs.TASK)
+        task = tasks.task_config(args.quick, tasks.LONG_TAIL_TASK if args.long_tail else tasks.TASK)
         if "async" in rl_parts or "interrupt" in rl_parts:
             # its own folder: a warm start is reused when present, and the two tasks' differ
             folder = out / ("checkpoint_long_tail" if args.long_tail else "checkpoint")
             if args.long_tail and args.warm_start == "shipped":
-                checkpoint = runs.shipped_warm_start("long_tail", folder)
+                checkpoint = tasks.shipped_warm_start("long_tail", folder)
                 print(f"warm start of the long-tailed task: the shipped one, copied to {checkpoint}", flush=True)
             else:
                 print(f"warm start of the {'long-tailed ' if args.long_tail else ''}task "
                       f"({task['warm_start']['steps']} supervised steps) ...", flush=True)
-                checkpoint = runs.warm_checkpoint({**task, "seed": args.warm_start_seed}, folder,
-                                                  scratch=runs.LONG_TAIL_SCRATCH if args.long_tail else runs.SCRATCH)
+                checkpoint = tasks.warm_checkpoint({**task, "seed": args.warm_start_seed}, folder,
+                                                   scratch=tasks.LONG_TAIL_SCRATCH if args.long_tail else tasks.SCRATCH)
         if "staleness" in rl_parts:
-            demo_task = runs.task_config(args.quick, runs.DEMO_TASK)
+            demo_task = tasks.task_config(args.quick, tasks.DEMO_TASK)
             print(f"warm start of the demo task ({demo_task['warm_start']['steps']} supervised steps) ...", flush=True)
-            demo_checkpoint = runs.warm_checkpoint({**demo_task, "seed": args.warm_start_seed}, out / "checkpoint_demo",
-                                                   scratch=None)
+            demo_checkpoint = tasks.warm_checkpoint({**demo_task, "seed": args.warm_start_seed},
+                                                    out / "checkpoint_demo", scratch=None)
     for part in args.parts:
         t = time.perf_counter()
         print(f"[{part}]", flush=True)

@@ -11,19 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from areal_jax.bench import async_sync, report, runs
+from areal_jax.bench import async_sync, report, runs, tasks
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
         steps: int | None = None) -> dict[str, Any]:
-    (steps, warmup), eta = runs.run_steps(quick, steps), 4
+    (steps, warmup), eta = tasks.run_steps(quick, steps), 4
     rollout_cores, trainer_cores = async_sync.split_cores()
     rows = []
     for name, interruptible, pause_mode in (("wait", False, "abort"), ("interrupt", True, "abort"),
                                             ("in_place", True, "in_place")):
-        cfg = runs.run_config(task, checkpoint, out / "runs" / f"update_{name}", steps=steps, seed=seed,
-                              **{"rollout.mode": "async", "rollout.max_staleness": eta,
-                                 "rollout.interruptible": interruptible, "rollout.pause_mode": pause_mode})
+        cfg = tasks.run_config(task, checkpoint, out / "runs" / f"update_{name}", steps=steps, seed=seed,
+                               **{"rollout.mode": "async", "rollout.max_staleness": eta,
+                                  "rollout.interruptible": interruptible, "rollout.pause_mode": pause_mode})
         row = runs.measured_run(cfg, rollout_cores=rollout_cores, trainer_cores=trainer_cores, warmup_steps=warmup,
                                 own_process=not quick)
         row.update(name=name, interruptible=interruptible, pause_mode=pause_mode, max_staleness=eta)

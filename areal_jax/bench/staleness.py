@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from areal_jax.bench import report, runs
+from areal_jax.bench import report, runs, tasks
 
 ALGORITHMS = ("naive", "decoupled")
 MINIBATCH_CHECK = {"max_staleness": 8, "ppo_n_minibatches": 4}
@@ -52,10 +52,10 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
 def one_run(out: Path, checkpoint: Path, task: dict[str, Any], algorithm: str, eta: int, seed: int, steps: int,
             minibatches: int = 1) -> dict[str, Any]:
     name = f"{algorithm}_eta{eta}_seed{seed}" + (f"_mb{minibatches}" if minibatches > 1 else "")
-    cfg = runs.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=seed,
-                          **{"rollout.mode": "async", "rollout.max_staleness": eta,
-                             "algo.use_decoupled_loss": algorithm == "decoupled",
-                             "algo.ppo_n_minibatches": minibatches})
+    cfg = tasks.run_config(task, checkpoint, out / "runs" / name, steps=steps, seed=seed,
+                           **{"rollout.mode": "async", "rollout.max_staleness": eta,
+                              "algo.use_decoupled_loss": algorithm == "decoupled",
+                              "algo.ppo_n_minibatches": minibatches})
     row = runs.measured_run(cfg, rollout_cores=None, trainer_cores=None, warmup_steps=1)
     row.update(name=name, algorithm=algorithm, max_staleness=eta, seed=seed, ppo_n_minibatches=minibatches)
     print(f"  {name:<24} accuracy {row['accuracy_before']:.0%} -> {row['accuracy_after']:.0%}, "

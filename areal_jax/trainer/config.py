@@ -48,7 +48,8 @@ class TrainConfig:
     """Token budget of one packed row, i.e. of one data-parallel group's share of a micro-batch.
     On a CPU, short rows train faster per token when the model is small: a 0.5M-parameter
     model's gradient took 63 ms on one row of 2,048 tokens and 9.5 ms on a row of at most 512,
-    as its activations stay in cache (keep ``length_buckets`` up to this budget fine as well)."""
+    likely as its activations then stay in cache (keep ``length_buckets`` up to this budget fine
+    as well)."""
     min_micro_batches: int = 1
     """Each data-parallel group runs at least this many micro-batches per minibatch (memory cap)."""
     length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
