@@ -42,7 +42,7 @@ from rollout_bridge.pool import (
 )
 
 __all__ = ["AllServersDownError", "ClientConfig", "GenerateResult", "HttpRolloutClient", "RolloutClient",
-           "RolloutError", "WeightUpdateError"]
+           "RolloutError", "WeightUpdateError", "abort_backoff_s"]
 
 log = logging.getLogger(__name__)
 
@@ -194,14 +194,14 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     elif code is not None and int(code) >= 500:
                         failed = f"aborted with {code}: {finish.get('message')}"
                     else:
-                        # Aborted by a pause or weight update: resume with what we have. A server
-                        # that keeps aborting without progress is backed off, not hammered.
+                        # Aborted by a pause or weight update: resume with what we have, at once
+                        # unless the server keeps aborting without progress (abort_backoff_s).
                         a.idle = 0 if ids else a.idle + 1
                         idle = max(idle, a.idle)
                 if failed is not None:
                     errors = await self._after_error(key, server, errors, failed)
-                elif idle:
-                    await asyncio.sleep(min(0.05 * 2 ** min(idle, 5), 1.0))
+                elif wait := abort_backoff_s(idle):
+                    await asyncio.sleep(wait)
         finally:
             for a in answers:
                 self._sticky.pop(a.rid, None)
@@ -238,6 +238,22 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         for s in self.servers:
             for sub in [r for r in s.inflight if r == rid or r.startswith(f"{rid}-r")]:
                 await self._call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
+
+
+IMMEDIATE_IDLE_RESENDS = 2
+"""Aborts in a row that brought an answer no new token, re-sent at once before the client backs
+off. A pause aborts the requests still queued on the server as well as the running ones (SGLang's
+``abort`` mode does), and a controller submits new groups just when a weight update frees
+capacity, so an answer that comes back empty from one pause is routine, not a server in trouble."""
+
+
+def abort_backoff_s(idle: int) -> float:
+    """Seconds to wait before re-sending an answer whose last ``idle`` attempts were aborted with
+    no new token: none for the first ``IMMEDIATE_IDLE_RESENDS``, then 0.05 s, doubling up to 1 s,
+    so that a server that keeps aborting without progress is backed off, not hammered."""
+    if idle <= IMMEDIATE_IDLE_RESENDS:
+        return 0.0
+    return min(0.05 * 2 ** min(idle - IMMEDIATE_IDLE_RESENDS - 1, 5), 1.0)
 
 
 def _rids_for(prompts: list[list[int]], rids: list[str] | None) -> list[str | None]:

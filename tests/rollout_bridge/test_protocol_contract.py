@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from rollout_bridge import protocol as P
-from rollout_bridge.client import ClientConfig, HttpRolloutClient
+from rollout_bridge.client import IMMEDIATE_IDLE_RESENDS, ClientConfig, HttpRolloutClient, abort_backoff_s
 from tests.rollout_bridge.bridge_helpers import running_server
 
 SCHEMA = Path(__file__).resolve().parents[2] / ".cache" / "sglang" / "api_types.py"
@@ -308,5 +309,56 @@ def test_client_batches_against_stock_sglang_replies(sgl: Any) -> None:
         assert res[1].output_ids == [8, 9] + [10, 11, 12, 13] and res[1].text == "yy" + "yyyy"
         assert all(r.output_logprobs == [-0.25] * 6 and r.output_versions == [0] * 6 for r in res)
         assert all(r.finish_reason == {"type": "length", "length": 6} for r in res)
+
+    asyncio.run(main())
+
+
+@pytest.mark.serial  # asserts on the gaps between re-sends
+def test_a_group_aborted_while_queued_is_resent_at_once_then_backed_off(sgl: Any) -> None:
+    """A pause aborts the requests still in SGLang's waiting queue as well as the running ones,
+    and they come back with no token ("Abort in waiting queue"). The first such aborts in a row are
+    re-sent at once; a server that keeps aborting without progress is then backed off, 0.05 s and
+    doubling. The stand-in answers a group only at its sixth /generate."""
+    arrived: list[float] = []
+    empty = IMMEDIATE_IDLE_RESENDS + 3
+
+    async def generate(request: web.Request) -> web.Response:
+        arrived.append(time.monotonic())
+        req = sgl.GenerateRequest.from_json_value(await request.json())
+        replies = []
+        for ids, rid, sp in zip(req.input_ids, req.rid, req.sampling_params, strict=True):
+            n = 0 if len(arrived) <= empty else sp.max_new_tokens
+            out = [(ids[-1] + 1 + k) % 100 for k in range(n)]
+            finish = sgl.FinishAbort(message="Abort in waiting queue") if n == 0 else sgl.FinishLength(length=n)
+            replies.append(sgl.GenerateResponse(text="z" * n, output_ids=out, meta_info=sgl.GenerateMetaInfo(
+                id=rid, prompt_tokens=len(ids), completion_tokens=n, finish_reason=finish,
+                output_token_logprobs=[sgl.LogprobEntry(logprob=-0.5, token_id=t) for t in out],
+                e2e_latency=0.01, weight_version="default")).to_json_value())
+        return web.json_response(replies)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default"})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_model_info", model_info)
+
+    async def main() -> None:
+        async with _serving(app) as addr:
+            async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
+                res = await client.generate_many([[5, 6, 7]] * 4, {"max_new_tokens": 3}, rids=["a", "b", "c", "d"])
+        assert [r.output_ids for r in res] == [[8, 9, 10]] * 4 and [r.resends for r in res] == [empty] * 4
+        gaps = [b - a for a, b in zip(arrived, arrived[1:], strict=False)]
+        assert len(gaps) == empty
+        # Re-sent at once: the backoff this replaces waited 0.1 s before the first re-send, 0.2 s before the second.
+        assert max(gaps[:IMMEDIATE_IDLE_RESENDS]) < 0.09, gaps
+        for gap, idle in zip(gaps[IMMEDIATE_IDLE_RESENDS:], range(IMMEDIATE_IDLE_RESENDS + 1, empty + 1), strict=True):
+            assert gap >= abort_backoff_s(idle) > 0, gaps
+        assert [abort_backoff_s(i) for i in (3, 4, 5)] == [0.05, 0.1, 0.2] and abort_backoff_s(50) == 1.0
 
     asyncio.run(main())
