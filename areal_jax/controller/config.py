@@ -105,8 +105,9 @@ class RolloutConfig:
     resumes them under the new weights (interruptible rollout). ``retract`` keeps them in the
     server's queue, which prefills them again under the new weights (no round trip through the
     client; SGLang servers need a version whose ``pause_generation`` takes a mode): on the
-    ``--long-tail`` bench it ran 1.09x per step against ``abort`` over twelve seeds, with accuracy
-    within noise (docs/results.md). ``in_place`` keeps the stale KV (not AReaL's semantics)."""
+    ``--long-tail`` bench an ``abort`` step took 1.04 ± 0.25x a ``retract`` step over six seeds,
+    paired, since the client re-sends the answers a pause returns empty at once (1.27x before;
+    docs/results.md). ``in_place`` keeps the stale KV (not AReaL's semantics)."""
     interruptible: bool = True
     """``True``: a weight update pauses the servers (``pause_mode``) at once. ``False``: rollout
     stops starting episodes and the update waits for the ones in flight to finish (the baseline
