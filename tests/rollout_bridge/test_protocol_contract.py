@@ -257,6 +257,24 @@ def test_every_sglang_request_field_is_served_or_refused(sgl: Any, tiny_dir: Pat
     asyncio.run(main())
 
 
+def _generate_only(generate: Any) -> web.Application:
+    """A stand-in for stock SGLang that serves ``generate`` as /generate, with /health and
+    /get_model_info answered as SGLang does (label "default")."""
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default"})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/health", ok)
+    app.router.add_get("/get_model_info", model_info)
+    return app
+
+
 def test_client_batches_against_stock_sglang_replies(sgl: Any) -> None:
     """A group asked with ``generate_many`` against a stand-in for stock SGLang's batch form: the
     request validates against SGLang's schema, the reply is a JSON list of SGLang's own reply type,
@@ -282,17 +300,7 @@ def test_client_batches_against_stock_sglang_replies(sgl: Any) -> None:
                 e2e_latency=0.01, weight_version="default")).to_json_value())
         return web.json_response(replies[::-1] if len(calls) == 2 else replies)  # ids, not order, match
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def model_info(request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
-                                  "preferred_sampling_params": None, "weight_version": "default"})
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/get_model_info", model_info)
+    app = _generate_only(generate)
 
     async def main() -> None:
         async with _serving(app) as addr:
@@ -336,17 +344,7 @@ def test_a_group_aborted_while_queued_is_resent_at_once_then_backed_off(sgl: Any
                 e2e_latency=0.01, weight_version="default")).to_json_value())
         return web.json_response(replies)
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def model_info(request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "m", "tokenizer_path": "m", "is_generation": True,
-                                  "preferred_sampling_params": None, "weight_version": "default"})
-
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/get_model_info", model_info)
+    app = _generate_only(generate)
 
     async def main() -> None:
         async with _serving(app) as addr:
