@@ -83,8 +83,7 @@ def attention_profile(cfg: ModelConfig, micro: dict, window: int, block: int, re
     many attention scores that computes against the ones causal attention within each sequence
     needs."""
     from areal_jax.data.packing import attention_block_pairs, pair_budget
-    from areal_jax.models.attention import attend_packed_pairs
-    from areal_jax.models.decoder import attend_packed_local
+    from areal_jax.models.attention import attend_packed_local, attend_packed_pairs
 
     seg = np.asarray(micro["segment_ids"])
     b, t = seg.shape

@@ -1,11 +1,11 @@
-"""Attention over packed training input: the dense path's block-sparse form, the fused kernels,
-and the choice between them.
+"""The decoder's attention: the dense forms, their block-sparse form over packed training input, the
+fused kernels, and the choice between them.
 
-The decoder's own dense attention (``decoder.attend_packed``, ``attend_packed_local``) is the CPU
-path and the reference. Given the block pairs a packed row needs (``data.packing
-.attention_block_pairs``, planned by the trainer), ``attend_packed_pairs`` computes the same
-attention on those blocks only. Where the backend has a fused kernel, ``ModelConfig.attention_impl``
-selects it:
+The dense forms are the CPU path and the reference: ``attend_packed`` (and ``attend_packed_local``
+within a window) over packed training rows, ``attend_cached`` against the KV cache in decoding.
+Given the block pairs a packed row needs (``data.packing.attention_block_pairs``, planned by the
+trainer), ``attend_packed_pairs`` computes the same attention on those blocks only. Where the
+backend has a fused kernel, ``ModelConfig.attention_impl`` selects it:
 
 - ``dot_product``: ``jax.nn.dot_product_attention``, cuDNN flash attention on GPU (bfloat16 or
   float16 only), JAX's XLA implementation elsewhere. Packed segments go in as a boolean mask
@@ -38,6 +38,7 @@ from sharding import logical_to_spec
 log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = ("bfloat16", "float16")
+_MASKED = -1e30  # finite, so a row with no visible key (padding) gives no NaN
 
 
 @cache
@@ -85,6 +86,82 @@ def resolve_attention_impl(impl: str, dtype: str, backend: str | None = None) ->
     return impl
 
 
+def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                  precision: jax.lax.Precision | None = None) -> jax.Array:
+    """Grouped-query attention against a head-major cache: ``q [b, t, nh, d]``,
+    ``k [b, kvh, d, s]`` (transposed), ``v [b, kvh, s, d]``, ``mask [b, t, s]``. The queries sharing
+    a kv head become the rows of one ``[g * t, d] x [d, s]`` matmul, the shape XLA runs fastest."""
+    b, t, nh, d = q.shape
+    kvh, s = k.shape[1], k.shape[3]
+    g = nh // kvh
+    rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    scores = jnp.einsum("bkrd,bkds->bkrs", rows, k, preferred_element_type=jnp.float32,
+                        precision=precision).reshape(b, kvh, g, t, s)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kvh, g * t, s)
+    out = jnp.einsum("bkrs,bksd->bkrd", probs, v, precision=precision)
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+           precision: jax.lax.Precision | None = None) -> jax.Array:
+    """Grouped-query attention. ``q [b, t, nh, d]``, ``k/v [b, s, kvh, d]``, ``mask [b, t, s]``."""
+    b, t, nh, d = q.shape
+    kvh = k.shape[2]
+    q = q.reshape(b, t, kvh, nh // kvh, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32, precision=precision)
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision)
+    return out.reshape(b, t, nh, d)
+
+
+def attend_packed_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int,
+                        block: int = 128, precision: jax.lax.Precision | None = None) -> jax.Array:
+    """Causal segment-masked attention that looks back at most ``window`` positions.
+
+    For packed rows whose segments are all at most ``window`` long this equals full attention,
+    at a cost of ``t * (window + block)`` scores per head instead of ``t * t``: the row is cut
+    into query blocks, and each attends only to the key blocks that can hold its segments.
+    """
+    b, t, nh, d = q.shape
+    bs = min(block, t)
+    pad = (-t) % bs
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    nb = (t + pad) // bs
+    back = -(-(max(window, 1) - 1) // bs)  # key blocks behind the query's own block
+    if back + 1 >= nb:
+        return attend_packed(q, k, v, segment_ids, precision)[:, :t]
+
+    def blocks(x: jax.Array) -> jax.Array:
+        return x.reshape(b, nb, bs, *x.shape[2:])
+
+    def slabs(x: jax.Array) -> jax.Array:
+        """``[b, nb, (back + 1) * bs, ...]``: for block i, the key blocks i - back .. i."""
+        xb = blocks(x)
+        xb = jnp.pad(xb, ((0, 0), (back, 0)) + ((0, 0),) * (xb.ndim - 2))  # zero segment = masked
+        return jnp.concatenate([xb[:, j : j + nb] for j in range(back + 1)], axis=2)
+
+    index = jnp.broadcast_to(jnp.arange(t + pad), segment_ids.shape)
+    seg_q, seg_k = blocks(segment_ids)[..., :, None], slabs(segment_ids)[..., None, :]
+    mask = (slabs(index)[..., None, :] <= blocks(index)[..., :, None]) & (seg_q == seg_k) & (seg_k != 0)
+    s = (back + 1) * bs
+    out = attend(blocks(q).reshape(b * nb, bs, nh, d), slabs(k).reshape(b * nb, s, *k.shape[2:]),
+                 slabs(v).reshape(b * nb, s, *v.shape[2:]), mask.reshape(b * nb, bs, s), precision)
+    return out.reshape(b, nb * bs, nh, d)[:, :t]
+
+
+def attend_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
+                  precision: jax.lax.Precision | None = None) -> jax.Array:
+    """Full causal attention within segments; segment 0 is padding."""
+    t = q.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return attend(q, k, v, causal[None] & same & (segment_ids[:, None, :] != 0), precision)
+
+
 def attend_packed_pairs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, pairs: jax.Array,
                         block: int, precision: jax.lax.Precision | None = None) -> jax.Array:
     """Causal attention within segments computed only on the blocks that need it.
@@ -119,7 +196,7 @@ def attend_packed_pairs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
         mask = (sq == sk) & (pos[pk][:, None, :] <= pos[pq][:, :, None]) & ((sk != 0) | (sq == 0))
         scores = jnp.einsum("pkrd,pkds->pkrs", qr[pq], kt[pk], preferred_element_type=jnp.float32,
                             precision=precision).reshape(-1, kvh, g, block, block)
-        scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), -1e30)
+        scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
         # Per query block, the max over all its pairs: a constant shift, so no gradient through it.
         shift = jax.ops.segment_max(jax.lax.stop_gradient(scores.max(-1)), pq, num_segments=nb)[pq]
         weights = jnp.exp(scores - shift[..., None])

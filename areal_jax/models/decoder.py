@@ -24,6 +24,9 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.attention import (
+    attend_cached,
+    attend_packed,
+    attend_packed_local,
     attend_packed_pairs,
     dot_product_attention_packed,
     resolve_attention_impl,
@@ -31,8 +34,6 @@ from areal_jax.models.attention import (
 )
 from areal_jax.models.config import ModelConfig, jnp_dtype
 from sharding import constrain, logical_axis_size
-
-_MASKED = -1e30  # finite, so a row with no visible key (padding) gives no NaN
 
 
 class KVCache(NamedTuple):
@@ -159,82 +160,6 @@ def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bi
         precision=matmul_precision(cfg),
         rngs=rngs,
     )
-
-
-def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                  precision: jax.lax.Precision | None = None) -> jax.Array:
-    """Grouped-query attention against a head-major cache: ``q [b, t, nh, d]``,
-    ``k [b, kvh, d, s]`` (transposed), ``v [b, kvh, s, d]``, ``mask [b, t, s]``. The queries sharing
-    a kv head become the rows of one ``[g * t, d] x [d, s]`` matmul, the shape XLA runs fastest."""
-    b, t, nh, d = q.shape
-    kvh, s = k.shape[1], k.shape[3]
-    g = nh // kvh
-    rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-    scores = jnp.einsum("bkrd,bkds->bkrs", rows, k, preferred_element_type=jnp.float32,
-                        precision=precision).reshape(b, kvh, g, t, s)
-    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kvh, g * t, s)
-    out = jnp.einsum("bkrs,bksd->bkrd", probs, v, precision=precision)
-    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-           precision: jax.lax.Precision | None = None) -> jax.Array:
-    """Grouped-query attention. ``q [b, t, nh, d]``, ``k/v [b, s, kvh, d]``, ``mask [b, t, s]``."""
-    b, t, nh, d = q.shape
-    kvh = k.shape[2]
-    q = q.reshape(b, t, kvh, nh // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32, precision=precision)
-    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, precision=precision)
-    return out.reshape(b, t, nh, d)
-
-
-def attend_packed_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, window: int,
-                        block: int = 128, precision: jax.lax.Precision | None = None) -> jax.Array:
-    """Causal segment-masked attention that looks back at most ``window`` positions.
-
-    For packed rows whose segments are all at most ``window`` long this equals full attention,
-    at a cost of ``t * (window + block)`` scores per head instead of ``t * t``: the row is cut
-    into query blocks, and each attends only to the key blocks that can hold its segments.
-    """
-    b, t, nh, d = q.shape
-    bs = min(block, t)
-    pad = (-t) % bs
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
-    nb = (t + pad) // bs
-    back = -(-(max(window, 1) - 1) // bs)  # key blocks behind the query's own block
-    if back + 1 >= nb:
-        return attend_packed(q, k, v, segment_ids, precision)[:, :t]
-
-    def blocks(x: jax.Array) -> jax.Array:
-        return x.reshape(b, nb, bs, *x.shape[2:])
-
-    def slabs(x: jax.Array) -> jax.Array:
-        """``[b, nb, (back + 1) * bs, ...]``: for block i, the key blocks i - back .. i."""
-        xb = blocks(x)
-        xb = jnp.pad(xb, ((0, 0), (back, 0)) + ((0, 0),) * (xb.ndim - 2))  # zero segment = masked
-        return jnp.concatenate([xb[:, j : j + nb] for j in range(back + 1)], axis=2)
-
-    index = jnp.broadcast_to(jnp.arange(t + pad), segment_ids.shape)
-    seg_q, seg_k = blocks(segment_ids)[..., :, None], slabs(segment_ids)[..., None, :]
-    mask = (slabs(index)[..., None, :] <= blocks(index)[..., :, None]) & (seg_q == seg_k) & (seg_k != 0)
-    s = (back + 1) * bs
-    out = attend(blocks(q).reshape(b * nb, bs, nh, d), slabs(k).reshape(b * nb, s, *k.shape[2:]),
-                 slabs(v).reshape(b * nb, s, *v.shape[2:]), mask.reshape(b * nb, bs, s), precision)
-    return out.reshape(b, nb * bs, nh, d)[:, :t]
-
-
-def attend_packed(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
-                  precision: jax.lax.Precision | None = None) -> jax.Array:
-    """Full causal attention within segments; segment 0 is padding."""
-    t = q.shape[1]
-    causal = jnp.tril(jnp.ones((t, t), bool))
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return attend(q, k, v, causal[None] & same & (segment_ids[:, None, :] != 0), precision)
 
 
 def kv_head_replicas(num_kv_heads: int, logical_axis: str = "cache_kv_heads") -> int:

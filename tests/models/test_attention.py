@@ -13,7 +13,7 @@ import pytest
 
 from areal_jax.models import ModelConfig, load_pretrained
 from areal_jax.models import attention as attn
-from areal_jax.models.decoder import attend, attend_packed
+from areal_jax.models.attention import attend, attend_packed
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -96,7 +96,7 @@ def test_local_window_really_limits_the_look_back() -> None:
     q, k, v = _qkv(rng, 1, t)
     i = np.arange(t)
     band = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < w)
-    from areal_jax.models.decoder import attend
+    from areal_jax.models.attention import attend
 
     want = attend(q, k, v, jnp.asarray(band)[None])
     got = attn.dot_product_attention_packed(q, k, v, jnp.asarray(seg), window=w, implementation="xla")

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from areal_jax.data.packing import attention_block_pairs, build_packed_batch, pair_budget
-from areal_jax.models.attention import attend_packed_pairs
-from areal_jax.models.decoder import attend_packed
+from areal_jax.models.attention import attend_packed, attend_packed_pairs
 
 
 def _needed(lengths: list[int], row: int, block: int) -> set[tuple[int, int]]:

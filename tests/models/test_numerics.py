@@ -97,7 +97,7 @@ def _random_packed(rng, rows: int, t: int, max_len: int) -> tuple[np.ndarray, np
 def test_local_attention_equals_full_within_window(t: int, block: int, window: int) -> None:
     """Block-local attention over packed rows equals full attention when no segment is longer
     than the window, in value and gradient (blocks that do not divide the row are padded)."""
-    from areal_jax.models.decoder import attend_packed, attend_packed_local
+    from areal_jax.models.attention import attend_packed, attend_packed_local
 
     rng = np.random.default_rng(t + block + window)
     seg, _ = _random_packed(rng, 2, t, window)
