@@ -76,7 +76,7 @@ otherwise a fresh trainer process compiled 0.04 s a step, on average, inside the
 30-step run, as the answers grew into new attention pair budgets. Rows of 512 tokens (the longest
 trajectory), padded to 256, 384 or 512: a minibatch of about 1,650 tokens trains as three or four
 short rows, not one row of 2,048, and replayed on one core the bench's own batches trained in
-0.104 s a step against 0.173 s (2026-11-27, docs/results.md)."""
+0.104 s a step against 0.173 s (2026-11-27, CHANGELOG; docs/results/mb512_2026-11-27)."""
 
 DEMO_TASK: dict[str, Any] = {
     "batch_size": 16,
