@@ -85,7 +85,7 @@ def _stdio_test(i, code, stdin_text, payload):
             os.dup2(fd, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            os.closerange(3, 1 << 20)
+            os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
             os.unlink(stdin_path)
             _limit(limits, timeout_s)
             sys.stdin = open(0, closefd=False)
