@@ -22,6 +22,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import sys
 import time
@@ -139,9 +140,22 @@ def _stdio_test(i, code, stdin_text, payload):
                 break
         except ChildProcessError:
             break
+    _clear(payload["workdir"])  # the next test starts in an empty work dir, with all its room
     rc = os.waitstatus_to_exitcode(status)
     _send({"done": i, "rc": rc, "timed_out": timed_out, "truncated": truncated,
            "out": base64.b64encode(bytes(out)).decode(), "err": err.decode("utf-8", "replace")})
+
+
+def _clear(workdir):
+    for entry in os.listdir(workdir):
+        path = os.path.join(workdir, entry)
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        except OSError:
+            pass
 
 
 def _encode(v, depth=0):

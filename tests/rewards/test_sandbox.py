@@ -352,6 +352,10 @@ def test_right_answers_pass_with_stdin_files_and_a_clean_environment(monkeypatch
     assert run_tests("a, b = map(int, input().split())\nprint(a + b)", tests) == (30, 30, {})
     slow = [{"input": "", "output": "done"}] * 3  # three tests, each most of its timeout: the row budget fits them
     assert run_tests("import time\ntime.sleep(1.0)\nprint('done')", slow, timeout_s=2.5)[0] == 3
+    fill = ("import os\nif input() == 'fill':\n    for i in range(5):\n"  # 75 MiB, past the 64 MiB work dir
+            "        try:\n            open(f'f{i}', 'wb').write(b'x' * (15 << 20))\n        except OSError:\n"
+            "            pass\nprint(len(os.listdir('.')))\n")
+    assert run_tests(fill, [{"input": "fill", "output": "5"}, {"input": "x", "output": "0"}]) == (2, 2, {})
     wrong = run_tests("print(int(input()) * 3)", [{"input": "1", "output": "3"}, {"input": "2", "output": "4"}])
     assert wrong == (1, 2, {"error": "test 1: wrong output"})
 
