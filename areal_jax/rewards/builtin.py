@@ -100,7 +100,8 @@ def code_reward(prompt: str, completion: str, tests: Any = None, *, all_or_nothi
     if code is None:
         return 0.0, {"passed": 0, "total": _count(tests), "error": "no fenced code block"}
     passed, total, detail = run_tests(code, tests, timeout_s=timeout_s, memory_mb=memory_mb,
-                                      row_timeout_s=row_timeout_s, unsandboxed=unsandboxed)
+                                      row_timeout_s=row_timeout_s, unsandboxed=unsandboxed,
+                                      stop_at_first_failure=all_or_nothing)
     score = float(passed == total) if all_or_nothing else passed / max(total, 1)
     return score, {"passed": passed, "total": total, **detail}
 

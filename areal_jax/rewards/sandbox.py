@@ -55,11 +55,12 @@ _MAX_LINE = 4 << 20
 
 def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int = 512,
               row_timeout_s: float = 60.0, max_output: int = MAX_OUTPUT, unsandboxed: bool = False,
-              ) -> tuple[int, int, dict[str, Any]]:
+              stop_at_first_failure: bool = False) -> tuple[int, int, dict[str, Any]]:
     """``(passed, total, detail)`` of ``code`` on ``tests``: a list of ``{"input", "output"}``
     pairs (stdin to stdout, compared line by line with trailing spaces stripped), a string of
     ``assert`` code (one test), or a list of such strings (one test each). ``timeout_s`` bounds
-    each test, ``timeout_s * len(tests)`` (at most ``row_timeout_s``) the whole row."""
+    each test, ``timeout_s * len(tests)`` (at most ``row_timeout_s``) the whole row.
+    ``stop_at_first_failure``: the rest fail unrun (an all-or-nothing reward needs no more)."""
     iso = isolation.require(unsandboxed)
     if isinstance(tests, str):
         tests = [tests]
@@ -86,25 +87,31 @@ def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int =
         split = [_split_asserts(t) for t in tests]
         payload_tests, expected = [s for s, _ in split], [table for _, table in split]
     while len(verdicts) < n:
+        if stop_at_first_failure and not all(verdicts.values()):
+            for i in range(n):
+                fail(i, "not run: an earlier test failed")
+            break
         todo = [i for i in range(n) if i not in verdicts]
         if time.monotonic() >= row_deadline:
             for i in todo:
                 fail(i, f"row budget of {min(timeout_s * n, row_timeout_s):g}s used up")
             break
         nonce = secrets.token_hex(16)
-        judge = _Judge(todo, stdio, expected, nonce, verdicts, fail)
+        judge = _Judge(todo, stdio, expected, nonce, verdicts, fail, stop_at_first_failure)
         payload = {"mode": "stdio" if stdio else "asserts", "code": code, "tests": [payload_tests[i] for i in todo],
                    "nonce": nonce, "timeout_s": timeout_s, "max_output": max_output,
                    "limits": {"as": memory_mb << 20, "fsize": 16 << 20, "nofile": 64, "nproc": 64}}
         ended = _run_sandbox(iso, payload, judge.on_message, per_test_s=timeout_s + (2.0 if stdio else 0.0),
                              row_deadline=row_deadline)
-        if judge.load_error is not None:
+        if judge.load_error is not None or judge.loading:  # the solution itself failed or hung: every test would
             for i in todo:
-                fail(i, judge.load_error)
+                fail(i, judge.load_error or f"the solution's own code: {ended.get('why') or 'it ended'}")
             break
         undecided = [i for i in todo if i not in verdicts]
         if not undecided:
             break
+        if stop_at_first_failure and not all(verdicts.values()):
+            continue  # the top of the loop fails the rest
         culprit = judge.current if judge.current in undecided else undecided[0]
         if judge.current is None and not ended.get("timed_out"):  # it never got to a test: it would not now
             for i in undecided:
@@ -120,10 +127,12 @@ class _Judge:
     that stayed out here."""
 
     def __init__(self, todo: list[int], stdio: bool, expected: list[Any], nonce: str, verdicts: dict[int, bool],
-                 fail: Callable[[int, str], None]):
+                 fail: Callable[[int, str], None], stop_at_first_failure: bool):
         self.todo, self.stdio, self.expected, self.nonce = todo, stdio, expected, nonce
-        self.verdicts, self.fail = verdicts, fail
+        self.verdicts, self.fail, self.stop_early = verdicts, fail, stop_at_first_failure
         self.current: int | None = None
+        self.loading = False
+        """Between ``start -1`` and the first test: the solution's own module code runs."""
         self.load_error: str | None = None
         self.seen: dict[int, set[int]] = {}
         self.wrong: dict[int, str] = {}
@@ -131,9 +140,15 @@ class _Judge:
     def _index(self, j: Any) -> int | None:
         return self.todo[j] if isinstance(j, int) and 0 <= j < len(self.todo) else None
 
-    def on_message(self, msg: dict[str, Any]) -> None:
+    def on_message(self, msg: dict[str, Any]) -> bool:
+        """Judge ``msg``; ``True`` when the run need not go on."""
+        self._judge(msg)
+        return self.stop_early and not all(self.verdicts.get(i, True) for i in self.todo)
+
+    def _judge(self, msg: dict[str, Any]) -> None:
         if "start" in msg:
             self.current = self._index(msg["start"])
+            self.loading = msg["start"] == -1 and not self.stdio
         elif "done" in msg and self.stdio:
             i = self._index(msg["done"])
             if i is None or i in self.verdicts:
@@ -185,11 +200,11 @@ class _Judge:
             self.load_error = str(msg["load_error"])[:300]
 
 
-def _run_sandbox(iso: isolation.Isolation, payload: dict[str, Any], on_message: Callable[[dict[str, Any]], None],
+def _run_sandbox(iso: isolation.Isolation, payload: dict[str, Any], on_message: Callable[[dict[str, Any]], Any],
                  *, per_test_s: float, row_deadline: float) -> dict[str, Any]:
     """Run the harness on ``payload`` in the sandbox, feeding each of its messages to
-    ``on_message`` as it arrives; returns ``{"timed_out", "why", "stdout", "stderr"}``. The
-    sandbox's whole process tree is gone on return."""
+    ``on_message`` as it arrives (a true answer stops the run); returns ``{"timed_out", "why",
+    "stdout", "stderr"}``. The sandbox's whole process tree is gone on return."""
     workdir = None
     if iso.kind == "bwrap":
         argv = [*iso.argv, isolation.harness_source()]
@@ -234,7 +249,7 @@ def _run_sandbox(iso: isolation.Isolation, payload: dict[str, Any], on_message: 
     return result
 
 
-def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, Any]], None], per_test_s: float,
+def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, Any]], Any], per_test_s: float,
           row_deadline: float, result: dict[str, Any]) -> None:
     """Read the harness's messages and the sandbox's own stdout/stderr (a bounded head and tail)
     until it ends, a message is malformed, or a deadline passes."""
@@ -275,7 +290,8 @@ def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, An
                             return
                         if "start" in msg:
                             test_deadline = time.monotonic() + per_test_s
-                        on_message(msg)
+                        if on_message(msg):
+                            return
                     if len(line) > _MAX_LINE:
                         result["why"] = "the sandbox's harness sent an oversized message"
                         return

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.rewards import isolation
+from areal_jax.rewards import isolation, sandbox
 from areal_jax.rewards.sandbox import run_program, run_tests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,6 +247,29 @@ def test_three_hundred_passing_asserts_score_one_quickly() -> None:
     passed, total, detail = run_tests(code, broken)
     assert (passed, total) == (300, 301) and "test 150" in detail["error"]
 
+
+
+@needs_sandbox
+def test_a_hung_solution_or_a_first_failure_ends_the_row_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solution whose own code hangs fails every test after one timeout, not one per test; with
+    ``stop_at_first_failure`` (all-or-nothing rewards) the tests after a failure never run."""
+    runs: list[list[dict]] = []
+    real = sandbox._run_sandbox
+
+    def recording(iso, payload, on_message, **kw):
+        seen: list[dict] = []
+        runs.append(seen)
+        return real(iso, payload, lambda m: seen.append(m) or on_message(m), **kw)
+
+    monkeypatch.setattr(sandbox, "_run_sandbox", recording)
+    passed, total, detail = run_tests("while True:\n    pass\n", ["assert True"] * 5, timeout_s=1)
+    assert (passed, total) == (0, 5) and "the solution's own code: timed out" in detail["error"] and len(runs) == 1
+    runs.clear()
+    tests = [{"input": "1", "output": "wrong"}] + [{"input": "slow", "output": ""}] * 4
+    got = run_tests("import time\nif input() == 'slow':\n    time.sleep(100)\nprint(1)", tests, timeout_s=30,
+                    stop_at_first_failure=True)
+    assert got == (0, 5, {"error": "test 0: wrong output"})
+    assert len(runs) == 1 and [m["done"] for m in runs[0] if "done" in m] == [0]
 
 # --- bounded everything -------------------------------------------------------------------------------
 
