@@ -5,12 +5,15 @@
   (``_harness.py``) sets the resource limits (address space, CPU, file size, open files,
   processes) before the solution runs.
 * **A pass the solution cannot forge**: the expected answers never enter the sandbox. Stdin/stdout
-  tests are compared here with the output the harness captured. In assert tests, each ``assert
-  <expr> == <literal>`` is rewritten to report ``<expr>``'s value, compared here with the literal;
-  and a test counts as passed only when the harness, after the test's last statement, sends the
-  run's random nonce. ``SystemExit``, ``os._exit``, a signal, an ``atexit`` hook, a closed or
-  hijacked fd, a replaced ``print`` all leave the test unpassed. What remains: an assert that is not
-  of that form is judged inside the solution's process, so a solution that reads the harness's
+  tests are compared here with the output the harness captured. In assert tests, the calls into
+  the solution run inside and report their values, and the rest of each assertion (the literals:
+  the answers) is evaluated here (``asserts.py``: ``assert add(1, 2) == 3``, ``assert abs(f(x) -
+  0.5) < 1e-6``, ``sorted``, ``len``, ``math.isclose``...). A test counts as passed only when the
+  harness, after the test's last statement, sends the run's random nonce, and every assertion
+  judged here held and ran. ``SystemExit``, ``os._exit``, a signal, an ``atexit`` hook, a closed
+  or hijacked fd, a replaced ``print``, an object equal to everything all leave the test
+  unpassed. What remains: an assertion ``asserts.py`` cannot split (``assert check(f)``, ``and``,
+  ``type(...)``) is judged inside the solution's process, so a solution that reads the harness's
   memory (its frames, ``gc``) could forge the nonce for it.
 * **Bounded**: output is read incrementally and capped (``max_output`` bytes, then the program is
   stopped: it cannot match any more), each test has its own timeout and the row a budget of
@@ -25,7 +28,6 @@
 
 from __future__ import annotations
 
-import ast
 import base64
 import json
 import logging
@@ -40,7 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from areal_jax.rewards import isolation
+from areal_jax.rewards import asserts, isolation
 from areal_jax.rewards.isolation import SandboxUnavailable
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int =
     if stdio:
         payload_tests, expected = [str(t["input"]) for t in tests], [str(t["output"]) for t in tests]
     else:
-        split = [_split_asserts(t) for t in tests]
+        split = [asserts.split_asserts(t) for t in tests]
         payload_tests, expected = [s for s, _ in split], [table for _, table in split]
     while len(verdicts) < n:
         if stop_at_first_failure and not all(verdicts.values()):
@@ -171,13 +173,10 @@ class _Judge:
             if i is None or not isinstance(k, int) or k not in self.expected[i]:
                 return
             self.seen.setdefault(i, set()).add(k)
-            want = self.expected[i][k]
             try:
-                ok = _decode(enc) == want
-            except (ValueError, TypeError, RecursionError, OverflowError) as e:
-                ok, why = False, f"{e}"
-            else:
-                why = f"got a value != {want!r:.100}"
+                ok, why = asserts.judge(self.expected[i][k], enc), "it does not hold for the values reported"
+            except Exception as e:  # noqa: BLE001 - values from the solution: any failure to judge them is a fail
+                ok, why = False, f"{type(e).__name__}: {e}"[:300]
             if not ok:
                 self.wrong.setdefault(i, f"assertion {k} failed: {why}")
         elif "pass" in msg and not self.stdio:
@@ -329,68 +328,6 @@ def run_program(source: str, stdin: str = "", *, timeout_s: float = 5.0, memory_
     return {"returncode": got.get("rc"), "timed_out": bool(got.get("timed_out")),
             "stdout": base64.b64decode(str(got.get("out", ""))).decode("utf-8", "replace"),
             "stderr": str(got.get("err", ""))}
-
-
-def _split_asserts(source: str) -> tuple[str, dict[int, Any]]:
-    """``source`` with each ``assert <expr> == <literal>`` (either side) turned into a report of
-    ``<expr>``'s value, and the literals by report number: the answers stay out of the sandbox."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return source, {}  # the harness's compile reports it
-    table: dict[int, Any] = {}
-
-    class Rewrite(ast.NodeTransformer):
-        def visit_Assert(self, node: ast.Assert) -> ast.AST:
-            t = node.test
-            if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq):
-                for expr, lit in ((t.left, t.comparators[0]), (t.comparators[0], t.left)):
-                    try:
-                        want = ast.literal_eval(lit)
-                    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                        continue
-                    k = len(table)
-                    table[k] = want
-                    call = ast.Call(ast.Name("__areal_check__", ast.Load()), [ast.Constant(k), expr], [])
-                    return ast.copy_location(ast.Expr(call), node)
-            return self.generic_visit(node)
-
-    tree = ast.fix_missing_locations(Rewrite().visit(tree))
-    return ast.unparse(tree), table
-
-
-def _decode(x: Any, depth: int = 0) -> Any:
-    """The value the harness encoded (``_harness._encode``), rebuilt from builtin types only."""
-    if depth > 100:
-        raise ValueError("nested more than 100 deep")
-    if x is None or isinstance(x, bool | int | str):
-        return x
-    if isinstance(x, list):
-        return [_decode(v, depth + 1) for v in x]
-    if isinstance(x, dict) and len(x) == 1:
-        (tag, v), = x.items()
-        if tag == "f" and isinstance(v, str):
-            return float(v)
-        if tag == "c" and isinstance(v, list) and len(v) == 2:
-            return complex(float(v[0]), float(v[1]))
-        if tag == "b" and isinstance(v, str):
-            return bytes.fromhex(v)
-        if tag in ("t", "s", "d") and isinstance(v, list):
-            items = [_decode(e, depth + 1) for e in v]
-            if tag == "t":
-                return tuple(items)
-            if tag == "s":
-                return set(items)
-            if all(isinstance(e, list) and len(e) == 2 for e in items):
-                return {_hashable(a): b for a, b in items}
-        if tag == "x":
-            raise ValueError(f"the value could not be reported ({str(v)[:200]})")
-    raise ValueError("a malformed value")
-
-
-def _hashable(v: Any) -> Any:
-    hash(v)
-    return v
 
 
 def _same_output(got: str, want: str) -> bool:

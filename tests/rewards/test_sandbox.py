@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.rewards import isolation, sandbox
+from areal_jax.rewards import asserts, isolation, sandbox
 from areal_jax.rewards.sandbox import run_program, run_tests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -226,13 +226,38 @@ def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
              "f('d') == {'a': (1,)}", "f('od') == {'a': 1}", "f('c') == {'a': 2, 'b': 1}", "f('b') == b'\\x00x'",
              "f('x') == 1 + 2j", "f('n') == None", "f('tf') == 1", "f('i') == 10 ** 30",
              "f('i') == 1000000000000000000000000000000",
-             "f('nan') == float('nan')", "f('u') == 'é'", "(1, 2) == f('t')", "f('s') == set()", "f('tf') == False"]
-    for case in cases:
-        ns: dict = {}
-        exec(code, ns)
-        plain = eval(case, ns)
-        got = run_tests(code, f"assert {case}")[0]
-        assert got == int(plain), (case, plain)
+             "f('nan') == float('nan')", "f('u') == 'é'", "(1, 2) == f('t')", "f('s') == set()", "f('tf') == False",
+             # judged outside with arithmetic and builtins around the calls
+             "abs(f('l')[1][0] - 2.4) < 0.2", "abs(f('l')[1][0] - 2.4) < 0.05", "math.isclose(f('l')[1][0], 2.5)",
+             "sorted(f('s'), reverse=True) == [2, 1]", "len(f('c')) == 2", "f('n') is None", "f('tf') is True",
+             "2 in f('s')", "not f('n')", "f('i') // 10 ** 29 == 10", "round(f('x').real) == 1 == f('t')[0]",
+             "sorted(f('d'), key=len) == ['a']", "f('x') ** 2 == -3 + 4j", "{**f('d')} == {'a': (1,)}",
+             "type(f('t')) == tuple", "f('t') and f('s')"]
+    tests = [f"assert {case}" for case in cases]
+    outside = sum(len(asserts.split_asserts(t)[1]) for t in tests)
+    assert outside == len(cases) - 3  # all but `**`, `type(...)` and `and`: those run inside
+    ns: dict = {}
+    exec(code, ns)
+    plain = [bool(eval(case, ns)) for case in cases]
+    got = run_tests(code, tests)
+    assert got[:2] == (sum(plain), len(cases)), (got, [c for c, p in zip(cases, plain, strict=True) if not p])
+    failing = [t for t, p in zip(tests, plain, strict=True) if not p]
+    assert len(failing) == 5 and run_tests(code, failing)[0] == 0  # and it is those that fail
+
+
+def test_values_from_the_solution_cannot_make_the_judge_work_without_bound() -> None:
+    """The judge rebuilds reported values from builtin types only and refuses what would blow up."""
+    src = "assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]"
+    _, table = asserts.split_asserts(src)
+    assert asserts.judge(table[0], {"t": [2]}) and not asserts.judge(table[1], {"t": ["x"]})
+    with pytest.raises(ValueError, match="exponent"):
+        asserts.judge(table[0], {"t": [10 ** 6]})
+    with pytest.raises(ValueError, match="size limit"):
+        asserts.judge(table[1], {"t": ["x" * 1000]})
+    for bad in ({"t": [{"q": 1}]}, {"t": [{"f": 1}]}, [1], {"t": [{"x": "TypeError: a Foo"}]},
+                {"t": [{"d": [[[1], 2]]}]}):  # unknown tag, bad float, not a tuple, unencodable, unhashable key
+        with pytest.raises((ValueError, TypeError)):
+            asserts.judge(table[2], bad)
 
 
 @needs_sandbox
