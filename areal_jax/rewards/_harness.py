@@ -3,18 +3,21 @@ one row's work from stdin, runs it, and reports on fd 3. Standard library only; 
 imports areal_jax, since the sandbox shows the interpreter and nothing else.
 
 Its stdin is a JSON payload: ``mode`` (``stdio`` or ``asserts``), the solution's ``code``,
-``tests`` (stdin strings, or assert code with the expected values of ``assert <expr> ==
-<literal>`` taken out), ``nonce``, ``limits`` and ``timeout_s``. It answers one JSON line per event
-on fd 3: ``{"start": i}`` when test ``i`` starts (the outside restarts its per-test clock), then
+``tests`` (stdin strings, or assert code in which the assertions judged outside became
+``__areal_check__(k, (values...))``: see ``asserts.py``), ``nonce``, ``limits``, ``timeout_s``,
+``max_output``, ``workdir``, ``own_pid_namespace`` and ``result_fd``. It answers one JSON line per
+event on the result fd: ``{"start": i}`` when test ``i`` starts (``-1``: the solution's own code;
+the outside restarts its per-test clock), then
 
 * stdio: ``{"done": i, "rc", "out" (base64, at most ``max_output`` bytes), "truncated",
   "err" (stderr's tail), "timed_out"}``; each test is a fresh fork of this clean program, in
   its own process group, and every process it left is killed before the next test.
-* asserts: ``{"val": [i, k, encoded value]}`` for each rewritten assertion the test evaluates,
-  and ``{"pass": i, "nonce": ...}`` only after the last statement of test ``i`` returned. A
-  ``SystemExit``, any exception, ``os._exit``, a signal or a closed fd 3 means no ``pass``.
+* asserts: ``{"val": [i, k, encoded values]}`` each time a split assertion runs, and ``{"pass":
+  i, "nonce": ...}`` only after the last statement of test ``i`` returned (``{"fail": i,
+  "error"}`` on an exception; ``{"load_error"}`` when the solution's own code raised). A
+  ``SystemExit``, ``os._exit``, a signal or a closed result fd means no ``pass``.
 
-The outside compares outputs and values with the expected ones, which never enter the sandbox.
+The outside compares outputs, and judges the values, with answers that never enter the sandbox.
 """
 
 import base64
@@ -165,7 +168,8 @@ def _encode(v, depth=0):
     if v is None or isinstance(v, (bool, str)):
         return v if type(v) in (type(None), bool, str) else str.__str__(v)
     if isinstance(v, int):
-        return int(v)
+        v = int(v)  # past 4300 decimal digits JSON cannot write it: hex has no such limit
+        return v if v.bit_length() < 10000 else {"i": format(v, "x")}
     if isinstance(v, float):
         return {"f": float.__repr__(float(v))}
     if isinstance(v, complex):

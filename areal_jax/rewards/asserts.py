@@ -19,6 +19,7 @@ import ast
 import builtins
 import math
 import operator
+import sys
 from typing import Any
 
 _CALLS: dict[str, Any] = {
@@ -87,12 +88,14 @@ def _is_math_constant(node: ast.expr) -> bool:
 def _solution_call(hole: ast.expr, imported: set[str]) -> bool:
     """Whether ``hole`` is a call into the solution (or a part of its result): its root is a
     call of a name that is neither a Python builtin nor imported by the test. Anything else
-    (``type(x)``, ``Fraction(1, 2)``, a bare name) may not be a plain value, and stays inside."""
+    (``type(x)``, ``Fraction(1, 2)``, ``math.factorial(9)``, a bare name) may not be a plain
+    value, and stays inside."""
     node, called = hole, False
     while isinstance(node, ast.Call | ast.Attribute | ast.Subscript):
         called = called or isinstance(node, ast.Call)
         node = node.func if isinstance(node, ast.Call) else node.value
-    return called and isinstance(node, ast.Name) and node.id not in imported and not hasattr(builtins, node.id)
+    return (called and isinstance(node, ast.Name) and node.id not in imported and not hasattr(builtins, node.id)
+            and node.id not in sys.stdlib_module_names)
 
 
 def split_asserts(source: str) -> tuple[str, dict[int, ast.AST]]:
@@ -177,9 +180,10 @@ def _evaluate(node: ast.AST, holes: tuple) -> Any:
 
 def _check_size(op: ast.operator, a: Any, b: Any) -> None:
     """Refuse an operation whose result would be huge (the values came from the solution)."""
-    if isinstance(op, ast.Pow) and isinstance(b, int) and abs(b) > 10_000 and not (
-            isinstance(a, int) and abs(a) <= 1):
-        raise ValueError("an exponent past 10000")
+    if isinstance(op, ast.Pow | ast.Mult) and isinstance(a, int) and isinstance(b, int):
+        bits = a.bit_length() * b if isinstance(op, ast.Pow) else a.bit_length() + b.bit_length()
+        if bits > _MAX_SIZE and abs(a) > 1:
+            raise ValueError("an integer past the size limit")
     if isinstance(op, ast.Mult):
         for seq, count in ((a, b), (b, a)):
             if isinstance(seq, str | bytes | list | tuple) and isinstance(count, int) and len(seq) * count > _MAX_SIZE:
@@ -198,6 +202,8 @@ def decode(x: Any, depth: int = 0) -> Any:
         (tag, v), = x.items()
         if tag == "f" and isinstance(v, str):
             return float(v)
+        if tag == "i" and isinstance(v, str) and len(v) <= _MAX_SIZE // 4:
+            return int(v, 16)
         if tag == "c" and isinstance(v, list) and len(v) == 2:
             return complex(float(v[0]), float(v[1]))
         if tag == "b" and isinstance(v, str):

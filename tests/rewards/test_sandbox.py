@@ -221,7 +221,8 @@ def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
             "def f(k):\n    return {'t': (1, 2), 'l': [1, [2.5]], 's': {1, 2}, 'fs': frozenset({3}),\n"
             "            'd': {'a': (1,)},\n"
             "            'od': collections.OrderedDict(a=1), 'c': collections.Counter('aab'), 'b': b'\\x00x',\n"
-            "            'x': 1 + 2j, 'n': None, 'tf': True, 'i': 10 ** 30, 'nan': math.nan, 'u': 'é'}[k]\n")
+            "            'x': 1 + 2j, 'n': None, 'tf': True, 'i': 10 ** 30, 'nan': math.nan, 'u': 'é',\n"
+            "            'big': math.factorial(3000)}[k]\n")
     cases = ["f('t') == (1, 2)", "f('t') == [1, 2]", "f('l') == [1, [2.5]]", "f('s') == {2, 1}", "f('fs') == {3}",
              "f('d') == {'a': (1,)}", "f('od') == {'a': 1}", "f('c') == {'a': 2, 'b': 1}", "f('b') == b'\\x00x'",
              "f('x') == 1 + 2j", "f('n') == None", "f('tf') == 1", "f('i') == 10 ** 30",
@@ -232,10 +233,10 @@ def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
              "sorted(f('s'), reverse=True) == [2, 1]", "len(f('c')) == 2", "f('n') is None", "f('tf') is True",
              "2 in f('s')", "not f('n')", "f('i') // 10 ** 29 == 10", "round(f('x').real) == 1 == f('t')[0]",
              "sorted(f('d'), key=len) == ['a']", "f('x') ** 2 == -3 + 4j", "{**f('d')} == {'a': (1,)}",
-             "type(f('t')) == tuple", "f('t') and f('s')"]
+             "type(f('t')) == tuple", "f('t') and f('s')", "f('big') == math.factorial(3000)"]
     tests = [f"assert {case}" for case in cases]
     outside = sum(len(asserts.split_asserts(t)[1]) for t in tests)
-    assert outside == len(cases) - 3  # all but `**`, `type(...)` and `and`: those run inside
+    assert outside == len(cases) - 4  # all but `**`, `type(...)`, `and`, `math.factorial`: those run inside
     ns: dict = {}
     exec(code, ns)
     plain = [bool(eval(case, ns)) for case in cases]
@@ -247,11 +248,12 @@ def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
 
 def test_values_from_the_solution_cannot_make_the_judge_work_without_bound() -> None:
     """The judge rebuilds reported values from builtin types only and refuses what would blow up."""
-    src = "assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]"
+    src = "assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]\nassert f(4) == 2 ** 20000"
     _, table = asserts.split_asserts(src)
     assert asserts.judge(table[0], {"t": [2]}) and not asserts.judge(table[1], {"t": ["x"]})
-    with pytest.raises(ValueError, match="exponent"):
-        asserts.judge(table[0], {"t": [10 ** 6]})
+    assert asserts.judge(table[3], {"t": [{"i": format(2 ** 20000, "x")}]})  # past JSON's 4300 digits
+    with pytest.raises(ValueError, match="size limit"):
+        asserts.judge(table[0], {"t": [10 ** 7]})
     with pytest.raises(ValueError, match="size limit"):
         asserts.judge(table[1], {"t": ["x" * 1000]})
     for bad in ({"t": [{"q": 1}]}, {"t": [{"f": 1}]}, [1], {"t": [{"x": "TypeError: a Foo"}]},
