@@ -90,7 +90,7 @@ def _bwrap_args(bwrap: str, python: str, prefix: str, source: str, as_root: bool
     if not (exe_dir + os.sep).startswith(prefix + os.sep):
         args += ["--ro-bind", exe_dir, exe_dir]
     args += ["--dev", "/dev", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp",
-             "--", python, "-I", "-B", "-c"]
+             "--", python, "-I", "-S", "-B", "-c"]
     return args
 
 

@@ -212,7 +212,7 @@ def _run_sandbox(iso: isolation.Isolation, payload: dict[str, Any], on_message: 
     else:  # reward.unsandboxed: the same harness and bounds, no isolation
         python, _ = isolation.interpreter()
         workdir = tempfile.mkdtemp(prefix="areal-sandbox-")
-        argv = [python, "-I", "-B", "-c", isolation.harness_source()]
+        argv = [python, "-I", "-S", "-B", "-c", isolation.harness_source()]
         env = isolation.sandbox_env(workdir)
         payload["workdir"], payload["own_pid_namespace"] = workdir, False
     res_r, res_w = os.pipe()

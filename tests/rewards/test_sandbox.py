@@ -406,6 +406,8 @@ def test_right_answers_pass_with_stdin_files_and_a_clean_environment(monkeypatch
             "        try:\n            open(f'f{i}', 'wb').write(b'x' * (15 << 20))\n        except OSError:\n"
             "            pass\nprint(len(os.listdir('.')))\n")
     assert run_tests(fill, [{"input": "fill", "output": "5"}, {"input": "x", "output": "0"}]) == (2, 2, {})
+    exits = [{"input": "5", "output": "5"}, {"input": "0", "output": "0"}]  # exit() and quit() without `site`
+    assert run_tests("n = input()\nprint(n)\nexit() if n == '5' else quit(0)\nprint('not here')", exits)[0] == 2
     wrong = run_tests("print(int(input()) * 3)", [{"input": "1", "output": "3"}, {"input": "2", "output": "4"}])
     assert wrong == (1, 2, {"error": "test 1: wrong output"})
 
