@@ -431,6 +431,22 @@ def test_without_isolation_code_rewards_refuse_with_how_to_get_it(monkeypatch: p
         isolation.detect.cache_clear()
 
 
+def test_training_with_code_rewards_and_no_isolation_stops_first_saying_how_to_get_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from areal_jax.cli import main
+
+    monkeypatch.setattr(isolation, "_candidates", lambda: [])
+    isolation.detect.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--config", str(ROOT / "configs" / "demo.yaml"), f"run_dir={tmp_path}", "reward.name=code"])
+    finally:
+        isolation.detect.cache_clear()
+    message = str(e.value.code)
+    assert message.startswith("areal-jax train: code rewards refuse") and "apt-get install -y bubblewrap" in message
+    assert not (tmp_path / "base").exists() and not (tmp_path / "logs").exists()  # before any model or server
+
+
 def test_the_sandbox_refuses_a_mix_of_test_kinds() -> None:
     with pytest.raises(ValueError, match="not a mix"):
         run_tests("x = 1", ["assert x == 1", {"input": "", "output": ""}], unsandboxed=True)
