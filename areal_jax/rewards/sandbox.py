@@ -13,8 +13,8 @@
   judged here held and ran. ``SystemExit``, ``os._exit``, a signal, an ``atexit`` hook, a closed
   or hijacked fd, a replaced ``print``, an object equal to everything all leave the test
   unpassed. What remains: an assertion ``asserts.py`` cannot split (``assert check(f)``, ``and``,
-  ``type(...)``) is judged inside the solution's process, so a solution that reads the harness's
-  memory (its frames, ``gc``) could forge the nonce for it.
+  ``type(...)``) is judged inside the solution's process, so an object equal to everything, or a
+  solution that reads the harness's memory (its frames, ``gc``) for the nonce, could pass it.
 * **Bounded**: output is read incrementally and capped (``max_output`` bytes, then the program is
   stopped: it cannot match any more), each test has its own timeout and the row a budget of
   ``timeout_s`` per test (at most ``row_timeout_s``); on any timeout the sandbox's process group

@@ -205,13 +205,20 @@ CHEATS = {
 }
 
 
+INSIDE = "def check(f):\n    return f(1, 2) == 3 and f(2, 2) == 4\nassert check(add)\n"
+"""A test judged inside the solution's process (it cannot be split): only the nonce guards it."""
+
+
 @needs_sandbox
 def test_wrong_solutions_that_cheat_score_zero() -> None:
-    assert run_tests(WRONG.replace("a - b", "a + b"), TESTS) == (1, 1, {})  # the tests pass a right answer
+    right = WRONG.replace("a - b", "a + b")
+    assert run_tests(right, TESTS) == (1, 1, {}) and run_tests(right, INSIDE) == (1, 1, {})
+    assert asserts.split_asserts(INSIDE)[1] == {} and len(asserts.split_asserts(TESTS)[1]) == 3
     for name, code in CHEATS.items():
         passed, total, detail = run_tests(code, TESTS, timeout_s=5)
-        assert (passed, total) == (0, 1), (name, detail)
-        assert detail.get("error"), name
+        assert (passed, total) == (0, 1) and detail.get("error"), (name, detail)
+        if name != "always-equal object":  # inside the process an object equal to everything wins: see BUILD.md
+            assert run_tests(code, INSIDE, timeout_s=5)[0] == 0, name
 
 
 @needs_sandbox
