@@ -50,6 +50,9 @@ class RewardConfig:
     """``code``: wall-clock limit of one sandboxed run."""
     code_memory_mb: int = 512
     """``code``: address-space limit of each sandboxed process."""
+    code_max_processes: int = 16
+    """``code``: processes and threads one sandboxed answer may have at once (its harness counts);
+    its memory is at most this times ``code_memory_mb``, plus 64 MiB of files."""
     code_row_timeout_s: float = 60.0
     """``code``: most wall-clock time for all of one answer's tests (each gets ``code_timeout_s``);
     the pool's limit for a code call grows to fit it."""
@@ -69,7 +72,8 @@ class RewardConfig:
     def fn_kwargs(self) -> dict[str, Any]:
         if self.name == "code":
             return {"all_or_nothing": self.code_all_or_nothing, "timeout_s": self.code_timeout_s,
-                    "memory_mb": self.code_memory_mb, "row_timeout_s": self.code_row_timeout_s,
+                    "memory_mb": self.code_memory_mb, "max_processes": self.code_max_processes,
+                    "row_timeout_s": self.code_row_timeout_s,
                     "unsandboxed": self.unsandboxed}
         return {}
 

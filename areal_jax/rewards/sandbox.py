@@ -55,7 +55,7 @@ _MAX_LINE = 4 << 20
 """A harness message longer than this is a protocol violation (base64 output fits well inside)."""
 
 
-def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int = 512,
+def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 16,
               row_timeout_s: float = 60.0, max_output: int = MAX_OUTPUT, unsandboxed: bool = False,
               stop_at_first_failure: bool = False) -> tuple[int, int, dict[str, Any]]:
     """``(passed, total, detail)`` of ``code`` on ``tests``: a list of ``{"input", "output"}``
@@ -102,7 +102,7 @@ def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int =
         judge = _Judge(todo, stdio, expected, nonce, verdicts, fail, stop_at_first_failure)
         payload = {"mode": "stdio" if stdio else "asserts", "code": code, "tests": [payload_tests[i] for i in todo],
                    "nonce": nonce, "timeout_s": timeout_s, "max_output": max_output,
-                   "limits": {"as": memory_mb << 20, "fsize": 16 << 20, "nofile": 64, "nproc": 64}}
+                   "limits": _limits(memory_mb, max_processes)}
         ended = _run_sandbox(iso, payload, judge.on_message, per_test_s=timeout_s + (2.0 if stdio else 0.0),
                              row_deadline=row_deadline)
         if judge.load_error is not None or judge.loading:  # the solution itself failed or hung: every test would
@@ -299,6 +299,13 @@ def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, An
         result["stdout"], result["stderr"] = bytes(out), bytes(err)
 
 
+def _limits(memory_mb: int, max_processes: int) -> dict[str, int]:
+    """The resource limits the harness sets before the solution runs: per process address space,
+    file size (16 MiB) and open files (64); processes and threads of the sandbox's uid (its init
+    and the harness count). Memory at worst: ``max_processes * memory_mb`` plus the tmpfs."""
+    return {"as": memory_mb << 20, "fsize": 16 << 20, "nofile": 64, "nproc": max_processes}
+
+
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
@@ -307,7 +314,7 @@ def _kill_group(pgid: int) -> None:
 
 
 def run_program(source: str, stdin: str = "", *, timeout_s: float = 5.0, memory_mb: int = 512,
-                unsandboxed: bool = False) -> dict[str, Any]:
+                max_processes: int = 16, unsandboxed: bool = False) -> dict[str, Any]:
     """Run ``source`` as a Python program in the sandbox (one stdin/stdout test, nothing to
     compare); returns ``returncode``, ``stdout``, ``stderr`` and ``timed_out``."""
     iso = isolation.require(unsandboxed)
@@ -318,8 +325,7 @@ def run_program(source: str, stdin: str = "", *, timeout_s: float = 5.0, memory_
             got.update(msg)
 
     payload = {"mode": "stdio", "code": source, "tests": [stdin], "nonce": "", "timeout_s": timeout_s,
-               "max_output": MAX_OUTPUT, "limits": {"as": memory_mb << 20, "fsize": 16 << 20, "nofile": 64,
-                                                    "nproc": 64}}
+               "max_output": MAX_OUTPUT, "limits": _limits(memory_mb, max_processes)}
     ended = _run_sandbox(iso, payload, keep, per_test_s=timeout_s + 2.0,
                          row_deadline=time.monotonic() + STARTUP_S + timeout_s + 2.0)
     if not got:
