@@ -8,6 +8,9 @@ rest of the condition (the *skeleton*, with the literals: the answers) is evalua
 values, rebuilt from builtin types only. So ``assert add(1, 2) == 3`` sends ``add(1, 2)`` in and
 keeps ``== 3`` out; ``assert abs(area(2) - 12.566) < 1e-3`` keeps ``abs(. - 12.566) < 1e-3`` out.
 
+A test passes only if each of its split assertions ran at least once and held every time (so a
+solution that skips them, by leaving early or by forging the harness's report, fails).
+
 A condition that is one hole (``assert check(candidate)``), or that short-circuits (``and``,
 ``or``, ``if``-expressions, comprehensions: the holes would all run, where Python's own assert
 might not), stays as it is and runs inside, guarded by the harness's nonce only.
