@@ -148,11 +148,12 @@ def _train(argv: list[str]) -> None:
         sys.exit(f"areal-jax train: {e}")
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/); "
           f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
+    from areal_jax.rewards.isolation import SandboxUnavailable
     from areal_jax.trainer.checkpoint import CheckpointError
 
     try:
         result = train(cfg, resume=args.resume)
-    except (ConfigError, DatasetError, CheckpointError) as e:  # bad input found before any work started
+    except (ConfigError, DatasetError, CheckpointError, SandboxUnavailable) as e:  # found before any work started
         sys.exit(f"areal-jax train: {e}")
     print(run_summary(result))
 
@@ -168,9 +169,11 @@ def _eval(argv: list[str]) -> None:
         cfg = load_run_config(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         sys.exit(f"areal-jax eval: {e}")
+    from areal_jax.rewards.isolation import SandboxUnavailable
+
     try:
         out = evaluate_checkpoint(cfg, args.model_path)
-    except (ConfigError, DatasetError, FileNotFoundError) as e:  # a wrong --model-path or data section
+    except (ConfigError, DatasetError, FileNotFoundError, SandboxUnavailable) as e:  # a wrong --model-path, data...
         sys.exit(f"areal-jax eval: {e}")
     print(f"{args.model_path}: held-out accuracy {out['eval_accuracy']:.1%}, mean reward {out['eval_reward']:.3f} "
           f"on {out['eval_prompts']} prompts")

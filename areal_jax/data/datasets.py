@@ -9,7 +9,7 @@ Row formats (``DatasetConfig.format``; ``auto`` picks by the keys present):
 * ``math``: ``problem``, ``solution`` with a ``\\boxed{...}``; the reward gets ``solution``.
 * ``chat``: ``messages`` (a list of ``{"role", "content"}``); a trailing assistant message is
   the reference, given to the reward as ``answer``; other fields pass through.
-* ``code``: ``prompt`` and ``tests`` (input/output pairs, or ``assert`` code).
+* ``code``: ``prompt`` and ``tests`` (input/output pairs, ``assert`` code, or a list of it: one test each).
 * ``generic``: the prompt from ``prompt_field``, the reward's fields from ``reward_fields``.
 * reasoning-gym rows carry the generator's entry (``entry``) and task name for its scorer.
 
@@ -290,9 +290,11 @@ def parse_row(row: dict[str, Any], cfg: DatasetConfig) -> tuple[list[dict[str, A
     elif fmt == "code":
         prompt = _str_field(row, "prompt")
         tests = row.get("tests")
-        if not (isinstance(tests, str) or (isinstance(tests, list) and all(
-                isinstance(t, dict) and "input" in t and "output" in t for t in tests))):
-            raise _Malformed("tests", "field 'tests' must be assert code (a string) or a list of {input, output}")
+        if not (isinstance(tests, str) or (isinstance(tests, list) and (all(
+                isinstance(t, dict) and "input" in t and "output" in t for t in tests) or all(
+                isinstance(t, str) for t in tests)))):
+            raise _Malformed("tests", "field 'tests' must be assert code (a string), a list of assert code strings "
+                             "(one test each) or a list of {input, output}")
         fields = {"tests": tests}
     elif fmt == "generic":
         prompt = _str_field(row, cfg.prompt_field)

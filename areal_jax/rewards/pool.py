@@ -49,19 +49,59 @@ class RewardConfig:
     code_timeout_s: float = 5.0
     """``code``: wall-clock limit of one sandboxed run."""
     code_memory_mb: int = 512
-    """``code``: address-space limit of the sandboxed program."""
+    """``code``: address-space limit of each sandboxed process."""
+    code_max_processes: int = 16
+    """``code``: processes and threads one sandboxed answer may have at once (its harness counts);
+    its memory is at most this times ``code_memory_mb``, plus 64 MiB of files."""
+    code_row_timeout_s: float = 60.0
+    """``code``: most wall-clock time for all of one answer's tests (each gets ``code_timeout_s``);
+    the pool's limit for a code call grows to fit it."""
+    unsandboxed: bool = False
+    """``code``: where no OS-level isolation works (bubblewrap, see BUILD.md), run model-written code
+    without it instead of refusing to start (logged loudly). Never on hardware you share."""
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"reward.num_workers must be >= 1, got {self.num_workers}")
         if self.timeout_s <= 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
+        if self.code_timeout_s <= 0 or self.code_row_timeout_s <= 0:
+            raise ValueError("reward.code_timeout_s and reward.code_row_timeout_s must be > 0, got "
+                             f"{self.code_timeout_s} and {self.code_row_timeout_s}")
 
     def fn_kwargs(self) -> dict[str, Any]:
         if self.name == "code":
             return {"all_or_nothing": self.code_all_or_nothing, "timeout_s": self.code_timeout_s,
-                    "memory_mb": self.code_memory_mb}
+                    "memory_mb": self.code_memory_mb, "max_processes": self.code_max_processes,
+                    "row_timeout_s": self.code_row_timeout_s,
+                    "unsandboxed": self.unsandboxed}
         return {}
+
+    def call_timeout(self, fields: dict[str, Any]) -> float:
+        """The pool's limit for one call: ``timeout_s``, or for ``code`` at least the row's sandbox
+        budget (its tests' time, sandbox starts, slack), so the sandbox times out before the worker."""
+        if self.name != "code":
+            return self.timeout_s
+        from areal_jax.rewards.sandbox import STARTUP_S
+
+        tests = fields.get("tests")
+        n = len(tests) if isinstance(tests, list) else 1
+        return max(self.timeout_s, 2 * STARTUP_S + min(self.code_timeout_s * n, self.code_row_timeout_s) + 5.0)
+
+    def preflight(self) -> str | None:
+        """For ``code``: the line that says which isolation the sandbox gets (for the run's first
+        log lines); raises ``SandboxUnavailable`` when there is none and ``unsandboxed`` is false."""
+        if self.name != "code":
+            return None
+        from areal_jax.rewards import isolation
+
+        isolation.require(self.unsandboxed)
+        line = isolation.describe(self.unsandboxed)
+        if isolation.detect().kind == "none":
+            log.warning("!" * 100 + "\n%s\n" + "!" * 100, line)
+        else:
+            log.info("%s", line)
+        return line
 
 
 @dataclass
@@ -169,6 +209,8 @@ class RewardPool:
 
         self.cfg = cfg or RewardConfig()
         get_reward_fn(self.cfg.name)  # an unknown name fails here, before any work starts
+        self.isolation = self.cfg.preflight()
+        """The code sandbox's isolation, in words (``None`` for other rewards)."""
         self._pool = self._new_pool()
         self.stats: Counter = Counter()
         self._broken: str | None = None
@@ -191,6 +233,7 @@ class RewardPool:
         t0 = time.perf_counter()
         self.stats["calls"] += 1
         args = (self.cfg.name, prompt, completion, dict(reward_fields or {}), self.cfg.fn_kwargs())
+        timeout = self.cfg.call_timeout(args[3])
         while True:
             if self._closed:
                 return self._failed("errors", "the reward pool was closed", row_id, t0)
@@ -199,7 +242,7 @@ class RewardPool:
                 raise RewardPoolBroken(self._broken)
             pool = self._pool
             try:
-                future = pool.schedule(_call, args=args, timeout=self.cfg.timeout_s)
+                future = pool.schedule(_call, args=args, timeout=timeout)
                 value, extra = normalise(await self._result(pool, future))
             except _PoolStopped as e:
                 self._restart(pool, str(e))
@@ -208,7 +251,7 @@ class RewardPool:
                 self._mark_broken(BROKEN_POOL.format(error=e))
                 continue  # raises at the top of the loop
             except (TimeoutError, concurrent.futures.TimeoutError):
-                return self._failed("timeouts", f"timed out after {self.cfg.timeout_s}s", row_id, t0)
+                return self._failed("timeouts", f"timed out after {timeout}s", row_id, t0)
             except ProcessExpired as e:
                 return self._failed("worker_died", f"worker died (exit code {e.exitcode})", row_id, t0)
             except MemoryError:

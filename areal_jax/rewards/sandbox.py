@@ -1,168 +1,309 @@
-"""A sandbox for model-written code: one process per run, in a fresh temporary directory that is
-deleted afterwards.
+"""Running model-written code against a row's tests, treating the code as hostile.
 
-Protections, and where they hold:
-
-* Limits (``resource.setrlimit``, Linux and macOS): CPU seconds, address space, file size, open
-  files, and process count (not enforced for root by the kernel; the audit layer covers it).
-* Timeout: the run is a new session and its whole process group is killed at the deadline, so
-  nothing it started survives (all POSIX systems). On Linux, where the user may create one, the
-  run also gets its own PID namespace (``unshare --pid --fork --kill-child``): when it ends, the
-  kernel kills every process in it, including one that left the process group (``setsid``).
-* No network: a new network namespace (``unshare --net``, Linux, where the user may create one:
-  root, or an unprivileged user namespace) with only a downed loopback, and, everywhere, socket
-  creation refused at the Python layer.
-* Environment: only ``PATH``, ``HOME`` and ``TMPDIR`` (both the run's directory), ``LANG`` and
-  ``PYTHONIOENCODING``; the parent's variables (API keys...) are not passed. ``python -I``
-  ignores ``PYTHON*`` variables and the user's site-packages.
-* Files: an audit hook (``sys.addaudithook``, Python >= 3.8, every OS) installed before the
-  program runs refuses opening any file outside the run's directory except reading the Python
-  installation itself (the standard library the program imports), refuses writes, renames and
-  deletes outside it, and refuses ``fork``/``exec``/``subprocess``/``os.system``, ``ctypes`` and
-  changing directory or the resource limits. An audit hook cannot be removed from Python code;
-  native code could bypass it, which is why modules that reach files or processes without an
-  audit event cannot be imported: ``ctypes``, ``_posixsubprocess`` (its ``fork_exec`` starts a
-  program), ``sqlite3``/``dbm`` (they open database files in C), ``readline``, ``_posixshmem``.
-
-Not enforced: the file rules are Python-level only. There is no mount namespace, chroot or
-seccomp filter, so a program that ran native code (a bug in an importable C extension) would see
-the filesystem with the parent's user's rights. The process-count limit does not hold for root
-(outside a user namespace); there, a fork that got past the hook is bounded only by the timeout
-(and, with the PID namespace, cleaned up at its end).
+* **Isolation**: each run is a bubblewrap sandbox (``isolation.py``): its own user, no network,
+  no host files but the interpreter, a tmpfs work dir, its own PID namespace. The harness inside
+  (``_harness.py``) sets the resource limits (address space, CPU, file size, open files,
+  processes) before the solution runs.
+* **A pass the solution cannot forge**: the expected answers never enter the sandbox. Stdin/stdout
+  tests are compared here with the output the harness captured. In assert tests, the calls into
+  the solution run inside and report their values, and the rest of each assertion (the literals:
+  the answers) is evaluated here (``asserts.py``: ``assert add(1, 2) == 3``, ``assert abs(f(x) -
+  0.5) < 1e-6``, ``sorted``, ``len``, ``math.isclose``...). A test counts as passed only when the
+  harness, after the test's last statement, sends the run's random nonce, and every assertion
+  judged here held and ran. ``SystemExit``, ``os._exit``, a signal, an ``atexit`` hook, a closed
+  or hijacked fd, a replaced ``print``, an object equal to everything all leave the test
+  unpassed. What remains: an assertion ``asserts.py`` cannot split (``assert check(f)``, ``and``,
+  ``type(...)``) is judged inside the solution's process, so an object equal to everything, or a
+  solution that reads the harness's memory (its frames, ``gc``) for the nonce, could pass it.
+* **Bounded**: output is read incrementally and capped (``max_output`` bytes, then the program is
+  stopped: it cannot match any more), each test has its own timeout and the row a budget of
+  ``timeout_s`` per test (at most ``row_timeout_s``); on any timeout the sandbox's process group
+  is killed, and with it its PID namespace: nothing survives, and nothing is written to the host's
+  disk (the payload travels in a memfd). bwrap dies with the process that started it, so a reward
+  pool that kills its worker kills the sandbox too.
+* **Fast**: all of a row's tests run in one sandbox; assert tests in one process, stdin/stdout
+  tests as forks of the clean harness. A sandbox that dies mid-row fails the test it was running
+  and a new one runs the rest.
 """
 
 from __future__ import annotations
 
-import functools
+import base64
+import json
+import logging
 import os
+import secrets
+import selectors
 import shutil
 import signal
 import subprocess
-import sys
-import sysconfig
 import tempfile
-from pathlib import Path
+import time
+from collections.abc import Callable
 from typing import Any
 
-_GUARD = r'''
-import os, resource, sys
-for _what, _value in zip((resource.RLIMIT_CPU, resource.RLIMIT_AS, resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE,
-                          resource.RLIMIT_NPROC, resource.RLIMIT_CORE), map(int, sys.argv[3].split(","))):
+from areal_jax.rewards import asserts, isolation
+from areal_jax.rewards.isolation import SandboxUnavailable
+
+log = logging.getLogger(__name__)
+
+MAX_OUTPUT = 1 << 20
+"""Bytes of a test's stdout kept (and compared); past it the program is stopped."""
+STARTUP_S = 10.0
+"""Allowance for starting the sandbox and the interpreter, on top of the tests' own time."""
+_MAX_LINE = 4 << 20
+"""A harness message longer than this is a protocol violation (base64 output fits well inside)."""
+
+
+def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 16,
+              row_timeout_s: float = 60.0, max_output: int = MAX_OUTPUT, unsandboxed: bool = False,
+              stop_at_first_failure: bool = False) -> tuple[int, int, dict[str, Any]]:
+    """``(passed, total, detail)`` of ``code`` on ``tests``: a list of ``{"input", "output"}``
+    pairs (stdin to stdout, compared line by line with trailing spaces stripped), a string of
+    ``assert`` code (one test), or a list of such strings (one test each). ``timeout_s`` bounds
+    each test, ``timeout_s * len(tests)`` (at most ``row_timeout_s``) the whole row.
+    ``stop_at_first_failure``: the rest fail unrun (an all-or-nothing reward needs no more)."""
+    iso = isolation.require(unsandboxed)
+    if isinstance(tests, str):
+        tests = [tests]
+    if not isinstance(tests, list):
+        raise ValueError(f"tests must be assert code, a list of it, or a list of {{input, output}}; got {tests!r:.80}")
+    n = len(tests)
+    if n == 0:
+        return 0, 0, {}
+    stdio = all(isinstance(t, dict) for t in tests)
+    if not stdio and not all(isinstance(t, str) for t in tests):
+        raise ValueError("tests must be all assert strings or all {input, output} pairs, not a mix")
+    row_deadline = time.monotonic() + STARTUP_S + min(timeout_s * n, row_timeout_s)
+    verdicts: dict[int, bool] = {}
+    first_error: list[str] = []
+
+    def fail(i: int, why: str) -> None:
+        verdicts.setdefault(i, False)
+        if not first_error:
+            first_error.append(f"test {i}: {why}" if n > 1 else why)
+
+    if stdio:
+        payload_tests, expected = [str(t["input"]) for t in tests], [str(t["output"]) for t in tests]
+    else:
+        split = [asserts.split_asserts(t) for t in tests]
+        payload_tests, expected = [s for s, _ in split], [table for _, table in split]
+    while len(verdicts) < n:
+        if stop_at_first_failure and not all(verdicts.values()):
+            for i in range(n):
+                fail(i, "not run: an earlier test failed")
+            break
+        todo = [i for i in range(n) if i not in verdicts]
+        if time.monotonic() >= row_deadline:
+            for i in todo:
+                fail(i, f"row budget of {min(timeout_s * n, row_timeout_s):g}s used up")
+            break
+        nonce = secrets.token_hex(16)
+        judge = _Judge(todo, stdio, expected, nonce, verdicts, fail, stop_at_first_failure)
+        payload = {"mode": "stdio" if stdio else "asserts", "code": code, "tests": [payload_tests[i] for i in todo],
+                   "nonce": nonce, "timeout_s": timeout_s, "max_output": max_output,
+                   "limits": _limits(memory_mb, max_processes)}
+        ended = _run_sandbox(iso, payload, judge.on_message, per_test_s=timeout_s + (2.0 if stdio else 0.0),
+                             row_deadline=row_deadline)
+        if judge.load_error is not None or judge.loading:  # the solution itself failed or hung: every test would
+            for i in todo:
+                fail(i, judge.load_error or f"the solution's own code: {ended.get('why') or 'it ended'}")
+            break
+        undecided = [i for i in todo if i not in verdicts]
+        if not undecided:
+            break
+        if stop_at_first_failure and not all(verdicts.values()):
+            continue  # the top of the loop fails the rest
+        culprit = judge.current if judge.current in undecided else undecided[0]
+        if judge.current is None and not ended.get("timed_out"):  # it never got to a test: it would not now
+            for i in undecided:
+                fail(i, ended.get("why") or "the sandbox ended before the tests ran")
+            break
+        fail(culprit, ended.get("why") or "the sandbox ended during this test")
+    passed = sum(verdicts.get(i, False) for i in range(n))
+    return passed, n, {"error": first_error[0]} if first_error and passed < n else {}
+
+
+class _Judge:
+    """Turns the harness's messages for one sandbox run into verdicts, comparing with answers
+    that stayed out here."""
+
+    def __init__(self, todo: list[int], stdio: bool, expected: list[Any], nonce: str, verdicts: dict[int, bool],
+                 fail: Callable[[int, str], None], stop_at_first_failure: bool):
+        self.todo, self.stdio, self.expected, self.nonce = todo, stdio, expected, nonce
+        self.verdicts, self.fail, self.stop_early = verdicts, fail, stop_at_first_failure
+        self.current: int | None = None
+        self.loading = False
+        """Between ``start -1`` and the first test: the solution's own module code runs."""
+        self.load_error: str | None = None
+        self.seen: dict[int, set[int]] = {}
+        self.wrong: dict[int, str] = {}
+
+    def _index(self, j: Any) -> int | None:
+        return self.todo[j] if isinstance(j, int) and 0 <= j < len(self.todo) else None
+
+    def on_message(self, msg: dict[str, Any]) -> bool:
+        """Judge ``msg``; ``True`` when the run need not go on."""
+        self._judge(msg)
+        return self.stop_early and not all(self.verdicts.get(i, True) for i in self.todo)
+
+    def _judge(self, msg: dict[str, Any]) -> None:
+        if "start" in msg:
+            self.current = self._index(msg["start"])
+            self.loading = msg["start"] == -1 and not self.stdio
+        elif "done" in msg and self.stdio:
+            i = self._index(msg["done"])
+            if i is None or i in self.verdicts:
+                return
+            out = base64.b64decode(str(msg.get("out", "")), validate=False).decode("utf-8", "replace")
+            if msg.get("timed_out"):
+                self.fail(i, "timed out")
+            elif msg.get("truncated"):
+                self.fail(i, f"more than {MAX_OUTPUT >> 20} MiB of output")
+            elif msg.get("rc") != 0:
+                err = str(msg.get("err", "")).strip().splitlines()
+                self.fail(i, (err or [f"exit code {msg.get('rc')}"])[-1][:300])
+            elif not _same_output(out, self.expected[i]):
+                self.fail(i, "wrong output")
+            else:
+                self.verdicts[i] = True
+        elif "val" in msg and not self.stdio:
+            j, k, enc = (msg["val"] + [None, None, None])[:3] if isinstance(msg["val"], list) else (None, None, None)
+            i = self._index(j)
+            if i is None or not isinstance(k, int) or k not in self.expected[i]:
+                return
+            self.seen.setdefault(i, set()).add(k)
+            try:
+                ok, why = asserts.judge(self.expected[i][k], enc), "it does not hold for the values reported"
+            except Exception as e:  # noqa: BLE001 - values from the solution: any failure to judge them is a fail
+                ok, why = False, f"{type(e).__name__}: {e}"[:300]
+            if not ok:
+                self.wrong.setdefault(i, f"assertion {k} failed: {why}")
+        elif "pass" in msg and not self.stdio:
+            i = self._index(msg["pass"])
+            if i is None or i in self.verdicts:
+                return
+            if not secrets.compare_digest(str(msg.get("nonce", "")), self.nonce):
+                self.fail(i, "the pass did not carry the run's nonce")
+            elif i in self.wrong:
+                self.fail(i, self.wrong[i])
+            elif missing := set(self.expected[i]) - self.seen.get(i, set()):
+                self.fail(i, f"assertion {min(missing)} never ran")
+            else:
+                self.verdicts[i] = True
+        elif "fail" in msg and not self.stdio:
+            i = self._index(msg["fail"])
+            if i is not None:
+                self.fail(i, self.wrong.get(i) or str(msg.get("error", "failed"))[:300])
+        elif "load_error" in msg:
+            self.load_error = str(msg["load_error"])[:300]
+
+
+def _run_sandbox(iso: isolation.Isolation, payload: dict[str, Any], on_message: Callable[[dict[str, Any]], Any],
+                 *, per_test_s: float, row_deadline: float) -> dict[str, Any]:
+    """Run the harness on ``payload`` in the sandbox, feeding each of its messages to
+    ``on_message`` as it arrives (a true answer stops the run); returns ``{"timed_out", "why",
+    "stdout", "stderr"}``. The sandbox's whole process tree is gone on return."""
+    workdir = None
+    if iso.kind == "bwrap":
+        argv = [*iso.argv, isolation.harness_source()]
+        env = isolation.sandbox_env()
+        payload["workdir"], payload["own_pid_namespace"] = "/tmp", True
+    else:  # reward.unsandboxed: the same harness and bounds, no isolation
+        python, _ = isolation.interpreter()
+        workdir = tempfile.mkdtemp(prefix="areal-sandbox-")
+        argv = [python, "-I", "-S", "-B", "-c", isolation.harness_source()]
+        env = isolation.sandbox_env(workdir)
+        payload["workdir"], payload["own_pid_namespace"] = workdir, False
+    res_r, res_w = os.pipe()
+    payload["result_fd"] = res_w
+    data = json.dumps(payload).encode()
+    memfd = os.memfd_create("areal-sandbox-payload")
     try:
-        resource.setrlimit(_what, (_value, _value))
-    except (ValueError, OSError):
-        pass
-_ROOT = os.path.realpath(sys.argv[1])
-_READ_OK = tuple(os.path.realpath(p) for p in sys.argv[2].split(os.pathsep) if p)
-_main = os.path.join(_ROOT, "main.py")
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-
-def _inside(path, roots):
-    p = os.path.realpath(os.path.join(_ROOT, os.fsdecode(path)))
-    return any(p == r or p.startswith(r + os.sep) for r in roots)
-
-_BANNED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen",
-           "os.chdir", "os.kill", "os.killpg", "ctypes.dlopen", "ctypes.dlsym", "sys.setprofile", "sys.settrace",
-           "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
-           "resource.setrlimit", "resource.prlimit"}
-_PATH_EVENTS = {"os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.symlink", "os.link", "os.chmod",
-                "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-_LIST_EVENTS = {"os.listdir", "os.scandir"}
-# native modules that call C libraries or the kernel with paths or processes the hook never sees
-_NATIVE = {"ctypes", "_ctypes", "_posixsubprocess", "_sqlite3", "_dbm", "_gdbm", "readline", "_posixshmem"}
-
-def _hook(event, args):
-    if event == "open":
-        path, mode, flags = args
-        if path is None or isinstance(path, int):
-            return
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS
-        if _inside(path, (_ROOT,)) or (not writing and _inside(path, _READ_OK)):
-            return
-        raise PermissionError(f"sandbox: access to {path!r} outside the run directory is refused")
-    if event in _BANNED:
-        raise PermissionError(f"sandbox: {event} is refused")
-    if event in _PATH_EVENTS:
-        for a in args:
-            if isinstance(a, (str, bytes, os.PathLike)) and not _inside(a, (_ROOT,)):
-                raise PermissionError(f"sandbox: {event} on {a!r} outside the run directory is refused")
-    if event in _LIST_EVENTS and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        if not _inside(args[0], (_ROOT,) + _READ_OK):
-            raise PermissionError(f"sandbox: listing {args[0]!r} outside the run directory is refused")
-    if event == "import" and args[0] in _NATIVE:
-        raise PermissionError(f"sandbox: {args[0]} is refused")
-
-sys.addaudithook(_hook)
-del sys.argv[:4]
-sys.argv.insert(0, _main)
-__file__ = _main
-with open(_main) as f:
-    _code = compile(f.read(), _main, "exec")
-exec(_code, {"__name__": "__main__", "__file__": _main, "__builtins__": __builtins__})
-'''
-
-
-@functools.cache
-def _netns_prefix() -> tuple[str, ...]:
-    """``unshare`` arguments that give a child its own empty network namespace and, where
-    allowed, its own PID namespace (all its processes die with it); () where neither is allowed."""
-    exe = shutil.which("unshare")
-    if exe is None or not sys.platform.startswith("linux"):
-        return ()
-    pid = ("--pid", "--fork", "--kill-child")
-    for args in ((exe, "--net", *pid, "--"), (exe, "--user", "--map-root-user", "--net", *pid, "--"),
-                 (exe, "--net", "--"), (exe, "--user", "--map-root-user", "--net", "--")):
-        try:
-            if subprocess.run([*args, "true"], capture_output=True, timeout=10).returncode == 0:
-                return args
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-    return ()
-
-
-def isolation() -> dict[str, bool]:
-    """Which kernel isolation the runs get on this machine: ``net`` (own network namespace) and
-    ``pid`` (own PID namespace)."""
-    prefix = _netns_prefix()
-    return {"net": "--net" in prefix, "pid": "--pid" in prefix}
-
-
-def _read_roots() -> str:
-    paths = {sys.base_prefix, sys.prefix, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
-             sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    return os.pathsep.join(sorted(p for p in paths if p))
-
-
-def run_program(source: str, stdin: str = "", *, timeout_s: float = 5.0, memory_mb: int = 512,
-                max_file_mb: int = 16, max_open_files: int = 64, max_procs: int = 16) -> dict[str, Any]:
-    """Run ``source`` as a Python program in the sandbox; returns ``returncode``, ``stdout``,
-    ``stderr`` and ``timed_out``. The directory and every process of the run are gone on return."""
-    root = Path(tempfile.mkdtemp(prefix="areal-sandbox-"))
-    try:
-        (root / "main.py").write_text(source)
-        (root / "guard.py").write_text(_GUARD)
-        # The limits are set by the guard itself before the program runs: no Python code runs
-        # between fork and exec here, which would be unsafe in a multithreaded (JAX) parent.
-        limits = ",".join(str(v) for v in (int(timeout_s) + 1, memory_mb << 20, max_file_mb << 20, max_open_files,
-                                           max_procs, 0))
-        cmd = [*_netns_prefix(), sys.executable, "-I", "-B", str(root / "guard.py"), str(root), _read_roots(), limits]
-        env = {"PATH": "/usr/bin:/bin", "HOME": str(root), "TMPDIR": str(root), "PYTHONIOENCODING": "utf-8",
-               "LANG": "C.UTF-8"}
-        proc = subprocess.Popen(cmd, cwd=root, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, start_new_session=True)
-        timed_out = False
-        try:
-            out, err = proc.communicate(stdin.encode(), timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc.pid)
-            out, err = proc.communicate()
-        finally:
-            _kill_group(proc.pid)  # whatever it left behind in its session
-        return {"returncode": proc.returncode, "stdout": out.decode(errors="replace")[-65536:],
-                "stderr": err.decode(errors="replace")[-8192:], "timed_out": timed_out}
+        os.write(memfd, data)  # a memfd takes it all at once; the sandbox reads it as its stdin
+        os.lseek(memfd, 0, os.SEEK_SET)
+        proc = subprocess.Popen(argv, stdin=memfd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(res_w,),
+                                env=env, cwd=workdir or "/", start_new_session=True)
+    except BaseException:
+        os.close(res_r)
+        raise
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        os.close(res_w)
+        os.close(memfd)
+        del data
+    result = {"timed_out": False, "why": "", "stdout": b"", "stderr": b""}
+    try:
+        _pump(proc, res_r, on_message, per_test_s, row_deadline, result)
+    finally:
+        _kill_group(proc.pid)
+        proc.wait()
+        for f in (proc.stdout, proc.stderr):
+            f.close()
+        os.close(res_r)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if not result["why"] and proc.returncode not in (0, None):
+        err = result["stderr"].decode("utf-8", "replace").strip().splitlines()
+        result["why"] = (err or [f"the sandbox exited with {proc.returncode}"])[-1][:300]
+    return result
+
+
+def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, Any]], Any], per_test_s: float,
+          row_deadline: float, result: dict[str, Any]) -> None:
+    """Read the harness's messages and the sandbox's own stdout/stderr (a bounded head and tail)
+    until it ends, a message is malformed, or a deadline passes."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    sel.register(res_r, selectors.EVENT_READ, "result")
+    line = bytearray()
+    out, err = bytearray(), bytearray()
+    test_deadline = time.monotonic() + STARTUP_S + per_test_s
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            deadline = min(test_deadline, row_deadline)
+            if now >= deadline:
+                result["timed_out"] = True
+                result["why"] = "timed out" if test_deadline <= row_deadline else "row budget used up"
+                return
+            for key, _ in sel.select(deadline - now):
+                fd = key.fd if key.data == "result" else key.fileobj.fileno()
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                elif key.data == "stdout":
+                    out += chunk[:max(0, MAX_OUTPUT - len(out))]
+                elif key.data == "stderr":
+                    err = (err + chunk)[-8192:]
+                else:
+                    line += chunk
+                    while (nl := line.find(b"\n")) >= 0:
+                        raw, line = bytes(line[:nl]), line[nl + 1:]
+                        try:
+                            msg = json.loads(raw)
+                        except (ValueError, RecursionError):
+                            msg = None
+                        if not isinstance(msg, dict):
+                            result["why"] = "the sandbox's harness sent a malformed message"
+                            return
+                        if "start" in msg:
+                            test_deadline = time.monotonic() + per_test_s
+                        if on_message(msg):
+                            return
+                    if len(line) > _MAX_LINE:
+                        result["why"] = "the sandbox's harness sent an oversized message"
+                        return
+    finally:
+        sel.close()
+        result["stdout"], result["stderr"] = bytes(out), bytes(err)
+
+
+def _limits(memory_mb: int, max_processes: int) -> dict[str, int]:
+    """The resource limits the harness sets before the solution runs: per process address space,
+    file size (16 MiB) and open files (64); processes and threads of the sandbox's uid (its init
+    and the harness count). Memory at worst: ``max_processes * memory_mb`` plus the tmpfs."""
+    return {"as": memory_mb << 20, "fsize": 16 << 20, "nofile": 64, "nproc": max_processes}
 
 
 def _kill_group(pgid: int) -> None:
@@ -172,22 +313,27 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int = 512) -> tuple[int, int, dict]:
-    """``(passed, total, detail)``: ``tests`` is a list of ``{"input", "output"}`` pairs (stdin
-    to stdout, compared line by line with trailing spaces stripped) or a string of ``assert``
-    statements run after the code (one test: the program exits cleanly)."""
-    if isinstance(tests, str):
-        r = run_program(code + "\n\n" + tests + "\n", timeout_s=timeout_s, memory_mb=memory_mb)
-        ok = r["returncode"] == 0 and not r["timed_out"]
-        return int(ok), 1, {} if ok else {"error": _why(r)}
-    passed, first_error = 0, None
-    for t in tests:
-        r = run_program(code, str(t["input"]), timeout_s=timeout_s, memory_mb=memory_mb)
-        if r["returncode"] == 0 and not r["timed_out"] and _same_output(r["stdout"], str(t["output"])):
-            passed += 1
-        elif first_error is None:
-            first_error = _why(r)
-    return passed, len(tests), {} if first_error is None else {"error": first_error}
+def run_program(source: str, stdin: str = "", *, timeout_s: float = 5.0, memory_mb: int = 512,
+                max_processes: int = 16, unsandboxed: bool = False) -> dict[str, Any]:
+    """Run ``source`` as a Python program in the sandbox (one stdin/stdout test, nothing to
+    compare); returns ``returncode``, ``stdout``, ``stderr`` and ``timed_out``."""
+    iso = isolation.require(unsandboxed)
+    got: dict[str, Any] = {}
+
+    def keep(msg: dict[str, Any]) -> None:
+        if "done" in msg:
+            got.update(msg)
+
+    payload = {"mode": "stdio", "code": source, "tests": [stdin], "nonce": "", "timeout_s": timeout_s,
+               "max_output": MAX_OUTPUT, "limits": _limits(memory_mb, max_processes)}
+    ended = _run_sandbox(iso, payload, keep, per_test_s=timeout_s + 2.0,
+                         row_deadline=time.monotonic() + STARTUP_S + timeout_s + 2.0)
+    if not got:
+        return {"returncode": None, "stdout": "", "stderr": ended["stderr"].decode("utf-8", "replace"),
+                "timed_out": bool(ended["timed_out"])}
+    return {"returncode": got.get("rc"), "timed_out": bool(got.get("timed_out")),
+            "stdout": base64.b64decode(str(got.get("out", ""))).decode("utf-8", "replace"),
+            "stderr": str(got.get("err", ""))}
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -195,9 +341,4 @@ def _same_output(got: str, want: str) -> bool:
     return norm(got) == norm(want)
 
 
-def _why(r: dict[str, Any]) -> str:
-    if r["timed_out"]:
-        return "timed out"
-    if r["returncode"] != 0:
-        return (r["stderr"].strip().splitlines() or [f"exit code {r['returncode']}"])[-1][:300]
-    return "wrong output"
+__all__ = ["MAX_OUTPUT", "SandboxUnavailable", "run_program", "run_tests"]

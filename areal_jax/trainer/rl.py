@@ -176,6 +176,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
     workflow = get_workflow(rollout.workflow)  # a bad name fails before anything starts
+    sandbox_line = cfg.reward.preflight()  # code rewards: no isolation fails here, before any model
     split = device_split(cfg)  # before this process's JAX starts: the trainer keeps its share only
     if split is not None:
         from rollout_bridge.placement import confine_this_process
@@ -204,6 +205,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
     result = RunResult(run_dir=run_dir, metrics=logger.history)
+    if sandbox_line is not None:
+        logger.write(sandbox_line)
     try:
         if cfg.warm_start is not None and meta is None:
             from areal_jax.trainer.sft import warm_start

@@ -33,3 +33,12 @@ def nap(prompt: str, completion: str, seconds: float = 0.0, **_) -> float:
     """Sleeps the row's ``seconds``, then scores 1: a call that is still in flight when wanted."""
     time.sleep(seconds)
     return 1.0
+
+
+def sandboxed(prompt: str, completion: str, seconds: float = 5.0, **_) -> float:
+    """Runs the completion in the code sandbox for up to ``seconds``: a pool timeout shorter than
+    that kills this worker while its sandbox runs."""
+    from areal_jax.rewards.sandbox import run_program
+
+    run_program(completion, timeout_s=seconds)
+    return 1.0

@@ -1,184 +1,483 @@
-"""The code sandbox refuses what model-written code must not do, and leaves nothing behind."""
+"""The code sandbox holds against a hostile solution. Each escape is judged by what it did outside
+(a marker file that must not appear, listeners that must not get a connection, a process that
+must stay alive, processes and files left behind), never by what the sandbox returned; and a wrong
+solution cannot score by leaving early or by faking the harness's report."""
 
 import json
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from areal_jax.rewards import sandbox
-from areal_jax.rewards.sandbox import run_program
+from areal_jax.rewards import asserts, isolation, sandbox
+from areal_jax.rewards.sandbox import run_program, run_tests
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_sandbox = pytest.mark.skipif(isolation.detect().kind != "bwrap",
+                                   reason=f"no sandbox here ({isolation.detect().problem}); see BUILD.md")
 
 
-def _refused(result: dict, what: str) -> None:
-    assert result["returncode"] != 0, result
-    assert what in result["stderr"], result["stderr"][-500:]
+@pytest.fixture
+def outside():
+    """A directory anyone may write to (so that an escaped sandbox could), with a secret in it,
+    a unix socket, an abstract unix socket and a TCP socket listening, and a sentinel process of
+    the sandbox's own outer uid."""
+    d = Path(tempfile.mkdtemp(prefix="areal-outside-"))
+    d.chmod(0o777)
+    (d / "secret.txt").write_text("hunter2-" + "x" * 1234)
+    (d / "secret.txt").chmod(0o644)
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(str(d / "listener.sock"))
+    (d / "listener.sock").chmod(0o777)
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract.bind(f"\0areal-outside-{os.getpid()}")
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    for s in (unix, abstract, tcp):
+        s.listen()
+        s.setblocking(False)
+    as_nobody = {"user": isolation.SANDBOX_UID, "group": isolation.SANDBOX_UID} if os.geteuid() == 0 else {}
+    sentinel = subprocess.Popen(["sleep", "120"], **as_nobody)
+    yield {"dir": d, "sockets": (unix, abstract, tcp), "port": tcp.getsockname()[1], "sentinel": sentinel,
+           "abstract": f"areal-outside-{os.getpid()}"}
+    sentinel.kill()
+    sentinel.wait()
+    for s in (unix, abstract, tcp):
+        s.close()
+    shutil.rmtree(d, ignore_errors=True)
 
 
-def test_runs_ordinary_code_with_stdin_and_its_own_files() -> None:
-    r = run_program("import json, collections\nn = int(input())\nopen('scratch.txt', 'w').write(str(n * 2))\n"
-                    "print(json.dumps({'double': int(open('scratch.txt').read())}))", "21")
-    assert r == {"returncode": 0, "stdout": '{"double": 42}\n', "stderr": "", "timed_out": False}
+def _escape_program(o: dict) -> str:
+    """Every escape the issue lists, each tried and its outcome printed; run as one program."""
+    d, marker = str(o["dir"]), str(o["dir"] / "marker")
+    return f"""
+import os, sys, json, socket
+out = {{}}
+def attempt(name, fn):
+    try:
+        out[name] = repr(fn())[:200]
+    except BaseException as e:
+        out[name] = 'refused: ' + type(e).__name__
+import builtins
+builtins.any = lambda *a: True  # the old audit hook's tables and helpers, switched off
+import __main__
+for v in list(vars(__main__).values()):
+    if isinstance(v, (set, dict)): v.clear()
+attempt('write', lambda: open({marker!r}, 'w').write('escaped'))
+attempt('read', lambda: open({d + '/secret.txt'!r}).read())
+attempt('stat', lambda: os.stat({d + '/secret.txt'!r}).st_size)
+attempt('listdir', lambda: os.listdir({d!r}))
+attempt('os.system', lambda: os.system('touch {marker}; id > {marker}'))
+import subprocess
+attempt('subprocess', lambda: subprocess.run(['/usr/bin/touch', {marker!r}]).returncode)
+def native():
+    import ctypes
+    libc = ctypes.CDLL(None)
+    return (libc.creat({marker.encode()!r}, 0o644), libc.system(b'touch {marker}'))
+attempt('ctypes', native)
+def unix(addr):
+    s = socket.socket(socket.AF_UNIX); s.settimeout(2); s.connect(addr); s.send(b'escaped'); return 'connected'
+attempt('unix socket', lambda: unix({d + '/listener.sock'!r}))
+attempt('abstract socket', lambda: unix('\\0' + {o['abstract']!r}))
+attempt('tcp', lambda: socket.create_connection(('127.0.0.1', {o['port']}), timeout=2) and 'connected')
+attempt('kill sentinel', lambda: os.kill({o['sentinel'].pid}, 9))
+attempt('uid', os.getuid)
+attempt('root', lambda: sorted(os.listdir('/')))
+print(json.dumps(out), flush=True)
+"""
 
 
-def test_reading_outside_is_refused(tmp_path: Path) -> None:
-    secret = tmp_path / "checkpoint" / "secret.txt"
-    secret.parent.mkdir()
-    secret.write_text("weights")
-    _refused(run_program(f"print(open({str(secret)!r}).read())"), "outside the run directory is refused")
-    _refused(run_program(f"import os; print(os.listdir({str(tmp_path)!r}))"), "outside the run directory")
-    _refused(run_program(f"print(open({str(Path.home() / '.bashrc')!r}).read())"), "refused")  # the user's home
-    _refused(run_program("print(open('/etc/hostname').read())"), "refused")
+def _killer_program(o: dict) -> str:
+    """Kill the sentinel outside, then every process this run can reach (its harness included)."""
+    pid = o["sentinel"].pid
+    return (f"import os, signal\nfor how in (lambda: os.kill({pid}, 9), lambda: os.killpg({pid}, 9), "
+            "lambda: os.kill(os.getppid(), 9), lambda: os.kill(1, 9)):\n"
+            "    try:\n        how()\n    except OSError:\n        pass\nos.kill(-1, 9)\n")
 
 
-def test_writing_outside_is_refused(tmp_path: Path) -> None:
-    target = tmp_path / "evil.txt"
-    _refused(run_program(f"open({str(target)!r}, 'w').write('x')"), "outside the run directory is refused")
-    _refused(run_program(f"import os; os.remove({str(Path(__file__))!r})"), "refused")
-    assert not target.exists() and Path(__file__).exists()
+def _judge_outside(o: dict, r: dict) -> None:
+    """Nothing happened outside the sandbox, whatever the sandbox said."""
+    assert not (o["dir"] / "marker").exists()
+    for s in o["sockets"]:
+        with pytest.raises(BlockingIOError):
+            s.accept()  # no connection was ever made
+    assert o["sentinel"].poll() is None, "the sentinel process outside was killed"
+    assert "hunter2" not in r["stdout"] and "1242" not in r["stdout"], r["stdout"]  # content, size
 
 
-def test_network_is_refused() -> None:
-    _refused(run_program("import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 80))"), "socket")
-    _refused(run_program("import urllib.request\nurllib.request.urlopen('http://127.0.0.1:1/')"), "refused")
+@needs_sandbox
+def test_escapes_as_this_user_leave_nothing_outside(outside) -> None:
+    run_program(_killer_program(outside))
+    r = run_program(_escape_program(outside), timeout_s=20)
+    _judge_outside(outside, r)
+    seen = json.loads(r["stdout"].splitlines()[0])  # the program ran, and saw only the sandbox
+    assert seen["uid"] == str(isolation.SANDBOX_UID) and "'tmp'" in seen["root"], seen
 
 
-def test_fork_bomb_and_subprocess_are_refused() -> None:
-    _refused(run_program("import os\nwhile True:\n    os.fork()"), "os.fork is refused")
-    _refused(run_program("import subprocess\nsubprocess.run(['sleep', '100'])"), "refused")
-    _refused(run_program("import ctypes"), "ctypes is refused")
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the root-mapped fallback is root's")
+def test_escapes_in_the_root_mapped_fallback_leave_nothing_outside(outside, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where root may not drop to uid 65534 (a container without CAP_SYS_ADMIN), bwrap runs
+    root-mapped: weaker (the process limit does not bind, and the log says so), still sealed."""
+    mapped = [c for c in isolation._candidates() if c[0] == "root-mapped"]
+    monkeypatch.setattr(isolation, "_candidates", lambda: mapped)
+    isolation.detect.cache_clear()
+    try:
+        if isolation.detect().kind != "bwrap":
+            pytest.skip("bubblewrap cannot start root-mapped here")
+        assert "process-count limit does not bind" in isolation.describe(False)
+        run_program(_killer_program(outside))
+        r = run_program(_escape_program(outside), timeout_s=20)
+        _judge_outside(outside, r)
+        assert json.loads(r["stdout"].splitlines()[0])["uid"] == str(isolation.SANDBOX_UID)
+    finally:
+        isolation.detect.cache_clear()
+
+_AS_NOBODY = """
+import json, sys
+sys.path.insert(0, {root!r})
+from areal_jax.rewards import isolation, sandbox
+sandbox.run_program({killer!r})
+print(json.dumps({{"iso": isolation.detect().kind, "r": sandbox.run_program({prog!r}, timeout_s=20)}}))
+"""
 
 
-def test_endless_loop_is_killed_at_the_timeout() -> None:
+def _unprivileged_python() -> str | None:
+    """An interpreter the unprivileged uid can run (the test's own may sit in root's home)."""
+    for exe in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            ok = subprocess.run([exe, "-c", "import sys; assert sys.version_info >= (3, 10)"], capture_output=True,
+                                user=isolation.SANDBOX_UID, group=isolation.SANDBOX_UID, timeout=30).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if ok:
+            return exe
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="this process is already unprivileged (the test above covers it)")
+def test_escapes_as_an_unprivileged_user_leave_nothing_outside(outside) -> None:
+    exe = _unprivileged_python()
+    if exe is None:
+        pytest.skip("no Python >= 3.10 that uid 65534 can run")
+    code = _AS_NOBODY.format(root=str(ROOT), prog=_escape_program(outside), killer=_killer_program(outside))
+    p = subprocess.run([exe, "-I", "-c", code], capture_output=True, text=True, timeout=60, cwd="/",
+                       user=isolation.SANDBOX_UID, group=isolation.SANDBOX_UID, extra_groups=[])
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout)
+    if got["iso"] != "bwrap":
+        pytest.skip("bubblewrap cannot start for an unprivileged user here")
+    _judge_outside(outside, got["r"])
+    assert json.loads(got["r"]["stdout"].splitlines()[0])["uid"] == str(isolation.SANDBOX_UID)
+
+
+# --- a pass the solution cannot forge ----------------------------------------------------------------
+
+WRONG = "def add(a, b):\n    return a - b\n"
+TESTS = "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 5) - 5 == 0\n"
+CHEATS = {
+    "sys.exit(0) at load": WRONG + "import sys\nsys.exit(0)\n",
+    "raise SystemExit at load": WRONG + "raise SystemExit(0)\n",
+    "exit() at load": WRONG + "exit()\n",
+    "os._exit(0) at load": WRONG + "import os\nos._exit(0)\n",
+    "os._exit(0) in the call": "import os\ndef add(a, b):\n    os._exit(0)\n",
+    "sys.exit in the call": "import sys\ndef add(a, b):\n    sys.exit(0)\n",
+    "SIGKILL itself in the call": "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+    "kill everything": "import os\ndef add(a, b):\n    os.kill(-1, 9)\n    os._exit(0)\n",
+    "atexit": WRONG + "import atexit, os\natexit.register(lambda: print('PASS'))\nos._exit(0)\n",
+    "close all fds": "import os\ndef add(a, b):\n    os.closerange(0, 1024)\n    return 0\n",
+    "fake reports on every fd": (
+        "import os, json\ndef add(a, b):\n    for fd in range(1, 64):\n        try:\n"
+        "            os.write(fd, b'{\"pass\": 0, \"nonce\": \"\"}\\n' + b'{\"val\": [0, 0, 3]}\\n')\n"
+        "        except OSError:\n            pass\n    os._exit(0)\n"),
+    "patched print and stdout": (
+        "import sys, builtins\nbuiltins.print = lambda *a, **k: None\nsys.stdout = None\n" + WRONG),
+    "always-equal object": (
+        "class Eq(int):\n    def __eq__(self, o): return True\n    def __sub__(self, o): return Eq(0)\n"
+        "def add(a, b):\n    return Eq(a - b)\n"),
+    "replaced report function": WRONG + "__areal_check__ = lambda k, v: None\n",
+}
+
+
+INSIDE = "def check(f):\n    return f(1, 2) == 3 and f(2, 2) == 4\nassert check(add)\n"
+"""A test judged inside the solution's process (it cannot be split): only the nonce guards it."""
+
+
+@needs_sandbox
+def test_wrong_solutions_that_cheat_score_zero() -> None:
+    right = WRONG.replace("a - b", "a + b")
+    assert run_tests(right, TESTS) == (1, 1, {}) and run_tests(right, INSIDE) == (1, 1, {})
+    assert asserts.split_asserts(INSIDE)[1] == {} and len(asserts.split_asserts(TESTS)[1]) == 3
+    for name, code in CHEATS.items():
+        passed, total, detail = run_tests(code, TESTS, timeout_s=5)
+        assert (passed, total) == (0, 1) and detail.get("error"), (name, detail)
+        if name != "always-equal object":  # inside the process an object equal to everything wins: see BUILD.md
+            assert run_tests(code, INSIDE, timeout_s=5)[0] == 0, name
+
+
+@needs_sandbox
+def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
+    """A reference: the rewritten asserts pass exactly when Python's own do, across value types."""
+    code = ("import collections, math\n"
+            "def f(k):\n    return {'t': (1, 2), 'l': [1, [2.5]], 's': {1, 2}, 'fs': frozenset({3}),\n"
+            "            'd': {'a': (1,)},\n"
+            "            'od': collections.OrderedDict(a=1), 'c': collections.Counter('aab'), 'b': b'\\x00x',\n"
+            "            'x': 1 + 2j, 'n': None, 'tf': True, 'i': 10 ** 30, 'nan': math.nan, 'u': 'é',\n"
+            "            'big': math.factorial(3000)}[k]\n")
+    cases = ["f('t') == (1, 2)", "f('t') == [1, 2]", "f('l') == [1, [2.5]]", "f('s') == {2, 1}", "f('fs') == {3}",
+             "f('d') == {'a': (1,)}", "f('od') == {'a': 1}", "f('c') == {'a': 2, 'b': 1}", "f('b') == b'\\x00x'",
+             "f('x') == 1 + 2j", "f('n') == None", "f('tf') == 1", "f('i') == 10 ** 30",
+             "f('i') == 1000000000000000000000000000000",
+             "f('nan') == float('nan')", "f('u') == 'é'", "(1, 2) == f('t')", "f('s') == set()", "f('tf') == False",
+             # judged outside with arithmetic and builtins around the calls
+             "abs(f('l')[1][0] - 2.4) < 0.2", "abs(f('l')[1][0] - 2.4) < 0.05", "math.isclose(f('l')[1][0], 2.5)",
+             "sorted(f('s'), reverse=True) == [2, 1]", "len(f('c')) == 2", "f('n') is None", "f('tf') is True",
+             "2 in f('s')", "not f('n')", "f('i') // 10 ** 29 == 10", "round(f('x').real) == 1 == f('t')[0]",
+             "sorted(f('d'), key=len) == ['a']", "f('x') ** 2 == -3 + 4j", "{**f('d')} == {'a': (1,)}",
+             "type(f('t')) == tuple", "f('t') and f('s')", "f('big') == math.factorial(3000)"]
+    tests = [f"assert {case}" for case in cases]
+    outside = sum(len(asserts.split_asserts(t)[1]) for t in tests)
+    assert outside == len(cases) - 4  # all but `**`, `type(...)`, `and`, `math.factorial`: those run inside
+    ns: dict = {}
+    exec(code, ns)
+    plain = [bool(eval(case, ns)) for case in cases]
+    got = run_tests(code, tests)
+    assert got[:2] == (sum(plain), len(cases)), (got, [c for c, p in zip(cases, plain, strict=True) if not p])
+    failing = [t for t, p in zip(tests, plain, strict=True) if not p]
+    assert len(failing) == 5 and run_tests(code, failing)[0] == 0  # and it is those that fail
+
+
+def test_values_from_the_solution_cannot_make_the_judge_work_without_bound() -> None:
+    """The judge rebuilds reported values from builtin types only and refuses what would blow up."""
+    src = "assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]\nassert f(4) == 2 ** 20000"
+    _, table = asserts.split_asserts(src)
+    assert asserts.judge(table[0], {"t": [2]}) and not asserts.judge(table[1], {"t": ["x"]})
+    assert asserts.judge(table[3], {"t": [{"i": format(2 ** 20000, "x")}]})  # past JSON's 4300 digits
+    with pytest.raises(ValueError, match="size limit"):
+        asserts.judge(table[0], {"t": [10 ** 7]})
+    with pytest.raises(ValueError, match="size limit"):
+        asserts.judge(table[1], {"t": ["x" * 1000]})
+    for bad in ({"t": [{"q": 1}]}, {"t": [{"f": 1}]}, [1], {"t": [{"x": "TypeError: a Foo"}]},
+                {"t": [{"d": [[[1], 2]]}]}):  # unknown tag, bad float, not a tuple, unencodable, unhashable key
+        with pytest.raises((ValueError, TypeError)):
+            asserts.judge(table[2], bad)
+
+
+@needs_sandbox
+def test_three_hundred_passing_asserts_score_one_quickly() -> None:
+    code = "def inc(x):\n    return x + 1\n"
+    asserts = [f"assert inc({i}) == {i + 1}" for i in range(300)]
     t0 = time.monotonic()
-    r = run_program("while True:\n    pass", timeout_s=1.0)
-    assert r["timed_out"] and time.monotonic() - t0 < 5
+    assert run_tests(code, "\n".join(asserts)) == (1, 1, {})
+    assert run_tests(code, asserts) == (300, 300, {})  # one test each, one sandbox process
+    assert time.monotonic() - t0 < 15
+    broken = asserts[:150] + ["import os\nos._exit(0)"] + asserts[150:]  # a test that dies: the rest still run
+    passed, total, detail = run_tests(code, broken)
+    assert (passed, total) == (300, 301) and "test 150" in detail["error"]
 
 
-def test_memory_past_the_limit_fails() -> None:
-    _refused(run_program("x = bytearray(1 << 31)", memory_mb=256), "MemoryError")
+
+@needs_sandbox
+def test_a_hung_solution_or_a_first_failure_ends_the_row_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A solution whose own code hangs fails every test after one timeout, not one per test; with
+    ``stop_at_first_failure`` (all-or-nothing rewards) the tests after a failure never run."""
+    runs: list[list[dict]] = []
+    real = sandbox._run_sandbox
+
+    def recording(iso, payload, on_message, **kw):
+        seen: list[dict] = []
+        runs.append(seen)
+        return real(iso, payload, lambda m: seen.append(m) or on_message(m), **kw)
+
+    monkeypatch.setattr(sandbox, "_run_sandbox", recording)
+    passed, total, detail = run_tests("while True:\n    pass\n", ["assert True"] * 5, timeout_s=1)
+    assert (passed, total) == (0, 5) and "the solution's own code: timed out" in detail["error"] and len(runs) == 1
+    runs.clear()
+    tests = [{"input": "1", "output": "wrong"}] + [{"input": "slow", "output": ""}] * 4
+    got = run_tests("import time\nif input() == 'slow':\n    time.sleep(100)\nprint(1)", tests, timeout_s=30,
+                    stop_at_first_failure=True)
+    assert got == (0, 5, {"error": "test 0: wrong output"})
+    assert len(runs) == 1 and [m["done"] for m in runs[0] if "done" in m] == [0]
+
+# --- bounded everything -------------------------------------------------------------------------------
+
+def _wait_gone(pids: set[int], seconds: float = 10.0) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        left = {p for p in pids if Path(f"/proc/{p}").exists() and "State:\tZ" not in _status(p)}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
-def test_nothing_survives_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even a program that got a child started (here: the hook turned off, as if a native
-    extension had bypassed it) leaves no process behind: the whole group is killed."""
-    monkeypatch.setattr(sandbox, "_GUARD", sandbox._GUARD.replace("sys.addaudithook(_hook)", ""))
-    pids = []
-    real_popen = sandbox.subprocess.Popen
-
-    def recording_popen(*a, **kw):
-        p = real_popen(*a, **kw)
-        pids.append(p.pid)
-        return p
-
-    monkeypatch.setattr(sandbox.subprocess, "Popen", recording_popen)
-    code = "import subprocess, time\nsubprocess.Popen(['sleep', '60'])\nprint('started', flush=True)\ntime.sleep(60)"
-    r = run_program(code, timeout_s=1.5)
-    assert r["timed_out"] and "started" in r["stdout"]
-    time.sleep(0.2)
-    assert _live_in_group(pids[-1]) == []  # the sandbox's process group: none left running
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ"
 
 
-def _live_in_group(pgid: int) -> list[int]:
-    """Processes of group ``pgid`` that are not zombies (a killed orphan waits to be reaped by init)."""
-    live = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                live.append(int(entry))
-    return live
-
-
-def test_directory_is_removed() -> None:
-    r = run_program("import os; print(os.getcwd())")
-    assert r["returncode"] == 0 and not Path(r["stdout"].strip()).exists()
-
-
-# --- issue 15: what the kernel enforces, and native routes around the audit hook ---------------------
-
-def test_native_routes_around_the_hook_are_refused(tmp_path: Path) -> None:
-    """``_posixsubprocess.fork_exec`` starts a program (here: ``cat`` of a file outside) without an
-    audit event, and sqlite opens its database file in C: both are refused at import."""
-    secret = tmp_path / "secret.txt"
-    secret.write_text("hunter2")
-    spawn = ("import _posixsubprocess, os, time\nr, w = os.pipe()\n"
-             f"_posixsubprocess.fork_exec([b'/bin/cat', {str(secret).encode()!r}], [b'/bin/cat'], True, (), None, "
-             "None, -1, -1, -1, -1, -1, -1, r, w, False, True, -1, None, None, -1, -1, None, False)\ntime.sleep(0.5)")
-    r = run_program(spawn)
-    _refused(r, "_posixsubprocess is refused")
-    assert "hunter2" not in r["stdout"]
-    db = tmp_path / "planted.db"
-    _refused(run_program(f"import sqlite3\nsqlite3.connect({str(db)!r}).execute('create table t(x)')"),
-             "_sqlite3 is refused")
-    assert not db.exists()
-    _refused(run_program("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))"), "refused")
-
-
-def test_environment_and_home_are_the_runs_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AREAL_TEST_SECRET_KEY", "s3cr3t")
-    r = run_program("import os, json\nprint(json.dumps({'env': dict(os.environ), 'cwd': os.getcwd()}))")
-    assert r["returncode"] == 0, r
-    out = json.loads(r["stdout"])
-    assert "s3cr3t" not in r["stdout"] and set(out["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONIOENCODING"}
-    assert out["env"]["HOME"] == out["cwd"] and Path(out["cwd"]).name.startswith("areal-sandbox-")
-
-
-@pytest.mark.skipif(not sandbox.isolation()["net"], reason="no network namespace can be created on this machine")
-def test_network_namespace_holds_even_past_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the hook gone (as if native code bypassed it), a socket cannot reach a server that
-    listens on this machine's loopback: the run has its own network namespace."""
-    import socket
-
-    monkeypatch.setattr(sandbox, "_GUARD", sandbox._GUARD.replace("sys.addaudithook(_hook)", ""))
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen()
-        port = srv.getsockname()[1]
-        r = run_program(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                        "    print('connected')\nexcept OSError as e:\n    print('refused', e)")
-    assert r["returncode"] == 0 and r["stdout"].startswith("refused"), r
-
-
-@pytest.mark.skipif(not sandbox.isolation()["pid"], reason="no PID namespace can be created on this machine")
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
-def test_a_process_that_left_the_group_dies_with_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A child in a new session escapes a process-group kill (and holds the output pipes open, so
-    the run would not return before it ends); the PID namespace ends it with the run."""
-    monkeypatch.setattr(sandbox, "_GUARD", sandbox._GUARD.replace("sys.addaudithook(_hook)", ""))
-    marker = f"{60 + os.getpid() % 1000 / 1000:.3f}"  # sleep's argument names our process
-    code = (f"import subprocess, time\nsubprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
-            "print('started', flush=True)\ntime.sleep(60)")
+@needs_sandbox
+def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside) -> None:
+    before_tmp = set(Path(tempfile.gettempdir()).glob("areal-sandbox-*"))
+    rss0 = _rss_mib()
     t0 = time.monotonic()
-    r = run_program(code, timeout_s=1.5)
-    elapsed = time.monotonic() - t0
-    assert r["timed_out"] and "started" in r["stdout"]
-    survivors = []
-    for _ in range(20):
-        time.sleep(0.1)
-        survivors = _sleepers(marker)
-        if not survivors:
-            break
-    for pid in survivors:  # leave nothing behind even when the test fails
-        os.kill(pid, 9)
-    assert survivors == [] and elapsed < 10, (survivors, elapsed)
+    name = f"areal-bomb{os.getpid() % 100000}"
+    bomb = run_program("import ctypes, os\nctypes.CDLL(None).prctl(15, " + repr(name.encode()) + ", 0, 0, 0)\n"
+                       "while True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n", timeout_s=2)
+    assert bomb["timed_out"] and time.monotonic() - t0 < 12
+    assert _wait_gone(_named(name)) == set()
+    assert outside["sentinel"].poll() is None
+    if isolation.detect().process_limit_binds:  # bwrap's init, the harness and the program count
+        forks = ("import os, time\nn = 0\nfor _ in range(100):\n    try:\n        if os.fork() == 0:\n"
+                 "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
+                 "        break\nprint(n)")
+        assert run_program(forks, max_processes=8)["stdout"] == "5\n"
+    alloc = run_program("x = bytearray(2 << 30)\nprint('allocated')", memory_mb=512)
+    assert alloc["returncode"] != 0 and "allocated" not in alloc["stdout"] and "MemoryError" in alloc["stderr"]
+    t0 = time.monotonic()
+    assert run_program("import time\ntime.sleep(100)", timeout_s=1)["timed_out"]
+    assert time.monotonic() - t0 < 12
+    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
+    passed, _, detail = run_tests(flood, [{"input": "", "output": "x"}], timeout_s=10)
+    assert passed == 0 and "MiB of output" in detail["error"]
+    assert run_tests(flood, "assert True", timeout_s=1)[0] == 0  # a flood to the harness's own stdout
+    assert _rss_mib() - rss0 < 64  # the output was never held whole here
+    assert set(Path(tempfile.gettempdir()).glob("areal-sandbox-*")) == before_tmp
 
 
-def _sleepers(marker: str) -> list[int]:
-    found = []
+def _rss_mib() -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@needs_sandbox
+def test_a_pool_timeout_that_kills_the_worker_leaves_no_sandbox_behind() -> None:
+    """The pool's own timeout (shorter here than the sandbox's) kills the worker mid-run: the
+    sandbox dies with it, all its processes, and no temporary directory is left."""
+    import asyncio
+
+    from areal_jax.rewards import RewardConfig, RewardPool
+
+    name = f"areal-orph{os.getpid() % 100000}"
+    code = ("import ctypes, os, time\nctypes.CDLL(None).prctl(15, " + repr(name.encode()) + ", 0, 0, 0)\n"
+            "for _ in range(3):\n    os.fork()\ntime.sleep(100)\n")
+    before_tmp = set(Path(tempfile.gettempdir()).glob("areal-sandbox-*"))
+
+    async def go():
+        with RewardPool(RewardConfig(name="tests.rewards.fns:sandboxed", num_workers=1, timeout_s=3.0)) as pool:
+            call = asyncio.ensure_future(pool.score("p", code, {"seconds": 60}, row_id="orphan"))
+            running: set[int] = set()
+            while len(running) < 8 and not call.done():  # the sandbox and its 7 forks, seen while the call runs
+                await asyncio.sleep(0.05)
+                running = _named(name)
+            return await call, running
+
+    r, running = asyncio.run(go())
+    assert r.reward == 0.0 and "timed out" in r.error
+    assert len(running) == 8, running
+    assert _wait_gone(running) == set()
+    assert set(Path(tempfile.gettempdir()).glob("areal-sandbox-*")) == before_tmp
+
+
+def _named(comm: str) -> set[int]:
+    """Live processes whose name (``prctl(PR_SET_NAME)``, 15 characters) is ``comm``."""
+    found = set()
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if cmd == b"sleep\0" + marker.encode() + b"\0" and stat.rsplit(")", 1)[1].split()[0] != "Z":
-                found.append(int(entry))
+        try:
+            if entry.isdigit() and Path(f"/proc/{entry}/comm").read_text().strip() == comm[:15]:
+                if "State:\tZ" not in _status(int(entry)):
+                    found.add(int(entry))
+        except OSError:
+            continue
     return found
+
+
+# --- ordinary work still works ------------------------------------------------------------------------
+
+@needs_sandbox
+def test_right_answers_pass_with_stdin_files_and_a_clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AREAL_TEST_SECRET_KEY", "s3cr3t")
+    code = ("import json, os\nn = int(input())\nopen('scratch.txt', 'w').write(str(n * 2))\n"
+            "print(json.dumps({'double': int(open('scratch.txt').read()), 'env': sorted(os.environ)}))")
+    r = run_program(code, "21")
+    assert r["returncode"] == 0 and not r["timed_out"], r
+    out = json.loads(r["stdout"])
+    assert out["double"] == 42 and "AREAL_TEST_SECRET_KEY" not in out["env"]
+    tests = [{"input": f"{i} {i + 1}", "output": str(2 * i + 1)} for i in range(30)]
+    assert run_tests("a, b = map(int, input().split())\nprint(a + b)", tests) == (30, 30, {})
+    slow = [{"input": "", "output": "done"}] * 3  # three tests, each most of its timeout: the row budget fits them
+    assert run_tests("import time\ntime.sleep(1.0)\nprint('done')", slow, timeout_s=2.5)[0] == 3
+    fill = ("import os\nif input() == 'fill':\n    for i in range(5):\n"  # 75 MiB, past the 64 MiB work dir
+            "        try:\n            open(f'f{i}', 'wb').write(b'x' * (15 << 20))\n        except OSError:\n"
+            "            pass\nprint(len(os.listdir('.')))\n")
+    assert run_tests(fill, [{"input": "fill", "output": "5"}, {"input": "x", "output": "0"}]) == (2, 2, {})
+    exits = [{"input": "5", "output": "5"}, {"input": "0", "output": "0"}]  # exit() and quit() without `site`
+    assert run_tests("n = input()\nprint(n)\nexit() if n == '5' else quit(0)\nprint('not here')", exits)[0] == 2
+    wrong = run_tests("print(int(input()) * 3)", [{"input": "1", "output": "3"}, {"input": "2", "output": "4"}])
+    assert wrong == (1, 2, {"error": "test 1: wrong output"})
+
+
+def test_without_isolation_code_rewards_refuse_with_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from areal_jax.rewards import RewardConfig, RewardPool
+
+    monkeypatch.setattr(isolation, "_candidates", lambda: [])
+    isolation.detect.cache_clear()
+    try:
+        with pytest.raises(isolation.SandboxUnavailable, match="apt-get install -y bubblewrap"):
+            run_tests("print(1)", [{"input": "", "output": "1"}])
+        with pytest.raises(isolation.SandboxUnavailable, match="reward.unsandboxed"):
+            RewardPool(RewardConfig(name="code"))
+        line = RewardConfig(name="code", unsandboxed=True).preflight()
+        assert "NONE" in line
+        # the opt-out still gets the harness: its nonce, output caps and timeouts
+        assert run_tests("print(int(input()) + 1)", [{"input": "1", "output": "2"}], unsandboxed=True)[0] == 1
+        assert run_tests(CHEATS["os._exit(0) at load"], TESTS, unsandboxed=True)[0] == 0
+    finally:
+        isolation.detect.cache_clear()
+
+
+def test_training_with_code_rewards_and_no_isolation_stops_first_saying_how_to_get_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from areal_jax.cli import main
+
+    monkeypatch.setattr(isolation, "_candidates", lambda: [])
+    isolation.detect.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--config", str(ROOT / "configs" / "demo.yaml"), f"run_dir={tmp_path}", "reward.name=code"])
+    finally:
+        isolation.detect.cache_clear()
+    message = str(e.value.code)
+    assert message.startswith("areal-jax train: code rewards refuse") and "apt-get install -y bubblewrap" in message
+    assert not (tmp_path / "base").exists() and not (tmp_path / "logs").exists()  # before any model or server
+
+
+def test_the_sandbox_refuses_a_mix_of_test_kinds() -> None:
+    with pytest.raises(ValueError, match="not a mix"):
+        run_tests("x = 1", ["assert x == 1", {"input": "", "output": ""}], unsandboxed=True)
+
+
+
+@needs_sandbox
+def test_the_code_pool_reports_its_isolation_and_scores_a_300_assert_row() -> None:
+    import asyncio
+
+    from areal_jax.rewards import RewardConfig, RewardPool
+
+    answer = "```python\ndef inc(x):\n    return x + 1\n```"
+    tests = [f"assert inc({i}) == {i + 1}" for i in range(300)]
+
+    async def go():
+        with RewardPool(RewardConfig(name="code", num_workers=1)) as pool:
+            assert pool.isolation.startswith("code sandbox: bubblewrap")
+            return await pool.score("p", answer, {"tests": tests}, row_id="many")
+
+    r = asyncio.run(go())
+    assert r.error is None and r.reward == 1.0 and r.extra["passed"] == 300, r

@@ -1,9 +1,12 @@
 """The built-in verifiers: math-verify on a table of equivalent forms and near misses,
 reasoning-gym's own scorers on generated items, answer extraction, and code tests."""
 
+import functools
+
 import pytest
 
-from areal_jax.rewards.builtin import code_reward, extract_answer, math_reward, reasoning_gym_reward
+from areal_jax.rewards import builtin
+from areal_jax.rewards.builtin import extract_answer, math_reward, reasoning_gym_reward
 
 # (completion, ground truth as the row gives it, expected reward)
 MATH_TABLE = [
@@ -75,6 +78,12 @@ def test_reasoning_gym_scores_generated_items() -> None:
 
 
 def test_code_reward_pairs_and_asserts() -> None:
+    from areal_jax.rewards import isolation
+
+    if isolation.detect().kind == "none":  # these answers are ours: the harness without the sandbox will do
+        code_reward = functools.partial(builtin.code_reward, unsandboxed=True)
+    else:
+        code_reward = builtin.code_reward
     good = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     half = "```python\na, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n```"
     tests = [{"input": "1 2", "output": "3"}, {"input": "10 -3", "output": "7"}]

@@ -1,0 +1,229 @@
+"""Assert tests judged outside the sandbox, so that their expected answers never enter it.
+
+Each ``assert`` whose condition is built from literals, arithmetic, comparisons and a few pure
+builtins (``abs``, ``len``, ``sorted``, ``set``, ``round``, ``math.isclose``...) around calls into
+the solution is split in two. Inside the sandbox only the calls run (the *holes*): the statement
+becomes ``__areal_check__(k, (hole_0, hole_1, ...))``, which reports their values. Outside, the
+rest of the condition (the *skeleton*, with the literals: the answers) is evaluated here on those
+values, rebuilt from builtin types only. So ``assert add(1, 2) == 3`` sends ``add(1, 2)`` in and
+keeps ``== 3`` out; ``assert abs(area(2) - 12.566) < 1e-3`` keeps ``abs(. - 12.566) < 1e-3`` out.
+
+A test passes only if each of its split assertions ran at least once and held every time (so a
+solution that skips them, by leaving early or by forging the harness's report, fails).
+
+A condition that is one hole (``assert check(candidate)``), or that short-circuits (``and``,
+``or``, ``if``-expressions, comprehensions: the holes would all run, where Python's own assert
+might not), stays as it is and runs inside, guarded by the harness's nonce only.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import math
+import operator
+import sys
+from typing import Any
+
+_CALLS: dict[str, Any] = {
+    "abs": abs, "len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "list": list, "tuple": tuple,
+    "round": round, "min": min, "max": max, "sum": sum, "float": float, "int": int, "str": str, "bool": bool,
+    "any": any, "all": all, "dict": dict}
+"""Builtins the skeleton may call: pure, and bounded on bounded input."""
+_MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil,
+         "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos, ast.Not: operator.not_, ast.Invert: operator.invert}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+_SHORT_CIRCUIT = (ast.BoolOp, ast.IfExp, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.Lambda,
+                  ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom, ast.Starred)
+
+
+class _Hole(ast.AST):
+    """A placeholder in a skeleton: the ``index``-th reported value."""
+
+    _fields = ()
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+
+def _skeleton(node: ast.expr, holes: list[ast.expr]) -> ast.AST:
+    """``node`` with every part that must run inside replaced by a ``_Hole`` (appended to ``holes``)."""
+    if isinstance(node, ast.Constant):
+        return node
+    if isinstance(node, ast.List | ast.Tuple | ast.Set):
+        return type(node)(elts=[_skeleton(e, holes) for e in node.elts], ctx=ast.Load())
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return ast.Dict(keys=[_skeleton(k, holes) for k in node.keys],
+                        values=[_skeleton(v, holes) for v in node.values])
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return ast.UnaryOp(op=node.op, operand=_skeleton(node.operand, holes))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return ast.BinOp(left=_skeleton(node.left, holes), op=node.op, right=_skeleton(node.right, holes))
+    if isinstance(node, ast.Compare) and all(type(op) in _COMPARE for op in node.ops):
+        return ast.Compare(left=_skeleton(node.left, holes), ops=node.ops,
+                           comparators=[_skeleton(c, holes) for c in node.comparators])
+    if isinstance(node, ast.Call) and _safe_callee(node.func) and not any(k.arg is None for k in node.keywords):
+        return ast.Call(func=node.func, args=[_skeleton(a, holes) for a in node.args],
+                        keywords=[ast.keyword(arg=k.arg, value=_skeleton(k.value, holes)) for k in node.keywords])
+    if _is_math_constant(node) or (isinstance(node, ast.Name) and node.id in _CALLS):
+        return node  # ``math.pi``; ``len`` as a value (``sorted(x, key=len)``)
+    holes.append(node)
+    return _Hole(len(holes) - 1)
+
+
+def _safe_callee(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Name) and func.id in _CALLS) or (
+        isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "math"
+        and func.attr in _MATH and callable(_MATH[func.attr]))
+
+
+def _is_math_constant(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "math"
+            and node.attr in _MATH and not callable(_MATH[node.attr]))
+
+
+def _solution_call(hole: ast.expr, imported: set[str]) -> bool:
+    """Whether ``hole`` is a call into the solution (or a part of its result): its root is a
+    call of a name that is neither a Python builtin nor imported by the test. Anything else
+    (``type(x)``, ``Fraction(1, 2)``, ``math.factorial(9)``, a bare name) may not be a plain
+    value, and stays inside."""
+    node, called = hole, False
+    while isinstance(node, ast.Call | ast.Attribute | ast.Subscript):
+        called = called or isinstance(node, ast.Call)
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return (called and isinstance(node, ast.Name) and node.id not in imported and not hasattr(builtins, node.id)
+            and node.id not in sys.stdlib_module_names)
+
+
+def split_asserts(source: str) -> tuple[str, dict[int, ast.AST]]:
+    """``source`` with each assert that can be judged outside turned into a report of its holes,
+    and the skeletons by report number (see the module docstring)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return source, {}  # the harness's compile reports it
+    table: dict[int, ast.AST] = {}
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                for a in n.names}
+
+    class Rewrite(ast.NodeTransformer):
+        def visit_Assert(self, node: ast.Assert) -> ast.AST:
+            if any(isinstance(n, _SHORT_CIRCUIT) for n in ast.walk(node.test)):
+                return node
+            holes: list[ast.expr] = []
+            skeleton = _skeleton(node.test, holes)
+            if not holes or isinstance(skeleton, _Hole) or not all(_solution_call(h, imported) for h in holes):
+                return node  # nothing hidden, nothing left outside, or a part that may not be a plain value
+            k = len(table)
+            table[k] = skeleton
+            report = ast.Call(ast.Name("__areal_check__", ast.Load()),
+                              [ast.Constant(k), ast.Tuple(holes, ast.Load())], [])
+            return ast.copy_location(ast.Expr(report), node)
+
+    tree = ast.fix_missing_locations(Rewrite().visit(tree))
+    return ast.unparse(tree), table
+
+
+_MAX_SIZE = 1 << 22
+"""Largest sequence or integer (in bits) the skeleton may build from reported values."""
+
+
+def judge(skeleton: ast.AST, encoded: Any) -> bool:
+    """Whether the assert's condition holds for the reported (encoded) hole values. Raises
+    ``ValueError`` (or ``TypeError``...) for a value that cannot be rebuilt or compared."""
+    holes = decode(encoded)
+    if not isinstance(holes, tuple):
+        raise ValueError("the report is not a tuple of values")
+    return bool(_evaluate(skeleton, holes))
+
+
+def _evaluate(node: ast.AST, holes: tuple) -> Any:
+    if isinstance(node, _Hole):
+        return holes[node.index]
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.List):
+        return [_evaluate(e, holes) for e in node.elts]
+    if isinstance(node, ast.Tuple):
+        return tuple(_evaluate(e, holes) for e in node.elts)
+    if isinstance(node, ast.Set):
+        return {_evaluate(e, holes) for e in node.elts}
+    if isinstance(node, ast.Dict):
+        return {_evaluate(k, holes): _evaluate(v, holes) for k, v in zip(node.keys, node.values, strict=True)}
+    if isinstance(node, ast.UnaryOp):
+        return _UNARY[type(node.op)](_evaluate(node.operand, holes))
+    if isinstance(node, ast.BinOp):
+        a, b = _evaluate(node.left, holes), _evaluate(node.right, holes)
+        _check_size(node.op, a, b)
+        return _BINOPS[type(node.op)](a, b)
+    if isinstance(node, ast.Compare):
+        left = _evaluate(node.left, holes)
+        for op, comparator in zip(node.ops, node.comparators, strict=True):
+            right = _evaluate(comparator, holes)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, ast.Call):
+        func = _CALLS[node.func.id] if isinstance(node.func, ast.Name) else _MATH[node.func.attr]
+        return func(*(_evaluate(a, holes) for a in node.args),
+                    **{k.arg: _evaluate(k.value, holes) for k in node.keywords})
+    if isinstance(node, ast.Attribute):
+        return _MATH[node.attr]
+    if isinstance(node, ast.Name):
+        return _CALLS[node.id]
+    raise ValueError(f"cannot evaluate {type(node).__name__}")
+
+
+def _check_size(op: ast.operator, a: Any, b: Any) -> None:
+    """Refuse an operation whose result would be huge (the values came from the solution)."""
+    if isinstance(op, ast.Pow | ast.Mult) and isinstance(a, int) and isinstance(b, int):
+        bits = a.bit_length() * b if isinstance(op, ast.Pow) else a.bit_length() + b.bit_length()
+        if bits > _MAX_SIZE and abs(a) > 1:
+            raise ValueError("an integer past the size limit")
+    if isinstance(op, ast.Mult):
+        for seq, count in ((a, b), (b, a)):
+            if isinstance(seq, str | bytes | list | tuple) and isinstance(count, int) and len(seq) * count > _MAX_SIZE:
+                raise ValueError("a repeated sequence past the size limit")
+
+
+def decode(x: Any, depth: int = 0) -> Any:
+    """The value the harness encoded (``_harness._encode``), rebuilt from builtin types only."""
+    if depth > 100:
+        raise ValueError("nested more than 100 deep")
+    if x is None or isinstance(x, bool | int | str):
+        return x
+    if isinstance(x, list):
+        return [decode(v, depth + 1) for v in x]
+    if isinstance(x, dict) and len(x) == 1:
+        (tag, v), = x.items()
+        if tag == "f" and isinstance(v, str):
+            return float(v)
+        if tag == "i" and isinstance(v, str) and len(v) <= _MAX_SIZE // 4:
+            return int(v, 16)
+        if tag == "c" and isinstance(v, list) and len(v) == 2:
+            return complex(float(v[0]), float(v[1]))
+        if tag == "b" and isinstance(v, str):
+            return bytes.fromhex(v)
+        if tag in ("t", "s", "d") and isinstance(v, list):
+            items = [decode(e, depth + 1) for e in v]
+            if tag == "t":
+                return tuple(items)
+            if tag == "s":
+                return set(items)
+            if all(isinstance(e, list) and len(e) == 2 for e in items):
+                return {_hashable(a): b for a, b in items}
+        if tag == "x":
+            raise ValueError(f"the value could not be reported ({str(v)[:200]})")
+    raise ValueError("a malformed value")
+
+
+def _hashable(v: Any) -> Any:
+    hash(v)
+    return v
