@@ -18,7 +18,7 @@ table holds is never written (``write_slots`` refuses), so no page is ever copie
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -175,3 +175,30 @@ class PageTable:
             raise ValueError(f"tokens {start}..{stop} lie in page {held[0]}, which another request also reads: "
                              f"shared pages are read-only")
         return pages, (index % size).astype(np.int32)
+
+
+NO_POSITION = 2**30
+"""``first`` of a padding work entry: past every position, so all its keys are masked."""
+
+
+def paged_work(page_lists: Sequence[Sequence[int]], kv_lens: Sequence[int], page_size: int,
+               size: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The ragged work list (``models.attention.PagedWork``'s ``rows, pages, first``) of a step in
+    which row ``i`` attends to its first ``kv_lens[i]`` tokens, held in ``page_lists[i]``: one
+    entry per page read, rows in order, padded to ``size`` entries (a bucket, so the compiled
+    shapes stay few) with fully masked entries on the last row's sink page."""
+    rows, pages, first = [], [], []
+    for i, (held, n) in enumerate(zip(page_lists, kv_lens, strict=True)):
+        count = -(-n // page_size)
+        if count > len(held):
+            raise ValueError(f"row {i} attends to {n} tokens but holds {len(held)} pages of {page_size}")
+        rows += [i] * count
+        pages += list(held[:count])
+        first += range(0, count * page_size, page_size)
+    size = len(rows) if size is None else size
+    if size < len(rows):
+        raise ValueError(f"the work list has {len(rows)} entries, more than size={size}")
+    pad = size - len(rows)
+    last = max(len(page_lists) - 1, 0)
+    return (np.asarray(rows + [last] * pad, np.int32), np.asarray(pages + [SINK_PAGE] * pad, np.int32),
+            np.asarray(first + [NO_POSITION] * pad, np.int32))
