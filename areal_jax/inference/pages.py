@@ -12,8 +12,9 @@ page list point at, so a compiled step never needs a branch for "no page". A poo
 ``max_total_num_tokens`` is ``num_pages * page_size``.
 
 Sharing is by whole pages: ``PageTable.fork`` gives a new request the full pages of a prefix and
-the tokens of a partly filled last page are the new request's own to write. A page more than one
-table holds is never written (``write_slots`` refuses), so no page is ever copied on write.
+the tokens of a partly filled last page are the new request's own to write. A table never writes
+the pages it forked (``write_slots`` refuses), and the table they came from has filled them already
+or fills them in the same step (a group admitted together), so no page is ever copied on write.
 """
 
 from __future__ import annotations
@@ -167,14 +168,12 @@ class PageTable:
         and values: reserved, and none in a shared page."""
         if stop > self.num_tokens or start < 0:
             raise ValueError(f"tokens {start}..{stop} are not reserved (the table holds {self.num_tokens})")
-        index = np.arange(start, stop)
         size = self.allocator.page_size
-        pages = np.asarray(self.pages, np.int32)[index // size]
-        held = [p for p in np.unique(pages) if self.allocator.refcount(int(p)) > 1]
-        if held:
-            raise ValueError(f"tokens {start}..{stop} lie in page {held[0]}, which another request also reads: "
+        if start < self.shared * size:
+            raise ValueError(f"token {start} lies in a page forked from another request, which also reads it: "
                              f"shared pages are read-only")
-        return pages, (index % size).astype(np.int32)
+        index = np.arange(start, stop)
+        return np.asarray(self.pages, np.int32)[index // size], (index % size).astype(np.int32)
 
 
 NO_POSITION = 2**30

@@ -53,7 +53,7 @@ def test_fork_shares_whole_prompt_pages_read_only() -> None:
     for a in answers:
         assert a.pages == prompt.pages[:2] and a.num_tokens == 8
     assert [pool.refcount(p) for p in prompt.pages] == [4, 4, 1]
-    with pytest.raises(ValueError, match="another request also reads"):
+    with pytest.raises(ValueError, match="shared pages are read-only"):
         answers[0].write_slots(7, 8)
     answers[0].reserve(11)  # the answer writes the prompt's last two tokens and its own in its own page
     pages, _ = answers[0].write_slots(8, 11)
