@@ -4,9 +4,9 @@ Two batches of 64 answers: all at 100 tokens, and the long tail (one answer at 4
 at 100). The per-slot cache (``Decoder.decode``) attends every row up to a bucket of the longest
 answer (the engine's default buckets for a 4,608-token context), so the long tail costs about
 64 x 4,000; the paged pool (``Decoder.decode_paged``, pages of 16) reads each answer's own pages
-through a ragged work list padded to a power of two, so it costs the tokens live. The figure of
-merit is each path's long-tail step time over its own all-short step time (the issue's goal:
-within 1.5x).
+through a ragged work list (padded by ``inference.pages.work_size``), so it costs the tokens live.
+The figure of merit is each path's long-tail step time over its own all-short step time (the
+issue's goal: within 1.5x).
 
 One step is the model's decode of one token per row with logits (no sampling), jitted, the cache
 donated, timed after a warm-up; the four cases run in alternating rounds and each keeps its
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.inference.config import default_kv_buckets
-from areal_jax.inference.pages import PageAllocator, PageTable, paged_work
+from areal_jax.inference.pages import PageAllocator, PageTable, paged_work, work_size
 from areal_jax.inference.steps import bucket
 from areal_jax.models.attention import PagedWork
 from areal_jax.models.config import ModelConfig
@@ -64,7 +64,7 @@ def paged_case(model: Decoder, lengths: list[int]) -> Any:
     wp = jnp.asarray(np.stack([w[0] for w in writes]))
     wo = jnp.asarray(np.stack([w[1] for w in writes]))
     entries = sum(pool.pages_for(n + 1) for n in lengths)
-    size = 1 << (entries - 1).bit_length()
+    size = work_size(entries)
     work = PagedWork(*map(jnp.asarray, paged_work([t.pages for t in tables], [n + 1 for n in lengths], PAGE, size)))
     step = jax.jit(lambda m, ids, pos, cache, wp, wo, work: m.decode_paged(
         ids, pos, cache, write_pages=wp, write_offsets=wo, work=work), donate_argnums=(3,))

@@ -201,3 +201,13 @@ def paged_work(page_lists: Sequence[Sequence[int]], kv_lens: Sequence[int], page
     last = max(len(page_lists) - 1, 0)
     return (np.asarray(rows + [last] * pad, np.int32), np.asarray(pages + [SINK_PAGE] * pad, np.int32),
             np.asarray(first + [NO_POSITION] * pad, np.int32))
+
+
+def work_size(entries: int, stride: int = 128) -> int:
+    """The padded length of a work list of ``entries``: a power of two up to ``stride``, then the
+    next multiple of ``stride``. Attention's cost follows the padded length, so the stride bounds
+    the waste of a long list (a long tail of 692 entries pads to 768, not 1,024) while the compiled
+    shapes stay few: a pool of ``P`` pages read once each needs about ``log2(stride) + P / stride``."""
+    if entries <= stride:
+        return 1 << max(entries - 1, 0).bit_length()
+    return -(-entries // stride) * stride

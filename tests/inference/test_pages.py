@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_jax.inference.pages import SINK_PAGE, OutOfPages, PageAllocator, PageTable
+from areal_jax.inference.pages import SINK_PAGE, OutOfPages, PageAllocator, PageTable, work_size
 
 
 def test_alloc_is_all_or_nothing_and_never_hands_out_the_sink() -> None:
@@ -148,3 +148,10 @@ def test_ten_thousand_random_requests_leave_no_page_held() -> None:
 def test_any_sequence_of_operations_leaves_no_page_held(ops: list[tuple[str, int]], num_pages: int,
                                                        page_size: int) -> None:
     _simulate(ops, PageAllocator(num_pages, page_size), check_every=1)
+
+
+def test_work_size_pads_to_few_shapes_with_bounded_waste() -> None:
+    assert [work_size(n) for n in (0, 1, 3, 100, 128, 129, 692, 768)] == [1, 1, 4, 128, 128, 256, 768, 768]
+    sizes = {work_size(n) for n in range(1, 2049)}
+    assert len(sizes) == 8 + 2048 // 128 - 1  # 1 .. 128, then 256 .. 2048
+    assert all(work_size(n) < n + 128 for n in range(129, 2049))
