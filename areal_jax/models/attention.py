@@ -130,7 +130,9 @@ def attend_ragged(q: jax.Array, keys: jax.Array, values: jax.Array, q_positions:
 
     Each entry's scores are computed on their own and a row's entries are combined by one softmax
     over all of them (the running-max form of flash attention, as in ``attend_packed_pairs``);
-    the XLA gather path, and the reference paged kernels are tested against."""
+    the XLA gather path, and the reference paged kernels are tested against. Each entry holds
+    all ``t`` queries of its row, which suits decode and short chunks; a long prefill chunk wants
+    entries per (query block, page), so a block skips the pages causality hides from it."""
     b, t, nh, d = q.shape
     n, kvh, _, size = keys.shape
     g = nh // kvh
