@@ -20,6 +20,7 @@ or fills them in the same step (a group admitted together), so no page is ever c
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -211,3 +212,44 @@ def work_size(entries: int, stride: int = 128) -> int:
     if entries <= stride:
         return 1 << max(entries - 1, 0).bit_length()
     return -(-entries // stride) * stride
+
+
+class PagedBatch(NamedTuple):
+    """The host arrays of one paged call (``Decoder.decode_paged``'s arguments): ``ids``,
+    ``positions`` (-1 for padding), ``write_pages`` and ``write_offsets`` (the sink for padding),
+    each ``[rows, width]``, and the work list ``rows, pages, first``; ``last[i]`` is the column of
+    row ``i``'s last token, whose logits sample its next one."""
+
+    ids: np.ndarray
+    positions: np.ndarray
+    write_pages: np.ndarray
+    write_offsets: np.ndarray
+    work: tuple[np.ndarray, np.ndarray, np.ndarray]
+    last: np.ndarray
+
+
+def paged_batch(rows: Sequence[tuple[PageTable, Sequence[int], int]], num_rows: int, width: int,
+                stride: int = 128) -> PagedBatch:
+    """One call's arrays: row ``i`` = ``(table, tokens, start)`` computes ``tokens`` at positions
+    ``start ..`` (reserved in ``table``) and attends to every token of its sequence up to the last
+    of them. Rows are padded to ``num_rows`` and tokens to ``width`` (buckets chosen by the
+    caller), the work list by ``work_size(.., stride)``."""
+    if not rows or len(rows) > num_rows:
+        raise ValueError(f"a paged call of {num_rows} rows was given {len(rows)}: it needs 1 to {num_rows}")
+    shape = (num_rows, width)
+    ids, pos = np.zeros(shape, np.int32), np.full(shape, -1, np.int32)
+    wp, wo = np.full(shape, SINK_PAGE, np.int32), np.zeros(shape, np.int32)
+    last = np.zeros((num_rows,), np.int32)
+    tables, lens = [], []
+    for i, (table, tokens, start) in enumerate(rows):
+        n = len(tokens)
+        if not 0 < n <= width:
+            raise ValueError(f"row {i} has {n} tokens; a row computes 1 to width={width}")
+        ids[i, :n], pos[i, :n] = tokens, np.arange(start, start + n)
+        wp[i, :n], wo[i, :n] = table.write_slots(start, start + n)
+        last[i] = n - 1
+        tables.append(table.pages)
+        lens.append(start + n)
+    page_size = rows[0][0].allocator.page_size
+    size = work_size(sum(-(-n // page_size) for n in lens), stride)
+    return PagedBatch(ids, pos, wp, wo, paged_work(tables, lens, page_size, size=size), last)

@@ -126,7 +126,7 @@ def attend_ragged(q: jax.Array, keys: jax.Array, values: jax.Array, q_positions:
     cache stores them) and ``values [n, kvh, page, d]``, entry ``i`` belonging to row
     ``work.rows[i]``. A key is visible iff its position is at most the query's, so one call
     serves decode (t = 1) and prefill chunks alike; a padding query (position -1) sees nothing and
-    gets a finite average, never NaN.
+    a row with no entries (batch padding) reads nothing: both get finite values, never NaN.
 
     Each entry's scores are computed on their own and a row's entries are combined by one softmax
     over all of them (the running-max form of flash attention, as in ``attend_packed_pairs``);
@@ -148,7 +148,10 @@ def attend_ragged(q: jax.Array, keys: jax.Array, values: jax.Array, q_positions:
     out = jnp.einsum("nkrs,nksd->nkrd", weights.astype(values.dtype).reshape(n, kvh, g * t, size), values,
                      precision=precision)
     out = jax.ops.segment_sum(out, work.rows, num_segments=b).reshape(b, kvh, g, t, d)
-    out = out / total[..., None].astype(out.dtype)
+    # A row with no entries (batch padding) has total 0: its output is 0, not NaN. A NaN there
+    # would be written as keys and values into the sink page, which masked entries read with
+    # weight 0, and 0 * NaN poisons the rows that own them.
+    out = out / jnp.where(total > 0, total, 1.0)[..., None].astype(out.dtype)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from areal_jax.inference.pages import SINK_PAGE, PageAllocator, paged_work
+from areal_jax.inference.pages import PageAllocator, paged_batch
 from areal_jax.inference.schedule import Request, Scheduler
 from areal_jax.models.attention import PagedWork
 from areal_jax.models.decoder import Decoder
@@ -32,26 +31,17 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _call(model: Decoder, cache, rows: list[tuple[Request, int]], page_size: int):
+def _call(model: Decoder, cache, rows: list[tuple[Request, int]]):
     """One paged call: row ``(req, start)`` computes tokens ``start ..`` of ``prompt + output``
-    and returns the greedy token after its last one. Rows padded to ``ROWS``, tokens and work
-    entries to powers of two, so the loop compiles a handful of shapes."""
+    and returns the greedy token after its last one. Rows padded to ``ROWS``, tokens to a power of
+    two, so the loop compiles a handful of shapes."""
     width = _pow2(max(r.length - start for r, start in rows))
-    b = ROWS
-    ids, pos = np.zeros((b, width), np.int32), np.full((b, width), -1, np.int32)
-    wp, wo = np.full((b, width), SINK_PAGE, np.int32), np.zeros((b, width), np.int32)
-    for i, (r, start) in enumerate(rows):
-        tokens = (r.prompt + tuple(r.output))[start:]
-        ids[i, :len(tokens)], pos[i, :len(tokens)] = tokens, np.arange(start, r.length)
-        wp[i, :len(tokens)], wo[i, :len(tokens)] = r.table.write_slots(start, r.length)
-    tables = [r.table.pages for r, _ in rows] + [[]] * (b - len(rows))
-    lens = [r.length for r, _ in rows] + [0] * (b - len(rows))
-    entries = sum(-(-n // page_size) for n in lens)
-    work = paged_work(tables, lens, page_size, size=max(64, _pow2(entries)))
-    next_ids, cache = _step(model, jnp.asarray(ids), jnp.asarray(pos), cache, jnp.asarray(wp), jnp.asarray(wo),
-                            tuple(map(jnp.asarray, work)))
-    last = [r.length - start - 1 for r, start in rows]
-    return [int(next_ids[i, j]) for i, j in enumerate(last)], cache
+    batch = paged_batch([(r.table, (r.prompt + tuple(r.output))[start:], start) for r, start in rows], ROWS, width,
+                        stride=64)
+    next_ids, cache = _step(model, jnp.asarray(batch.ids), jnp.asarray(batch.positions), cache,
+                            jnp.asarray(batch.write_pages), jnp.asarray(batch.write_offsets),
+                            tuple(map(jnp.asarray, batch.work)))
+    return [int(next_ids[i, j]) for i, j in enumerate(batch.last[:len(rows)])], cache
 
 
 @pytest.mark.slow
@@ -74,7 +64,7 @@ def test_greedy_loop_with_retractions_and_shared_prompts_matches_the_full_forwar
         admitted = sched.admit()
         if admitted:  # one prefill call for every admission, each from its first token not shared
             shared_seen += sum(a.shared_tokens > 0 for a in admitted)
-            nxt, cache = _call(model, cache, [(a.request, a.shared_tokens) for a in admitted], page)
+            nxt, cache = _call(model, cache, [(a.request, a.shared_tokens) for a in admitted])
             for a, tok in zip(admitted, nxt, strict=True):
                 a.request.output.append(tok)
         for r in [r for r in sched.running if r.done]:
@@ -84,7 +74,7 @@ def test_greedy_loop_with_retractions_and_shared_prompts_matches_the_full_forwar
         retracted += len(growth.retracted)
         if sched.running:  # one decode token per running answer: its last token goes in at length - 1
             rows = [(r, r.length - 1) for r in sched.running]
-            nxt, cache = _call(model, cache, rows, page)
+            nxt, cache = _call(model, cache, rows)
             for (r, _), tok in zip(rows, nxt, strict=True):
                 r.output.append(tok)
         for r in [r for r in sched.running if r.done]:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from areal_jax.inference.pages import SINK_PAGE, OutOfPages, PageAllocator, PageTable, work_size
+from areal_jax.inference.pages import SINK_PAGE, OutOfPages, PageAllocator, PageTable, paged_batch, work_size
 
 
 def test_alloc_is_all_or_nothing_and_never_hands_out_the_sink() -> None:
@@ -155,3 +155,22 @@ def test_work_size_pads_to_few_shapes_with_bounded_waste() -> None:
     sizes = {work_size(n) for n in range(1, 2049)}
     assert len(sizes) == 8 + 2048 // 128 - 1  # 1 .. 128, then 256 .. 2048
     assert all(work_size(n) < n + 128 for n in range(129, 2049))
+
+
+def test_paged_batch_places_each_rows_tokens_in_its_pages() -> None:
+    pool = PageAllocator(num_pages=8, page_size=4)
+    a, b = PageTable(pool), PageTable(pool)
+    a.reserve(6)
+    b.reserve(1)
+    batch = paged_batch([(a, [7, 8], 4), (b, [9], 0)], num_rows=4, width=2)
+    assert batch.ids.tolist() == [[7, 8], [9, 0], [0, 0], [0, 0]]
+    assert batch.positions.tolist() == [[4, 5], [0, -1], [-1, -1], [-1, -1]]
+    assert batch.write_pages.tolist() == [[a.pages[1]] * 2, [b.pages[0], SINK_PAGE], [SINK_PAGE] * 2, [SINK_PAGE] * 2]
+    assert batch.write_offsets[0].tolist() == [0, 1] and batch.last[:2].tolist() == [1, 0]
+    rows, pages, first = batch.work
+    assert rows.tolist() == [0, 0, 1, 1] and pages.tolist()[:3] == [*a.pages, *b.pages]
+    assert first.tolist()[:3] == [0, 4, 0]
+    with pytest.raises(ValueError, match="1 to width=2"):
+        paged_batch([(a, [1, 2, 3], 3)], num_rows=1, width=2)
+    with pytest.raises(ValueError, match="not reserved"):
+        paged_batch([(b, [1, 2], 1)], num_rows=1, width=2)

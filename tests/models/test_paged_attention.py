@@ -67,6 +67,23 @@ def test_attend_paged_matches_attention_over_each_rows_own_pages(t: int) -> None
     np.testing.assert_allclose(got[real], want[real], atol=2e-5)
 
 
+def test_rows_without_pages_stay_finite_and_leave_other_rows_alone() -> None:
+    """Batch padding rows read no page: their output is finite (zeros). Were it NaN, the decoder
+    would write NaN keys and values into the sink page, which the masked padding entries of real
+    rows read with weight 0, and 0 * NaN is NaN (``test_paged_loop`` caught exactly that)."""
+    rng = np.random.default_rng(3)
+    kvh, d, size = 2, 8, 4
+    k_pages = rng.normal(size=(6, kvh, d, size)).astype(np.float32)
+    v_pages = rng.normal(size=(6, kvh, size, d)).astype(np.float32)
+    q = rng.normal(size=(3, 1, 4, d)).astype(np.float32)
+    q_pos = np.array([[5], [-1], [-1]], np.int32)
+    work = PagedWork(*map(jnp.asarray, paged_work([[2, 4]], [6], size, size=4)))  # rows 1, 2: no entries
+    got = np.asarray(attend_paged(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(q_pos),
+                                  work))
+    assert np.isfinite(got).all() and not got[1:].any()
+    np.testing.assert_allclose(got[:1], _reference(q[:1], k_pages, v_pages, q_pos[:1], [[2, 4]]), atol=2e-5)
+
+
 def test_paged_work_pads_with_masked_entries_and_checks_its_input() -> None:
     rows, pages, first = paged_work([[3, 7], [5]], [5, 2], page_size=4, size=5)
     assert rows.tolist() == [0, 0, 1, 1, 1] and pages.tolist() == [3, 7, 5, 0, 0]
