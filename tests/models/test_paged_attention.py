@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from areal_jax.inference.pages import PageAllocator, PageTable, paged_work
 from areal_jax.models import load_pretrained
@@ -65,6 +67,33 @@ def test_attend_paged_matches_attention_over_each_rows_own_pages(t: int) -> None
     want = _reference(q, k_pages, v_pages, q_pos, page_lists)
     real = q_pos >= 0
     np.testing.assert_allclose(got[real], want[real], atol=2e-5)
+
+
+_ATTEND = jax.jit(attend_paged)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(1, 28), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_attend_paged_over_any_ragged_lengths_and_page_layouts(lens: list[int], seed: int) -> None:
+    """Any lengths (page boundaries included) of up to 4 rows, pages drawn at random from the pool,
+    rows padded to 4 and the work list to 32 entries (one compiled shape): equal to the reference."""
+    rng = np.random.default_rng(seed)
+    size, nh, kvh, d, rows = 4, 4, 2, 8, 4
+    perm = rng.permutation(np.arange(1, 29)).tolist()
+    page_lists = []
+    for n in lens:
+        count = -(-n // size)
+        page_lists.append(perm[:count])
+        del perm[:count]
+    k_pages = rng.normal(size=(29, kvh, d, size)).astype(np.float32)
+    v_pages = rng.normal(size=(29, kvh, size, d)).astype(np.float32)
+    q = rng.normal(size=(rows, 1, nh, d)).astype(np.float32)
+    q_pos = np.array([[n - 1] for n in lens] + [[-1]] * (rows - len(lens)), np.int32)
+    work = PagedWork(*map(jnp.asarray, paged_work(page_lists, lens, size, size=32)))
+    got = np.asarray(_ATTEND(jnp.asarray(q), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(q_pos), work))
+    assert np.isfinite(got).all()
+    want = _reference(q[:len(lens)], k_pages, v_pages, q_pos[:len(lens)], page_lists)
+    np.testing.assert_allclose(got[:len(lens)], want, atol=2e-5)
 
 
 def test_rows_without_pages_stay_finite_and_leave_other_rows_alone() -> None:
