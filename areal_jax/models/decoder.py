@@ -296,7 +296,6 @@ class Attention(nnx.Module):
         out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self.precision)
         return self.o_proj(out.reshape(*x.shape[:2], -1)), KVCache(k_all, v_all)
 
-
     def decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
                      write_pages: jax.Array, write_offsets: jax.Array,
                      work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
@@ -349,7 +348,6 @@ class DecoderLayer(nnx.Module):
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
-
 
     def decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
                      write_pages: jax.Array, write_offsets: jax.Array,
