@@ -2,7 +2,9 @@
 fused kernels, and the choice between them.
 
 The dense forms are the CPU path and the reference: ``attend_packed`` (and ``attend_packed_local``
-within a window) over packed training rows, ``attend_cached`` against the KV cache in decoding.
+within a window) over packed training rows, ``attend_cached`` against the per-slot KV cache in
+decoding, ``attend_paged`` against a paged KV pool through a ragged work list (each row reads
+only its own pages; the XLA gather path paged kernels are held against).
 Given the block pairs a packed row needs (``data.packing.attention_block_pairs``, planned by the
 trainer), ``attend_packed_pairs`` computes the same attention on those blocks only. Where the
 backend has a fused kernel, ``ModelConfig.attention_impl`` selects it:
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.core.spmd as flax_spmd
 import jax
@@ -101,6 +103,63 @@ def attend_cached(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kvh, g * t, s)
     out = jnp.einsum("bkrs,bksd->bkrd", probs, v, precision=precision)
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+
+
+class PagedWork(NamedTuple):
+    """The ragged work list of a paged attention call: one entry per (query row, KV page) pair that
+    row reads, ``[n]`` int32 each, built on the host (``inference.pages.paged_work``). A row reads
+    only its own pages, so a step costs the tokens live, not rows x the longest row. Padding
+    entries name the sink page with ``first`` past every position (fully masked)."""
+
+    rows: jax.Array
+    """The query row (batch index) of each entry."""
+    pages: jax.Array
+    """The physical page it reads."""
+    first: jax.Array
+    """The absolute position of the page's first token in that row's sequence."""
+
+
+def attend_ragged(q: jax.Array, keys: jax.Array, values: jax.Array, q_positions: jax.Array, work: PagedWork,
+                  precision: jax.lax.Precision | None = None) -> jax.Array:
+    """Grouped-query attention of ``q [b, t, nh, d]`` (at absolute ``q_positions [b, t]``) over
+    the pages of the work list, already gathered: ``keys [n, kvh, d, page]`` (transposed, as the
+    cache stores them) and ``values [n, kvh, page, d]``, entry ``i`` belonging to row
+    ``work.rows[i]``. A key is visible iff its position is at most the query's, so one call
+    serves decode (t = 1) and prefill chunks alike; a padding query (position -1) sees nothing and
+    a row with no entries (batch padding) reads nothing: both get finite values, never NaN.
+
+    Each entry's scores are computed on their own and a row's entries are combined by one softmax
+    over all of them (the running-max form of flash attention, as in ``attend_packed_pairs``);
+    the XLA gather path, and the reference paged kernels are tested against. Each entry holds
+    all ``t`` queries of its row, which suits decode and short chunks; a long prefill chunk wants
+    entries per (query block, page), so a block skips the pages causality hides from it."""
+    b, t, nh, d = q.shape
+    n, kvh, _, size = keys.shape
+    g = nh // kvh
+    rows = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    scores = jnp.einsum("nkrd,nkds->nkrs", rows[work.rows], keys, preferred_element_type=jnp.float32,
+                        precision=precision).reshape(n, kvh, g, t, size)
+    key_pos = work.first[:, None] + jnp.arange(size, dtype=work.first.dtype)[None]
+    mask = key_pos[:, None, :] <= q_positions[work.rows][:, :, None]  # [n, t, page]
+    scores = jnp.where(mask[:, None, None], scores / math.sqrt(d), _MASKED)
+    shift = jax.ops.segment_max(scores.max(-1), work.rows, num_segments=b)  # [b, kvh, g, t]
+    weights = jnp.exp(scores - shift[work.rows][..., None])
+    total = jax.ops.segment_sum(weights.sum(-1), work.rows, num_segments=b)
+    out = jnp.einsum("nkrs,nksd->nkrd", weights.astype(values.dtype).reshape(n, kvh, g * t, size), values,
+                     precision=precision)
+    out = jax.ops.segment_sum(out, work.rows, num_segments=b).reshape(b, kvh, g, t, d)
+    # A row with no entries (batch padding) has total 0: its output is 0, not NaN. A NaN there
+    # would be written as keys and values into the sink page, which masked entries read with
+    # weight 0, and 0 * NaN poisons the rows that own them.
+    out = out / jnp.where(total > 0, total, 1.0)[..., None].astype(out.dtype)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+
+
+def attend_paged(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, q_positions: jax.Array, work: PagedWork,
+                 precision: jax.lax.Precision | None = None) -> jax.Array:
+    """``attend_ragged`` against one layer's page pool: ``k_pages [num_pages, kvh, d, page]``,
+    ``v_pages [num_pages, kvh, page, d]``, read through the work list (the XLA gather path)."""
+    return attend_ragged(q, k_pages[work.pages], v_pages[work.pages], q_positions, work, precision)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,

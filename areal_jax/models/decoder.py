@@ -4,7 +4,9 @@ One definition runs two ways:
 - packed, padding-free training input: ``model(input_ids, positions, segment_ids)``; attention
   never crosses a segment and segment 0 is padding;
 - batched decoding with a KV cache: ``model.decode(input_ids, positions, cache, kv_len=...)``
-  writes the new keys/values at ``positions`` and attends only to the first ``kv_len`` cache slots.
+  writes the new keys/values at ``positions`` and attends only to the first ``kv_len`` cache slots;
+  ``model.decode_paged(...)`` does the same against a pool of fixed-size pages, each row reading
+  only its own pages through a ragged work list.
 
 The decoder layers are one module with stacked parameters (a leading ``layers`` axis) run under
 a scan on both paths, so compile time does not grow with depth; in training each layer can be
@@ -24,10 +26,12 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.attention import (
+    PagedWork,
     attend_cached,
     attend_packed,
     attend_packed_local,
     attend_packed_pairs,
+    attend_ragged,
     dot_product_attention_packed,
     resolve_attention_impl,
     splash_attention_packed,
@@ -66,6 +70,30 @@ class KVCache(NamedTuple):
 
 K_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "head_dim", "cache_length")
 V_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim")
+
+
+class PagedKVCache(NamedTuple):
+    """Every layer's page pool, stacked on a leading ``layers`` axis: keys ``[layers, pages,
+    kv_heads, head_dim, page_size]``, values ``[layers, pages, kv_heads, page_size, head_dim]``;
+    the per-slot cache's layout with a page in place of a slot. Physical page 0 is the sink that
+    padding writes go to (``inference.pages``): a pool for ``n`` usable pages has ``n + 1``."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        """Usable pages (the sink not counted)."""
+        return self.k.shape[1] - 1
+
+
+# Pages are not split over devices: a request's pages may lie anywhere in the pool.
+K_PAGE_AXES = ("layers", None, "cache_kv_heads", "head_dim", None)
+V_PAGE_AXES = ("layers", None, "cache_kv_heads", None, "head_dim")
 
 
 # --- RoPE -------------------------------------------------------------------------------------
@@ -268,6 +296,25 @@ class Attention(nnx.Module):
         out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self.precision)
         return self.o_proj(out.reshape(*x.shape[:2], -1)), KVCache(k_all, v_all)
 
+    def decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                     write_pages: jax.Array, write_offsets: jax.Array,
+                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+        """``decode`` against a page pool: the new keys and values of ``x [b, t, hidden]`` go to
+        page ``write_pages[b, t]`` at ``write_offsets[b, t]`` (padding: the sink page), then each
+        row attends to its own pages through the work list."""
+        q, k, v = self._qkv(x, positions)
+        k, v = self._replicate_kv(k, v, cache.k.shape[2] // self.num_kv_heads)
+        at = jnp.full_like(write_pages, layer)
+        # As in decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
+        k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
+        v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
+        # One gather per pool of exactly the pages read (the layer and page indices together, so no
+        # copy of the layer's whole pool is made first).
+        at = jnp.full_like(work.pages, layer)
+        keys, values = k_all[at, work.pages], v_all[at, work.pages]
+        out = attend_ragged(q, keys.astype(q.dtype), values.astype(q.dtype), positions, work, self.precision)
+        return self.o_proj(out.reshape(*x.shape[:2], -1)), PagedKVCache(k_all, v_all)
+
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -298,6 +345,15 @@ class DecoderLayer(nnx.Module):
     def decode(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array,
                slots: jax.Array | None, kv_len: int) -> tuple[jax.Array, KVCache]:
         attn, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, layer, slots, kv_len)
+        x = x + attn
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+    def decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                     write_pages: jax.Array, write_offsets: jax.Array,
+                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+        attn, cache = self.self_attn.decode_paged(self.input_layernorm(x), positions, cache, layer, write_pages,
+                                                  write_offsets, work)
         x = x + attn
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
@@ -448,6 +504,48 @@ class Decoder(nnx.Module):
             layer_params, index = xs
             x, cache = nnx.merge(graphdef, layer_params).decode(x, positions, cache, index, slots, kv_len)
             return (x, KVCache(constrain(cache.k, K_CACHE_AXES), constrain(cache.v, V_CACHE_AXES))), None
+
+        unroll = min(self.config.decode_unroll, layers)
+        (x, cache), _ = jax.lax.scan(body, (x, cache), (params, jnp.arange(layers)), unroll=unroll)
+        return x, cache
+
+    # -- generation path over a paged KV pool --
+
+    def init_paged_cache(self, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
+        """A zero pool of ``num_pages`` usable pages of ``page_size`` tokens (plus the sink page);
+        ``dtype`` and KV-head replication as ``init_cache``."""
+        cfg = self.config
+        heads = cfg.num_key_value_heads * kv_head_replicas(cfg.num_key_value_heads)
+        layers, d = cfg.num_hidden_layers, cfg.head_dim
+        dtype = cfg.jnp_dtype if dtype is None else jnp_dtype(dtype, "cache dtype")
+        return PagedKVCache(k=jnp.zeros((layers, num_pages + 1, heads, d, page_size), dtype),
+                            v=jnp.zeros((layers, num_pages + 1, heads, page_size, d), dtype))
+
+    def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
+                     write_pages: jax.Array, write_offsets: jax.Array,
+                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+        """``decode`` against a page pool: ``input_ids [b, t]`` at ``positions [b, t]`` (-1 for
+        padding) write their keys and values at ``(write_pages, write_offsets) [b, t]`` (the sink
+        page for padding) and attend through ``work``, the ragged list of the pages each row reads
+        (``inference.pages.paged_work``; it must cover every row's tokens up to its last
+        position). Returns float32 logits ``[b, t, vocab]`` and the updated pool."""
+        x, cache = self.decode_paged_layers(self.embed_tokens(input_ids), positions, cache,
+                                            write_pages=write_pages, write_offsets=write_offsets, work=work)
+        return self.logits_from_hidden(self.norm(x)), cache
+
+    def decode_paged_layers(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
+                            write_pages: jax.Array, write_offsets: jax.Array,
+                            work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+        """The decoder layers of ``decode_paged`` (a scan carrying the pool, as ``decode_layers``)."""
+        graphdef, params = nnx.split(self.layers)
+        layers = self.config.num_hidden_layers
+
+        def body(carry: tuple[jax.Array, PagedKVCache], xs: tuple[nnx.State, jax.Array]) -> tuple:
+            x, cache = carry
+            layer_params, index = xs
+            x, cache = nnx.merge(graphdef, layer_params).decode_paged(x, positions, cache, index, write_pages,
+                                                                      write_offsets, work)
+            return (x, PagedKVCache(constrain(cache.k, K_PAGE_AXES), constrain(cache.v, V_PAGE_AXES))), None
 
         unroll = min(self.config.decode_unroll, layers)
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params, jnp.arange(layers)), unroll=unroll)

@@ -1,0 +1,220 @@
+"""The paged engine's scheduling policy: which waiting requests enter, which prompt pages they
+share, and which running requests are retracted when the KV pool runs out.
+
+Pure Python over ``inference.pages`` (no JAX), so the policy is tested on its own; an engine turns
+its decisions into device calls (prefill ``Admission.request`` from ``Admission.shared_tokens``,
+decode the running requests, write where their page tables say). SGLang's meanings:
+
+- ``max_running_requests`` bounds the requests decoding at once; the KV pool (its
+  ``max_total_num_tokens``) bounds their tokens, and admission is by free pages, not free slots.
+- ``context_length`` bounds one request (prompt + answer): a longer prompt is refused, a longer
+  ``max_new_tokens`` is cut to fit.
+- When a decode step needs pages the pool does not have, running requests are retracted: their
+  pages are freed and they go back to the front of the queue with every token they have, to be
+  prefilled again later (never lost). The victim is the request with the fewest output tokens
+  (the least work lost), the longest prompt among equals, as SGLang's ``retract_decode`` picks.
+- Requests with the same prompt (a GRPO group, or an answer resumed after a retraction while its
+  siblings run) share the prompt's whole pages: one copy, n readers, and each reader prefills only
+  the tokens past them (``share_prompts``; SGLang's radix cache, ``--disable-radix-cache`` off).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from areal_jax.inference.pages import OutOfPages, PageAllocator, PageTable
+
+
+@dataclass(eq=False)
+class Request:
+    """The scheduler's view of one request: its tokens and its pages."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    table: PageTable | None = None
+    """Its pages while running; None while waiting."""
+    retractions: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request let in: its KV for tokens ``0 .. shared_tokens - 1`` is already in its pages
+    (another request's prompt pages); the engine prefills the rest of ``prompt + output``."""
+
+    request: Request
+    shared_tokens: int
+
+
+@dataclass
+class Growth:
+    """The outcome of reserving pages for a decode call."""
+
+    retracted: list[Request] = field(default_factory=list)
+    """Back at the front of the queue, pages freed, tokens kept."""
+    cut: list[Request] = field(default_factory=list)
+    """Running alone and still short of pages: the pool cannot hold them; finish them (length)."""
+
+
+class Scheduler:
+    """FIFO admission by free pages under ``max_running_requests``, retract-and-requeue when the
+    pool runs out, shared prompt pages. ``headroom`` tokens are reserved past a request's length at
+    admission (its next decode call's tokens), so a request admitted is not retracted at once."""
+
+    def __init__(self, allocator: PageAllocator, *, max_running_requests: int, context_length: int,
+                 headroom: int = 1, share_prompts: bool = True) -> None:
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests={max_running_requests}: at least one request must run")
+        if context_length < 2:
+            raise ValueError(f"context_length={context_length}: a request needs a prompt token and an answer token")
+        self.allocator = allocator
+        self.max_running_requests, self.context_length = max_running_requests, context_length
+        self.headroom, self.share_prompts = max(headroom, 1), share_prompts
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._readers: dict[tuple[int, ...], list[Request]] = {}
+        """Running requests by prompt: where a new request with the same prompt finds its pages."""
+
+    # -- requests in and out --
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` (at the back); a prompt the context or the pool cannot hold is refused."""
+        if not req.prompt:
+            raise ValueError(f"request {req.rid!r}: input_ids is empty; send at least one prompt token")
+        if len(req.prompt) >= self.context_length:
+            raise ValueError(f"request {req.rid!r}: the prompt has {len(req.prompt)} tokens, at least the "
+                             f"context_length of {self.context_length}; shorten it or raise --context-length")
+        if self.allocator.pages_for(len(req.prompt) + 1) > self.allocator.num_pages:
+            raise ValueError(f"request {req.rid!r}: the prompt has {len(req.prompt)} tokens, more than the KV pool's "
+                             f"{self.allocator.max_total_tokens}; raise --max-total-tokens or --mem-fraction-static")
+        req.max_new_tokens = min(req.max_new_tokens, self.context_length - len(req.prompt))
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        """``req`` is done (or aborted): its pages go back, it leaves the queue or the running set."""
+        if req.table is not None:
+            self._drop_running(req)
+        else:
+            self.waiting.remove(req)
+
+    def retract_all(self) -> list[Request]:
+        """Every running request back to the queue's front, in admission order (a pause that
+        keeps the answers: they resume with their tokens)."""
+        out = list(self.running)
+        for req in reversed(out):
+            self._retract(req)
+        return out
+
+    # -- one scheduling round --
+
+    def admit(self) -> list[Admission]:
+        """Let waiting requests in, oldest first, while a slot under ``max_running_requests`` and
+        pages for their tokens plus ``headroom`` are free; the first that does not fit stops the
+        round (no overtaking: a long prompt is not starved by short ones behind it)."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            table, shared = self._shared_table(req)
+            try:
+                table.reserve(req.length + self.headroom)
+            except OutOfPages:
+                table.release()
+                break
+            self.waiting.popleft()
+            req.table = table
+            self.running.append(req)
+            self._readers.setdefault(req.prompt, []).append(req)
+            admitted.append(Admission(req, shared))
+        return admitted
+
+    def grow(self, tokens: int) -> Growth:
+        """Reserve pages for ``tokens`` more tokens of every running request (the next decode
+        call), retracting the cheapest requests when the pool is short; oldest requests are served
+        first, so the work most advanced is kept."""
+        out = Growth()
+        for req in list(self.running):
+            if req.table is None:  # retracted below to make room for an older request
+                continue
+            want = min(req.length + tokens, len(req.prompt) + req.max_new_tokens)
+            while True:
+                try:
+                    req.table.reserve(want)
+                    break
+                except OutOfPages:
+                    if len(self.running) == 1:
+                        out.cut.append(req)
+                        break
+                    victim = min(self.running, key=lambda r: (len(r.output), -len(r.prompt)))
+                    self._retract(victim)
+                    out.retracted.append(victim)
+                    if victim is req:
+                        break
+        return out
+
+    # -- helpers --
+
+    def _shared_table(self, req: Request) -> tuple[PageTable, int]:
+        """A page table for ``req``: the whole prompt pages of a running request with the same
+        prompt when there is one (at least the last token is left to compute, which samples the
+        next), else a new empty table."""
+        if self.share_prompts:
+            size = self.allocator.page_size
+            whole = min(len(req.prompt), req.length - 1) // size * size
+            for owner in self._readers.get(req.prompt, ()):
+                if whole and owner.table.num_tokens >= whole:
+                    child = owner.table.fork(whole)
+                    return child, child.num_tokens
+        return PageTable(self.allocator), 0
+
+    def _drop_running(self, req: Request) -> None:
+        self.running.remove(req)
+        readers = self._readers[req.prompt]
+        readers.remove(req)
+        if not readers:
+            del self._readers[req.prompt]
+        req.table.release()
+        req.table = None
+
+    def _retract(self, req: Request) -> None:
+        self._drop_running(req)
+        req.retractions += 1
+        self.waiting.appendleft(req)
+
+
+def kv_pool_tokens(*, page_size: int, bytes_per_token: int, max_total_tokens: int | None = None,
+                   mem_fraction_static: float | None = None, device_bytes: int | None = None,
+                   free_bytes: int | None = None) -> int:
+    """The KV pool's size in tokens (SGLang's ``max_total_num_tokens``), a multiple of
+    ``page_size``. With ``mem_fraction_static`` the static memory (weights and the pool) may take
+    that fraction of the device's ``device_bytes``: the pool gets what is ``free_bytes`` after the
+    weights less the ``1 - mem_fraction_static`` share kept back, at ``bytes_per_token`` (keys
+    and values of every layer); ``max_total_tokens`` then caps it, as in SGLang. Without a
+    fraction (no device memory to profile, e.g. on CPU) ``max_total_tokens`` is the size."""
+    if mem_fraction_static is not None:
+        if not 0 < mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static={mem_fraction_static} must lie strictly between 0 and 1")
+        if device_bytes is None or free_bytes is None:
+            raise ValueError("mem_fraction_static needs the device's memory size and free memory; on a backend "
+                             "that reports none (CPU) give --max-total-tokens instead")
+        tokens = int(free_bytes - device_bytes * (1 - mem_fraction_static)) // bytes_per_token
+        if max_total_tokens is not None:
+            tokens = min(tokens, max_total_tokens)
+    elif max_total_tokens is not None:
+        tokens = max_total_tokens
+    else:
+        raise ValueError("size the KV pool with --max-total-tokens or --mem-fraction-static")
+    tokens = tokens // page_size * page_size
+    if tokens <= 0:
+        raise ValueError(f"the KV pool would hold {tokens} tokens: not enough memory; raise --mem-fraction-static "
+                         f"or --max-total-tokens (at least one page of {page_size})")
+    return tokens

@@ -1,0 +1,149 @@
+"""The paged scheduler's policy, without JAX: admission by free pages under max_running_requests,
+context_length per request, shared prompt pages for a group, retraction of the cheapest request
+(re-queued at the front with its tokens, never lost), and SGLang's pool sizing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from areal_jax.inference.pages import PageAllocator
+from areal_jax.inference.schedule import Request, Scheduler, kv_pool_tokens
+
+
+def _req(rid: str, prompt_len: int, new: int = 8, seed: int = 0) -> Request:
+    return Request(rid, tuple(range(seed, seed + prompt_len)), new)
+
+
+def test_submit_checks_the_context_length_per_request() -> None:
+    s = Scheduler(PageAllocator(64, 16), max_running_requests=4, context_length=100)
+    with pytest.raises(ValueError, match="raise --context-length"):
+        s.submit(_req("a", 100))
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        s.submit(_req("e", 0))
+    r = _req("b", 90, new=50)
+    s.submit(r)
+    assert r.max_new_tokens == 10  # cut to the context, as SGLang does
+    tiny = Scheduler(PageAllocator(2, 16), max_running_requests=4, context_length=1000)
+    with pytest.raises(ValueError, match="raise --max-total-tokens"):
+        tiny.submit(_req("c", 40))
+
+
+def test_admission_is_by_free_pages_and_running_requests_in_order() -> None:
+    pool = PageAllocator(num_pages=10, page_size=16)
+    s = Scheduler(pool, max_running_requests=2, context_length=4096, share_prompts=False)
+    for i, n in enumerate([40, 100, 10, 10]):  # 3 pages, 7 pages, 1, 1 (with one token of headroom)
+        s.submit(_req(str(i), n, seed=1000 * i))
+    got = [a.request.rid for a in s.admit()]
+    assert got == ["0", "1"] and pool.free_pages == 0  # "2" finds no page: it waits, and "3" does not overtake
+    s.finish(s.running[0])
+    assert [a.request.rid for a in s.admit()] == ["2"]
+    assert pool.free_pages == 2 and [r.rid for r in s.waiting] == ["3"]  # max_running_requests holds "3" back
+
+
+def test_a_groups_answers_share_the_prompt_pages() -> None:
+    pool = PageAllocator(num_pages=64, page_size=16)
+    s = Scheduler(pool, max_running_requests=16, context_length=4096)
+    for i in range(8):
+        s.submit(Request(f"g{i}", tuple(range(40)), 16))
+    admitted = s.admit()
+    assert [a.shared_tokens for a in admitted] == [0] + [32] * 7  # whole pages of the 40-token prompt
+    shared = admitted[0].request.table.pages[:2]
+    assert all(a.request.table.pages[:2] == shared for a in admitted)
+    assert [pool.refcount(p) for p in shared] == [8, 8]
+    assert pool.used_pages == 3 + 7  # the prompt's 3 pages once, the tail page of each other answer
+    # A retracted answer resumes on its siblings' prompt pages and prefills only its own tokens.
+    victim = admitted[5].request
+    victim.output += [1, 2, 3]
+    s.finish(victim)
+    s.submit(victim)
+    (again,) = s.admit()
+    assert again.request is victim and again.shared_tokens == 32
+
+
+def test_out_of_pages_retracts_the_cheapest_request_and_keeps_its_tokens() -> None:
+    pool = PageAllocator(num_pages=6, page_size=4)
+    s = Scheduler(pool, max_running_requests=8, context_length=4096, share_prompts=False)
+    for i in range(3):
+        s.submit(_req(f"r{i}", 3, new=50, seed=100 * i))
+    s.admit()
+    for r, out in zip(s.running, [5, 1, 3], strict=True):
+        r.output += [7] * out
+    assert pool.used_pages == 3
+    growth = s.grow(4)  # each needs 2 or 3 pages: 7 > 6 free + held
+    assert [r.rid for r in growth.retracted] == ["r1"]  # the fewest output tokens
+    assert s.waiting[0].rid == "r1" and s.waiting[0].output == [7] and s.waiting[0].table is None
+    assert s.waiting[0].retractions == 1
+    assert all(r.table.num_tokens >= r.length + 4 for r in s.running)
+
+
+def test_a_request_alone_that_outgrows_the_pool_is_cut_not_hung() -> None:
+    pool = PageAllocator(num_pages=2, page_size=4)
+    s = Scheduler(pool, max_running_requests=2, context_length=4096)
+    s.submit(_req("a", 6, new=100))
+    s.admit()
+    s.running[0].output += [1, 1]
+    growth = s.grow(4)
+    assert growth.cut == s.running and not growth.retracted
+
+
+def test_random_traffic_finishes_every_request_once_and_frees_every_page() -> None:
+    """Groups of answers of random lengths through a small pool, with aborts and pauses: every
+    request not aborted ends with all its tokens, exactly once; the pool never holds a page no
+    running request holds; at the end no page is held."""
+    rng = random.Random(0)
+    pool = PageAllocator(num_pages=40, page_size=4)
+    s = Scheduler(pool, max_running_requests=12, context_length=96, headroom=4)
+    expected, finished, aborted = {}, {}, set()
+    for g in range(120):
+        prompt = tuple(rng.randrange(100) for _ in range(rng.randrange(1, 30)))
+        for i in range(rng.randrange(1, 5)):
+            r = Request(f"{g}.{i}", prompt, rng.randrange(1, 60))
+            s.submit(r)
+            expected[r.rid] = r.max_new_tokens
+    rounds = retractions = 0
+    while s.waiting or s.running:
+        rounds += 1
+        assert rounds < 20_000, "the scheduler stopped making progress"
+        s.admit()
+        assert len(s.running) <= 12
+        growth = s.grow(4)
+        retractions += len(growth.retracted)
+        for r in growth.cut:
+            pytest.fail(f"{r.rid} was cut: the pool holds any one request here")
+        for r in list(s.running):
+            r.output += [0] * min(4, r.max_new_tokens - len(r.output))
+            assert r.table.num_tokens >= r.length
+            if r.done:
+                s.finish(r)
+                assert r.rid not in finished
+                finished[r.rid] = len(r.output)
+        if rng.random() < 0.05 and s.running:
+            victim = rng.choice(s.running)
+            s.finish(victim)
+            aborted.add(victim.rid)
+        if rng.random() < 0.02:
+            s.retract_all()
+        held = {p for r in s.running for p in r.table.pages}
+        assert pool.used_pages == len(held)
+        pool.check()
+    assert {k: v for k, v in expected.items() if k not in aborted} == finished
+    assert retractions > 10  # the pool is small enough that retraction is exercised
+    assert pool.used_pages == 0
+
+
+def test_kv_pool_tokens_has_sglangs_meaning() -> None:
+    gib = 1 << 30
+    # 80 GiB device, 60 GiB free after the weights, 0.9 static: 60 - 8 = 52 GiB for KV.
+    tokens = kv_pool_tokens(page_size=16, bytes_per_token=1 << 20, mem_fraction_static=0.9, device_bytes=80 * gib,
+                            free_bytes=60 * gib)
+    assert tokens == 52 * 1024
+    assert kv_pool_tokens(page_size=16, bytes_per_token=1 << 20, mem_fraction_static=0.9, device_bytes=80 * gib,
+                          free_bytes=60 * gib, max_total_tokens=1000) == 992  # capped, then whole pages
+    assert kv_pool_tokens(page_size=16, bytes_per_token=1, max_total_tokens=16384) == 16384
+    with pytest.raises(ValueError, match="raise --mem-fraction-static"):
+        kv_pool_tokens(page_size=16, bytes_per_token=1 << 20, mem_fraction_static=0.5, device_bytes=80 * gib,
+                       free_bytes=30 * gib)
+    with pytest.raises(ValueError, match="give --max-total-tokens"):
+        kv_pool_tokens(page_size=16, bytes_per_token=1, mem_fraction_static=0.8)
