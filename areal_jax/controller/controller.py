@@ -6,7 +6,9 @@ Everything runs on one asyncio loop. A background task pulls prompt rows and sta
 into the queue, filtered (all rewards equal, when DAPO's dynamic filtering is on) or counted as
 failed. ``get_batch`` takes the oldest groups first and drops any that became staler than the
 bound while they waited, so a batch never trains on a token more than ``max_staleness``
-versions old. Rollout is reached only through the workflow's client, so the controller cannot
+versions old; the prompt of a dropped group is submitted again (before new ones), so no prompt
+is lost and the long answers, the ones that go stale, are not trained less often than short
+ones. Rollout is reached only through the workflow's client, so the controller cannot
 tell our embedded servers from SGLang or an in-process engine.
 
 For checkpoints, ``state_dict`` is the controller's part of a run's state: the prompt iterator's
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +67,8 @@ class ControllerCounters:
     """Episodes that raised or returned no trajectory."""
     stale_dropped: int = 0
     """Accepted groups dropped because they grew staler than the bound before being trained."""
+    stale_requeued: int = 0
+    """Prompts of stale-dropped groups put back in line to be submitted again (each drop)."""
     filtered_in_a_row: int = 0
     """Groups filtered since the last accepted one: a run whose every group has equal rewards
     gets no learning signal, and ``get_batch`` says so instead of waiting for ever."""
@@ -144,11 +148,17 @@ class RolloutController:
         self._notify()
 
     def _notify(self) -> None:
+        # Each wait holds the event current when it was asked for, and a notify sets that one and
+        # starts a new one: a shared event cleared by whichever waiter woke first lost wakeups
+        # (get_batch's wait, wrapped in ``wait_for``, starts a loop turn after its check; an
+        # episode that finished meanwhile woke the submit loop, which cleared the event, and
+        # get_batch then slept with a full batch ready).
         self._changed.set()
+        self._changed = asyncio.Event()
 
-    async def _wait_change(self) -> None:
-        await self._changed.wait()
-        self._changed.clear()
+    def _wait_change(self) -> Awaitable[bool]:
+        """Resolves at the first ``_notify`` after this call (not after the first await)."""
+        return self._changed.wait()
 
     async def _submit_loop(self) -> None:
         try:
@@ -157,12 +167,15 @@ class RolloutController:
                     await self._wait_change()
                 if self._resubmit:
                     row = self._resubmit.pop(0)  # counted in ``submitted`` when first submitted
+                elif self._exhausted:  # only a requeued prompt can come now
+                    await self._wait_change()
+                    continue
                 else:
                     row, self._rows_state = await asyncio.to_thread(self._next_row)
                     if row is None:
                         self._exhausted = True
                         self._notify()
-                        return
+                        continue
                     self.counters.submitted += 1
                 while self._held:  # a drain began while the row was read
                     await self._wait_change()
@@ -184,10 +197,12 @@ class RolloutController:
         return row, (self.rows.get_state() if hasattr(self.rows, "get_state") else None)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON: the iterator's state after the last row taken, the pending rows' ids in submission
-        order, and the counters. Take it between batches, when it matches the trainer's state."""
+        """JSON: the iterator's state after the last row taken, the pending rows' ids (those
+        waiting to be submitted again first, then the submitted ones in submission order), and
+        the counters. Take it between batches, when it matches the trainer's state."""
+        pending = [*self._resubmit, *(self._pending[k] for k in sorted(self._pending))]
         return {"rows": self._rows_state, "counters": dict(vars(self.counters)),
-                "pending": [getattr(self._pending[k], "id", None) for k in sorted(self._pending)]}
+                "pending": [getattr(r, "id", None) for r in pending]}
 
     def load_state_dict(self, state: dict[str, Any], rows_by_id: dict[str, Any]) -> None:
         """Continue a saved controller: call before ``start``, on a controller made with the saved
@@ -264,7 +279,7 @@ class RolloutController:
                     f"the last {self.counters.filtered_in_a_row} groups all had equal rewards within the group, so "
                     "dynamic filtering dropped them and no batch can fill: the policy gets no signal. Warm the "
                     "model up (warm_start), make the task easier, or set rollout.filter_uniform_reward=false")
-            if self._exhausted and not self._tasks:
+            if self._exhausted and not self.rule.running and not self._resubmit:
                 raise PromptsExhausted(f"the prompt source ran out before a batch of {n} groups filled "
                                        f"({len(self._ready)} ready)")
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -277,14 +292,19 @@ class RolloutController:
                 continue
 
     def _drop_stale(self) -> None:
-        keep = []
+        keep, requeue = [], []
         for g in self._ready:
             if self.rule.bound_ok(g.oldest_version):
                 keep.append(g)
             else:
                 self.rule.on_reject_accepted()
                 self.counters.stale_dropped += 1
-                self._pending.pop(g.serial, None)
+                row = self._pending.pop(g.serial, None)
+                if row is not None:
+                    requeue.append(row)
+                    self.counters.stale_requeued += 1
+        # Ahead of new prompts: they were drawn first, and a resumed run submits them first too.
+        self._resubmit[:0] = requeue
         if len(keep) != len(self._ready):
             self._ready = keep
             self._notify()
