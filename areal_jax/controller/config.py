@@ -88,6 +88,10 @@ class RolloutConfig:
     """Cap on groups in flight; None: ``(max_staleness + 1) * batch_size``."""
     filter_uniform_reward: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+    failure_patience: int | None = None
+    """Episodes failing in a row (the workflow raised, or returned no trajectory) that end the
+    run, with the first one's traceback; fewer are counted (``failed``), logged and skipped.
+    None: ``max(50, 4 * batch_size)``."""
     weight_sync: Literal["http", "disk"] = "http"
     """``http``: stream buckets to our servers; ``disk``: write a versioned HF checkpoint and call
     ``/update_weights_from_disk`` (SGLang, or any server on a shared filesystem). ``backend:

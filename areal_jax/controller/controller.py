@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,9 +73,17 @@ class ControllerCounters:
     filtered_in_a_row: int = 0
     """Groups filtered since the last accepted one: a run whose every group has equal rewards
     gets no learning signal, and ``get_batch`` says so instead of waiting for ever."""
+    failed_in_a_row: int = 0
+    """Episodes failed since the last one that returned a group (accepted or filtered): past
+    ``failure_patience`` the workflow is taken to be broken and the run stops."""
     generated_tokens: int = 0
     failures: list[str] = field(default_factory=list)
     """The last few failure messages, with row ids."""
+
+
+def default_failure_patience(batch_size: int) -> int:
+    """Failed episodes in a row that stop a run unless ``rollout.failure_patience`` says otherwise."""
+    return max(50, 4 * batch_size)
 
 
 class PromptsExhausted(RuntimeError):
@@ -86,7 +95,8 @@ class RolloutController:
 
     def __init__(self, episode_client: Any, workflow: Workflow, rows: Iterator[Any], *, batch_size: int,
                  max_staleness: int, max_concurrent: int | None = None, filter_uniform_reward: bool = False,
-                 version: int = 0, steps: int | None = None, filter_patience: int | None = None):
+                 version: int = 0, steps: int | None = None, filter_patience: int | None = None,
+                 failure_patience: int | None = None):
         self.client = episode_client
         self.workflow = workflow
         self.rows = rows
@@ -96,6 +106,11 @@ class RolloutController:
                                   accepted=(version if steps is None else steps) * batch_size)
         self.filter_uniform_reward = filter_uniform_reward
         self.filter_patience = filter_patience or max(200, 20 * batch_size)
+        if failure_patience is not None and failure_patience < 1:
+            raise ValueError(f"rollout.failure_patience must be >= 1 (or None for the default), got {failure_patience}")
+        self.failure_patience = failure_patience or default_failure_patience(batch_size)
+        self._first_failure: tuple[str, BaseException | None] | None = None
+        """The first failure of the current streak: its message (with traceback) and exception."""
         self.counters = ControllerCounters()
         self._ready: list[Group] = []
         self._changed = asyncio.Event()
@@ -162,9 +177,11 @@ class RolloutController:
 
     async def _submit_loop(self) -> None:
         try:
-            while True:
+            while self._error is None:  # a broken workflow or source takes no more prompts
                 while self._held or not self.rule.can_submit():
                     await self._wait_change()
+                if self._error is not None:
+                    return
                 if self._resubmit:
                     row = self._resubmit.pop(0)  # counted in ``submitted`` when first submitted
                 elif self._exhausted:  # only a requeued prompt can come now
@@ -179,6 +196,8 @@ class RolloutController:
                     self.counters.submitted += 1
                 while self._held:  # a drain began while the row was read
                     await self._wait_change()
+                if self._error is not None:
+                    return
                 self.rule.on_submit()
                 serial, self._serial = self._serial, self._serial + 1
                 self._pending[serial] = row
@@ -236,15 +255,17 @@ class RolloutController:
             elif self.filter_uniform_reward and len({t.reward for t in trajs}) == 1:
                 self.counters.filtered += 1
                 self.counters.filtered_in_a_row += 1
+                self._succeeded()
             else:
                 self._ready.append(group)
                 self.counters.accepted += 1
                 self.counters.filtered_in_a_row = 0
+                self._succeeded()
                 accepted = True
         except asyncio.CancelledError:
             raise
         except Exception as e:  # one bad episode never takes the run down
-            self._fail(row, f"{type(e).__name__}: {e}")
+            self._fail(row, f"{type(e).__name__}: {e}", e)
             if isinstance(e, WorkflowError | RewardPoolBroken):
                 self._error = e  # a wrong workflow or a pool that cannot score fails every episode: stop, loudly
         finally:
@@ -253,11 +274,28 @@ class RolloutController:
             self.rule.on_finish(accepted)
             self._notify()
 
-    def _fail(self, row: Any, message: str) -> None:
+    def _succeeded(self) -> None:
+        self.counters.failed_in_a_row = 0
+        self._first_failure = None
+
+    def _fail(self, row: Any, message: str, exc: BaseException | None = None) -> None:
         self.counters.failed += 1
+        self.counters.failed_in_a_row += 1
         msg = f"row {getattr(row, 'id', '?')}: {message}"
-        log.warning("episode failed: %s", msg)
         self.counters.failures = [*self.counters.failures[-9:], msg]
+        if self._first_failure is None:  # the streak's first: the one worth a traceback
+            tb = "".join(traceback.format_exception(exc)).rstrip() if exc is not None else ""
+            self._first_failure = (f"{msg}\n{tb}" if tb else msg, exc)
+            log.warning("episode failed: %s", self._first_failure[0])
+        else:
+            log.warning("episode failed: %s", msg)
+        if self.counters.failed_in_a_row >= self.failure_patience and self._error is None:
+            first, cause = self._first_failure
+            err = RuntimeError(
+                f"{self.counters.failed_in_a_row} episodes in a row failed (rollout.failure_patience="
+                f"{self.failure_patience}): the workflow looks broken. The first of them:\n{first}")
+            err.__cause__ = cause
+            self._error = err
 
     async def get_batch(self, timeout: float | None = None) -> list[Group]:
         """``batch_size`` groups within the staleness bound, oldest first. Raises when the
@@ -273,6 +311,8 @@ class RolloutController:
                     self._pending.pop(g.serial, None)
                 return batch
             if self._error is not None:
+                if isinstance(self._error, RuntimeError) and self._error.__cause__ is not None:
+                    raise self._error  # the failure budget's own error, cause attached
                 raise RuntimeError(f"rollout stopped: {self._error}") from self._error
             if self.counters.filtered_in_a_row >= self.filter_patience:
                 raise RuntimeError(

@@ -306,7 +306,8 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
             controller = RolloutController(
                 episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
-                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=start)
+                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=start,
+                failure_patience=rollout.failure_patience)
             if meta is not None:
                 controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
             controller.start()
