@@ -21,6 +21,8 @@ import uuid
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
+import numpy as np
+
 from areal_jax.data.trajectory import Trajectory
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -157,17 +159,76 @@ class RecordingChat:
                 return
         raise KeyError(f"no recorded completion {completion_id!r}")
 
-    def export(self, reward: float | None = None) -> list[Trajectory]:
-        """Every recorded completion with tokens as a trajectory; ``reward`` for those without their own."""
+    def export(self, reward: float | None = None, turn_discount: float = 1.0) -> list[Trajectory]:
+        """Every recorded completion with tokens as a trajectory of its own (per turn). A
+        completion without a reward of its own (``set_reward``) gets ``reward`` times
+        ``turn_discount`` per later completion of the run: the last gets ``reward``, the one
+        before ``reward * turn_discount``, and so on (AReaL's reward discount)."""
         out = []
-        for r in self.records:
-            value = r.reward if r.reward is not None else reward
+        n = len(self.records)
+        for i, r in enumerate(self.records):
+            value = r.reward
+            if value is None and reward is not None:
+                value = reward * turn_discount ** (n - 1 - i)
             if value is None:
                 raise ValueError(f"completion {r.completion.id} has no reward: return one from the agent "
                                  "or call chat.set_reward(completion.id, reward)")
             if r.result.output_ids:
                 out.append(self.client.trajectory(r.prompt_ids, r.result, value))
         return out
+
+    def export_concat(self, reward: float | None = None) -> Trajectory | None:
+        """The whole run as one trajectory (AReaL's ``export_interactions(style="concat")``): each
+        call's prompt continues the run so far, so the turns concatenate; the tokens the model
+        generated are trained (with their logprobs and versions), what the environment added
+        between them (tool results, user turns, the template's turn markers) is not. The reward
+        is ``reward``, or else the last completion's own (``set_reward``). None: no tokens."""
+        records = [r for r in self.records if r.result.output_ids]
+        if not records:
+            return None
+        value = reward if reward is not None else records[-1].reward
+        if value is None:
+            raise ValueError(f"the agent run has no reward: return one from the agent or call "
+                             f"chat.set_reward({records[-1].completion.id!r}, reward) on its last completion")
+        ids: list[int] = []
+        mask: list[float] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        for k, r in enumerate(records):
+            env = self._continuation(ids, r.prompt_ids, k)
+            ids += env
+            mask += [0.0] * len(env)
+            logprobs += [0.0] * len(env)
+            versions += [-1] * len(env)
+            out = list(r.result.output_ids)
+            ids += out
+            mask += [1.0] * len(out)
+            logprobs += list(r.result.output_logprobs)
+            versions += list(r.result.output_versions)
+        from areal_jax.controller.workflow import truncated
+
+        return Trajectory(input_ids=np.asarray(ids), loss_mask=np.asarray(mask),
+                          behavior_logprobs=np.asarray(logprobs), versions=np.asarray(versions), reward=value,
+                          group_id=0, prompt_len=len(records[0].prompt_ids), truncated=truncated(records[-1].result))
+
+    def _continuation(self, so_far: list[int], prompt: list[int], call: int) -> list[int]:
+        """The tokens ``prompt`` adds after the run's tokens ``so_far``. The template usually
+        renders the earlier turns exactly as generated (a token prefix); when it re-tokenises an
+        answer differently, the text after the run's text is tokenised on its own."""
+        if prompt[:len(so_far)] == so_far:
+            return prompt[len(so_far):]
+        tok = self.client.tokenizer
+        before, now = tok.decode(so_far), tok.decode(prompt)
+        if now.startswith(before):
+            return list(tok.encode(now[len(before):], add_special_tokens=False))
+        at = next(i for i, (a, b) in enumerate(zip(so_far, prompt, strict=False)) if a != b) \
+            if any(a != b for a, b in zip(so_far, prompt, strict=False)) else min(len(so_far), len(prompt))
+        raise ValueError(
+            f"agent run, call {call + 1}: its messages do not continue the run so far (they differ at token {at}: "
+            f"{tok.decode(prompt[max(0, at - 20):at + 20])!r} where the run has "
+            f"{tok.decode(so_far[max(0, at - 20):at + 20])!r}), so the run cannot be one trajectory. Pass each "
+            "reply's message back unchanged and only append to messages, or set "
+            "rollout.workflow_options.trajectory=per_turn (each completion its own trajectory)")
 
 
 def _parse_tool_calls(text: str) -> list[dict[str, Any]]:

@@ -181,21 +181,38 @@ def _ids(out: Any) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+AGENT_TRAJECTORIES = ("concat", "per_turn")
+
+
 async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
     """``group_size`` runs of the user's agent (option ``agent``: ``pkg.mod:fn``), each against
-    a fresh recording chat client; every completion of a run becomes a trajectory with the
-    reward the agent returned (or per completion, with ``chat.set_reward``)."""
+    a fresh recording chat client, scored by what the agent returned (or ``chat.set_reward``).
+
+    Option ``trajectory``: ``concat`` (default) makes each run one trajectory, its turns
+    concatenated, the model's tokens trained and the environment's masked (AReaL's
+    ``export_interactions(style="concat")``), so a group is ``group_size`` trajectories whatever
+    the number of calls each run made. ``per_turn`` makes every completion a trajectory of its
+    own, rewarded ``reward * turn_discount ** (later completions)`` (option ``turn_discount``,
+    default 1); its groups then differ in size, which only ``reinforce_pp`` and ``gae`` take."""
     from areal_jax.controller.chat import RecordingChat
 
     name = client.options.get("agent")
     if not name:
         raise WorkflowError("rollout.workflow=agentic needs rollout.workflow_options.agent: 'pkg.module:function'")
     agent = resolve_callable(str(name), "rollout.workflow_options.agent")
+    style = client.options.get("trajectory", "concat")
+    if style not in AGENT_TRAJECTORIES:
+        raise WorkflowError(f"rollout.workflow_options.trajectory={style!r}: choose one of {list(AGENT_TRAJECTORIES)}")
+    discount = float(client.options.get("turn_discount", 1.0))
 
     async def one() -> list[Trajectory]:
         chat = RecordingChat(client)
         reward = await agent(chat, row)
-        return chat.export(reward=None if reward is None else float(reward))
+        reward = None if reward is None else float(reward)
+        if style == "per_turn":
+            return chat.export(reward=reward, turn_discount=discount)
+        run = chat.export_concat(reward)
+        return [] if run is None else [run]
 
     runs = await asyncio.gather(*(one() for _ in range(client.group_size)))
     return [t for run in runs for t in run]
