@@ -137,6 +137,7 @@ class RolloutConfig:
     meanwhile. Runs of several trainer processes push in line."""
 
     def __post_init__(self) -> None:
+        self._check_values()
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.backend == "servers" and not self.servers:
@@ -156,6 +157,31 @@ class RolloutConfig:
             raise ValueError(f"rollout.server_devices has {len(self.server_devices)} GPUs for {self.num_servers} "
                              f"SGLang server(s) of rollout.sglang.tp_size={self.sglang.tp_size}: give "
                              f"num_servers x tp_size = {self.num_servers * self.sglang.tp_size}")
+
+    def _check_values(self) -> None:
+        """Ranges and combinations a server, the controller or the trainer would otherwise refuse
+        (or ignore) only after the run started."""
+        from areal_jax.controller.workflow import check_workflow_options
+
+        at_least = {"max_staleness": 0, "max_new_tokens": 1, "num_servers": 1, "max_concurrent_rollouts": 1,
+                    "failure_patience": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"rollout.{name} must be >= {low}, got {value}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if self.stop_token_ids and min(self.stop_token_ids) < 0:
+            raise ValueError(f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"rollout.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.filter_uniform_reward and self.group_size == 1:
+            raise ValueError("rollout.filter_uniform_reward drops groups whose rewards are all equal, and with "
+                             "rollout.group_size 1 every group is one answer, so it would drop every group: raise "
+                             "group_size or set filter_uniform_reward=false")
+        self.workflow_options = check_workflow_options(self.workflow, dict(self.workflow_options))
 
     def platform(self) -> str:
         """What ``server_devices`` numbers (``device_platform`` with ``auto`` resolved)."""

@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from areal_jax.config import ConfigError, resolve_import_path
+from areal_jax.config import ConfigError, check_options, resolve_import_path
 from areal_jax.data.trajectory import Trajectory
 
 Workflow = Callable[[Any, Any], Awaitable[list[Trajectory]]]
@@ -219,6 +219,32 @@ async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
 
 
 BUILTIN: dict[str, Workflow] = {"single_turn": single_turn, "multi_turn": multi_turn, "agentic": agentic}
+
+WORKFLOW_OPTIONS: dict[str, dict[str, Any]] = {
+    "single_turn": {},
+    "multi_turn": {"max_turns": int, "turn_discount": float, "feedback": str},
+    "agentic": {"agent": str, "trajectory": Literal["concat", "per_turn"], "turn_discount": float},
+}
+"""The options each built-in workflow reads from ``rollout.workflow_options``, with their types;
+a user's workflow takes any (only it knows them)."""
+
+
+def check_workflow_options(workflow: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked (and ints widened to floats) for built-in ``workflow``, at config load:
+    a misspelt key (``max_turn``) would otherwise be ignored and its default used."""
+    schema = WORKFLOW_OPTIONS.get(workflow)
+    if schema is None:
+        return options
+    where = "rollout.workflow_options"
+    options = check_options(options, schema, where, owner=f"rollout.workflow={workflow}")
+    if options.get("max_turns", 1) < 1:
+        raise ConfigError(f"{where}.max_turns must be >= 1, got {options['max_turns']}")
+    if options.get("turn_discount", 1.0) < 0:
+        raise ConfigError(f"{where}.turn_discount must be >= 0, got {options['turn_discount']}")
+    if workflow == "agentic" and not options.get("agent"):
+        raise ConfigError(f"rollout.workflow=agentic needs {where}.agent: 'pkg.module:function', an "
+                          "async def agent(chat, row) -> reward")
+    return options
 
 
 def resolve_callable(name: str, field_name: str) -> Callable[..., Any]:

@@ -94,6 +94,22 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     return box["result"]
 
 
+def check_imports(cfg: RunConfig) -> None:
+    """Import what the config names (the workflow, an agent, the reward function) now, so a
+    misspelt module fails before any server or model starts. Raises ``ConfigError``."""
+    from areal_jax.config import ConfigError
+    from areal_jax.controller.workflow import WorkflowError, resolve_callable
+    from areal_jax.rewards import get_reward_fn
+
+    try:
+        get_workflow(cfg.rollout.workflow)
+        if cfg.rollout.workflow == "agentic":
+            resolve_callable(str(cfg.rollout.workflow_options["agent"]), "rollout.workflow_options.agent")
+        get_reward_fn(cfg.reward.name)
+    except (WorkflowError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     """The base model directory: ``model.path``, or a tiny model built in ``<run dir>/base`` (anew
     each run, so a changed ``model`` section never meets a stale checkpoint; it takes a second)."""
@@ -175,7 +191,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
-    workflow = get_workflow(rollout.workflow)  # a bad name fails before anything starts
+    check_imports(cfg)  # a bad workflow, agent or reward name fails before anything starts
+    workflow = get_workflow(rollout.workflow)
     split = device_split(cfg)  # before this process's JAX starts: the trainer keeps its share only
     if split is not None:
         from rollout_bridge.placement import confine_this_process
