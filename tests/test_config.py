@@ -136,6 +136,8 @@ def test_run_config_says_tiny_options_do_nothing_beside_a_model_path(tmp_path: P
      r"rollout\.filter_uniform_reward.*group_size 1.*every group"),
     (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"],
      r"trajectory: per_turn.*uneven groups.*algo\.adv_estimator='grpo'"),
+    (["data.apply_chat_template=false", "rollout.workflow=multi_turn"],
+     r"rollout\.workflow=multi_turn renders its conversation with the chat template"),
 ])
 def test_bad_values_fail_at_load_naming_the_key(overrides: list[str], message: str) -> None:
     from areal_jax.trainer.run_config import load_run_config
@@ -153,6 +155,8 @@ def test_good_values_of_those_keys_load() -> None:
                                  "rollout.filter_uniform_reward=true", "rollout.group_size=2"])
     assert cfg.rollout.stop_token_ids == [3, 4] and cfg.train.betas == (0.8, 0.99)
     assert cfg.rollout.workflow_options == {"max_turns": 3, "turn_discount": 1.0}
+    sp = load_run_config(None, ["rollout.ignore_eos=true"]).rollout.sampling_params()
+    assert sp["ignore_eos"] is True and "ignore_eos" not in cfg.rollout.sampling_params()
     # a user's workflow takes any options: only it knows them
     load_run_config(None, ["rollout.workflow=my_pkg.flows:episode", "rollout.workflow_options.anything=1"])
     load_run_config(None, ["rollout.workflow=agentic", "algo.adv_estimator=reinforce_pp",

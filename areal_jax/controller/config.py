@@ -79,6 +79,10 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: list[int] | None = None
+    """Token ids that end an answer besides the model's end-of-sequence ones."""
+    ignore_eos: bool = False
+    """Generate every answer to ``max_new_tokens``, past end-of-sequence tokens (SGLang's
+    ``ignore_eos``): fixed-length answers, for benchmarks and length-controlled tasks."""
     mode: Literal["async", "sync"] = "async"
     """``async``: rollout keeps generating while the trainer trains (AReaL). ``sync``: generate a
     batch, stop, train, update the weights, repeat (same code path, ``max_staleness`` forced to 0)."""
@@ -202,4 +206,6 @@ class RolloutConfig:
                               "top_p": self.top_p, "top_k": self.top_k}
         if self.stop_token_ids:
             sp["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            sp["ignore_eos"] = True
         return sp

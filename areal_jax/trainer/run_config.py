@@ -142,6 +142,10 @@ class RunConfig:
 
     def _check_combinations(self) -> None:
         """Settings of different sections that cannot work together."""
+        if not self.data.apply_chat_template and self.rollout.workflow in ("multi_turn", "agentic"):
+            raise ValueError(f"rollout.workflow={self.rollout.workflow} renders its conversation with the chat "
+                             "template; data.apply_chat_template=false gives raw prompts without one. Use "
+                             "single_turn (or your own workflow) for raw prompts")
         opts = self.rollout.workflow_options
         if (self.rollout.workflow == "agentic" and opts.get("trajectory") == "per_turn"
                 and self.algo.adv_estimator not in ("reinforce_pp", "gae")):
