@@ -193,7 +193,9 @@ async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
     ``export_interactions(style="concat")``), so a group is ``group_size`` trajectories whatever
     the number of calls each run made. ``per_turn`` makes every completion a trajectory of its
     own, rewarded ``reward * turn_discount ** (later completions)`` (option ``turn_discount``,
-    default 1); its groups then differ in size, which only ``reinforce_pp`` and ``gae`` take."""
+    default 1); its groups then differ in size, which only ``reinforce_pp`` and ``gae`` take.
+    Option ``tool_parser``: how tool calls are read from answers (``auto``: by the chat
+    template; ``hermes``, ``llama3_json``; see ``controller/chat.py``)."""
     from areal_jax.controller.chat import RecordingChat
 
     name = client.options.get("agent")
@@ -206,7 +208,7 @@ async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
     discount = float(client.options.get("turn_discount", 1.0))
 
     async def one() -> list[Trajectory]:
-        chat = RecordingChat(client)
+        chat = RecordingChat(client, tool_parser=str(client.options.get("tool_parser", "auto")))
         reward = await agent(chat, row)
         reward = None if reward is None else float(reward)
         if style == "per_turn":
@@ -223,7 +225,8 @@ BUILTIN: dict[str, Workflow] = {"single_turn": single_turn, "multi_turn": multi_
 WORKFLOW_OPTIONS: dict[str, dict[str, Any]] = {
     "single_turn": {},
     "multi_turn": {"max_turns": int, "turn_discount": float, "feedback": str},
-    "agentic": {"agent": str, "trajectory": Literal["concat", "per_turn"], "turn_discount": float},
+    "agentic": {"agent": str, "trajectory": Literal["concat", "per_turn"], "turn_discount": float,
+                "tool_parser": Literal["auto", "hermes", "llama3_json"]},
 }
 """The options each built-in workflow reads from ``rollout.workflow_options``, with their types;
 a user's workflow takes any (only it knows them)."""
