@@ -35,8 +35,8 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
     assert_every_version_served(metrics, servers=2)
     assert metrics[2]["served_versions"] == ["3", "3"]  # an evaluation step waits for its push
     assert metrics[2]["eval_accuracy"] is not None and metrics[5]["eval_accuracy"] is not None
-    for key in ("rollout_seconds", "train_seconds", "compile_seconds", "weight_sync_seconds", "reward_mean",
-                "staleness_mean", "gen_tokens_per_s", "train_tokens_per_s", "loss", "clip_fraction",
+    for key in ("step_seconds", "batch_wait_seconds", "train_seconds", "compile_seconds", "weight_sync_seconds",
+                "reward_mean", "staleness_mean", "gen_tokens_per_wall_s", "train_tokens_per_s", "loss", "clip_fraction",
                 "behavior_imp_weight_mean", "filtered", "failed", "time", "version"):
         assert key in metrics[0], key
     assert (tmp_path / "final" / "model.safetensors").exists() and (tmp_path / "final" / "tokenizer.json").exists()
