@@ -69,7 +69,9 @@ class ControllerCounters:
     stale_dropped: int = 0
     """Accepted groups dropped because they grew staler than the bound before being trained."""
     stale_requeued: int = 0
-    """Prompts of stale-dropped groups put back in line to be submitted again (each drop)."""
+    """Prompts of stale-dropped groups put back in line to be submitted again."""
+    stale_abandoned: int = 0
+    """Prompts dropped for good after going stale ``MAX_STALE_REQUEUES + 1`` times."""
     filtered_in_a_row: int = 0
     """Groups filtered since the last accepted one: a run whose every group has equal rewards
     gets no learning signal, and ``get_batch`` says so instead of waiting for ever."""
@@ -79,6 +81,11 @@ class ControllerCounters:
     generated_tokens: int = 0
     failures: list[str] = field(default_factory=list)
     """The last few failure messages, with row ids."""
+
+
+MAX_STALE_REQUEUES = 3
+"""How many times one prompt is submitted again after its group went stale: a prompt whose
+answers always outlast the bound would otherwise be generated for ever."""
 
 
 def default_failure_patience(batch_size: int) -> int:
@@ -121,6 +128,8 @@ class RolloutController:
         self._serial = 0
         self._pending: dict[int, Any] = {}
         """Rows submitted and not yet handed out in a batch (running, or accepted and waiting)."""
+        self._stale_tries: dict[Any, int] = {}
+        """Times each prompt's group went stale (by row id)."""
         self._resubmit: list[Any] = []
         """Rows of a restored controller's ``pending``, submitted again before new ones."""
         self._rows_state: Any = None
@@ -309,6 +318,7 @@ class RolloutController:
                 batch, self._ready = self._ready[:n], self._ready[n:]
                 for g in batch:
                     self._pending.pop(g.serial, None)
+                    self._stale_tries.pop(g.row_id, None)
                 return batch
             if self._error is not None:
                 if isinstance(self._error, RuntimeError) and self._error.__cause__ is not None:
@@ -340,9 +350,18 @@ class RolloutController:
                 self.rule.on_reject_accepted()
                 self.counters.stale_dropped += 1
                 row = self._pending.pop(g.serial, None)
-                if row is not None:
+                if row is None:
+                    continue
+                key = getattr(row, "id", id(row))
+                tries = self._stale_tries[key] = self._stale_tries.get(key, 0) + 1
+                if tries <= MAX_STALE_REQUEUES:
                     requeue.append(row)
                     self.counters.stale_requeued += 1
+                else:  # its answers outlast the bound every time: more tries would only burn compute
+                    self.counters.stale_abandoned += 1
+                    log.warning("prompt %s went stale %d times in a row (its answers take longer than "
+                                "rollout.max_staleness=%d versions); dropped for good. Raise max_staleness to keep "
+                                "such prompts", key, tries, self.rule.max_staleness)
         # Ahead of new prompts: they were drawn first, and a resumed run submits them first too.
         self._resubmit[:0] = requeue
         if len(keep) != len(self._ready):

@@ -99,3 +99,40 @@ def test_state_dict_counts_requeued_prompts_as_pending() -> None:
     state = asyncio.run(run())
     assert state["counters"]["stale_requeued"] == 1
     assert state["pending"][0] == "row-1"
+
+
+def test_a_prompt_that_always_goes_stale_is_given_up_after_a_few_tries() -> None:
+    """Its answers outlast the bound every time (here: stamped one version behind): it is
+    submitted again ``MAX_STALE_REQUEUES`` times, then dropped and counted, and the run goes on
+    (it was generated for ever before)."""
+    from areal_jax.controller.controller import MAX_STALE_REQUEUES
+
+    rows = [_Row(0), _Row(2), _Row(3), _Row(4), _Row(6), _Row(7), _Row(8), _Row(10), _Row(11)]
+    rows[2].id = "doomed"
+
+    async def episode(client, row):
+        await asyncio.sleep(0)
+        version = max(0, policy["version"] - 1) if row.id == "doomed" else policy["version"]
+        return [Trajectory.from_prompt_and_answer(np.arange(3), np.arange(2), -np.ones(2), version,
+                                                  reward=float(i), group_id=0) for i in range(2)]
+
+    policy = {"version": 0}
+
+    async def run() -> tuple[list[str], RolloutController]:
+        ctl = RolloutController(None, episode, iter(rows), batch_size=1, max_staleness=0)
+        ctl.start()
+        trained = []
+        try:
+            while True:
+                trained += [g.row_id for g in await ctl.get_batch()]
+                policy["version"] += 1
+                ctl.set_version(policy["version"])
+        except PromptsExhausted:
+            return trained, ctl
+        finally:
+            await ctl.stop()
+
+    trained, ctl = asyncio.run(asyncio.wait_for(run(), 120))
+    assert sorted(trained) == sorted(r.id for r in rows if r.id != "doomed")
+    c = ctl.counters
+    assert (c.stale_requeued, c.stale_abandoned, c.stale_dropped) == (MAX_STALE_REQUEUES, 1, MAX_STALE_REQUEUES + 1)
