@@ -157,6 +157,8 @@ def test_good_values_of_those_keys_load() -> None:
     assert cfg.rollout.workflow_options == {"max_turns": 3, "turn_discount": 1.0}
     sp = load_run_config(None, ["rollout.ignore_eos=true"]).rollout.sampling_params()
     assert sp["ignore_eos"] is True and "ignore_eos" not in cfg.rollout.sampling_params()
+    # tiny_options alone build a tiny model (the size fills in what they leave out)
+    assert load_run_config(None, ["model.tiny_options.hidden_size=32"]).model.tiny == "tiny"
     # a user's workflow takes any options: only it knows them
     load_run_config(None, ["rollout.workflow=my_pkg.flows:episode", "rollout.workflow_options.anything=1"])
     load_run_config(None, ["rollout.workflow=agentic", "algo.adv_estimator=reinforce_pp",

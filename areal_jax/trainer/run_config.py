@@ -28,7 +28,8 @@ class ModelSource:
     """HF model directory (config.json, safetensors, tokenizer files)."""
     tiny: str | None = None
     """Build a tiny random model of this size (``tiny``, ``small``, ...) with the project's
-    character tokenizer in ``<run dir>/base`` instead of loading ``path``."""
+    character tokenizer in ``<run dir>/base`` instead of loading ``path``; with ``tiny_options``
+    and no ``path``, ``tiny`` (the size then fills in the shapes the options leave out)."""
     tiny_options: dict[str, Any] = field(default_factory=dict)
     """Overrides of the tiny model's config (``hidden_size``, ``num_hidden_layers``, ...); with
     ``path`` they do nothing, and the run's log says so at start (``RunConfig.advisories``)."""
@@ -44,6 +45,8 @@ class ModelSource:
     494M model 1.49x faster than ``dense`` with logprobs as close to float32 (docs/results.md)."""
 
     def __post_init__(self) -> None:
+        if self.path is None and self.tiny is None and self.tiny_options:
+            self.tiny = "tiny"  # shapes given: the size only fills in the ones not set
         if (self.path is None) == (self.tiny is None):
             raise ValueError("model: set exactly one of model.path (a HF model directory) or model.tiny (a size)")
         from areal_jax.models.config import ATTENTION_IMPLS, dtype_name
