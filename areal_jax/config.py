@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import pkgutil
+import re
 import sys
 import types
 import typing
@@ -255,7 +256,8 @@ def field_docs(cls: type) -> dict[str, str]:
 def _type_name(tp: Any) -> str:
     if isinstance(tp, type) and not typing.get_args(tp):
         return tp.__name__
-    return str(tp).replace("typing.", "").replace("NoneType", "None")
+    # ``areal_jax.algo.config.OverlongPenalty | None`` -> ``OverlongPenalty | None``
+    return re.sub(r"\b(?:\w+\.)+(\w+)", r"\1", str(tp)).replace("NoneType", "None")
 
 
 def config_help(cls: type, section: str = "") -> str:
@@ -269,6 +271,7 @@ def config_help(cls: type, section: str = "") -> str:
             if not f.init:
                 continue
             key = prefix + f.name
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             value = getattr(default, f.name, None) if default is not None else (
                 f.default if f.default is not dataclasses.MISSING else
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
@@ -287,7 +290,8 @@ def config_help(cls: type, section: str = "") -> str:
                 continue
             if not key.startswith(section):
                 continue
-            lines.append(f"{key}: {_type_name(hints[f.name])} = {value!r}")
+            shown_value = "(required)" if required and default is None else f"= {value!r}"
+            lines.append(f"{key}: {_type_name(hints[f.name])} {shown_value}")
             lines.extend("    " + t for t in docs.get(f.name, "").splitlines())
 
     walk(cls, "", None)

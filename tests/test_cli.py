@@ -53,6 +53,10 @@ def test_help_config_lists_every_key_with_its_docstring() -> None:
 
     keys = leaves(RunConfig)
     assert len(keys) > 150 and set(keys) <= shown
+    lines = out.stdout.splitlines()
+    undocumented = [ln.split(":")[0] for ln, nxt in zip(lines, [*lines[1:], ""], strict=True)
+                    if ln.split(":")[0] in keys and not nxt.startswith("    ")]
+    assert undocumented == []  # every key says what it is
     assert "rollout.max_staleness: int = 2\n    eta: no trained token" in out.stdout
     assert field_docs(RunConfig)["steps"] in out.stdout
     # a section alone, without --config

@@ -74,10 +74,13 @@ class RolloutConfig:
     group_size: int = 8
     """Answers per prompt (n): one group, normalised together by group-relative estimators."""
     max_new_tokens: int = 256
+    """The most tokens one answer may have (SGLang's ``max_new_tokens``)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's logprobs use the same (``train.temperature`` must match)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this (1: all)."""
     top_k: int = -1
+    """Sample among the ``top_k`` most likely tokens; -1: all of them."""
     stop_token_ids: list[int] | None = None
     """Token ids that end an answer besides the model's end-of-sequence ones."""
     ignore_eos: bool = False

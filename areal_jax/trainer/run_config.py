@@ -110,6 +110,7 @@ class RunConfig:
     steps: int = 100
     """Training steps (policy versions) of RL."""
     seed: int = 0
+    """Seed of the tiny model's weights and of the host-side random draws."""
     model: ModelSource = field(default_factory=lambda: ModelSource(tiny="tiny"))
     data: DatasetConfig = field(default_factory=DatasetConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
