@@ -75,7 +75,10 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
         raise ValueError("overrides apply to a config file or dict; edit the RunConfig with dataclasses.replace")
     try:
         asyncio.get_running_loop()
+        in_a_loop = True
     except RuntimeError:
+        in_a_loop = False
+    if not in_a_loop:  # run outside the except block: else every error of the run shows "no running event loop"
         return asyncio.run(_train(config, resume, on_step))
     # A notebook already runs an event loop in this thread: run ours in another one.
     box: dict[str, Any] = {}
