@@ -358,9 +358,13 @@ def _cut_at_stop(result: Any, stops: list[str], tok: Any) -> Any:
     text = tok.decode(result.output_ids, skip_special_tokens=True)
     if not any(s and s in text for s in stops):
         return result
-    for k in range(1, len(result.output_ids) + 1):  # the shortest prefix that holds a stop
-        if any(s and s in tok.decode(result.output_ids[:k], skip_special_tokens=True) for s in stops):
-            break
+    def holds(k: int) -> bool:
+        return any(s and s in tok.decode(result.output_ids[:k], skip_special_tokens=True) for s in stops)
+
+    lo, k = 1, len(result.output_ids)  # the shortest prefix that holds a stop (holding one is monotone)
+    while lo < k:
+        mid = (lo + k) // 2
+        lo, k = (lo, mid) if holds(mid) else (mid + 1, k)
     return dataclasses.replace(result, output_ids=result.output_ids[:k], output_logprobs=result.output_logprobs[:k],
                                output_versions=result.output_versions[:k],
                                finish_reason={"type": "stop", "matched": "stop string"})
