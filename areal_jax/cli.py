@@ -129,23 +129,65 @@ def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argpars
                        help="continue from the newest complete checkpoint in checkpoint.dir (afresh if none)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="what the run logs besides its progress lines")
+    p.add_argument("--print-config", action="store_true",
+                   help="check the config (every value, and that the reward and workflow import), print it "
+                        "resolved as YAML and exit")
+    p.add_argument("--help-config", metavar="SECTION", nargs="?", const="",
+                   help="list every config key (or those under SECTION, e.g. rollout) with its type, default "
+                        "and meaning, and exit")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. steps=20 rollout.max_staleness=4")
+    _help_config(argv)
     args = p.parse_args(argv)
     logging.getLogger().setLevel(args.log_level.upper())
     return args
+
+
+def _help_config(argv: list[str]) -> None:
+    """``--help-config [SECTION]`` needs no ``--config``: answer it before argparse asks for one."""
+    if "--help-config" not in argv:
+        return
+    from areal_jax.config import ConfigError, config_help
+    from areal_jax.trainer.run_config import RunConfig
+
+    i = argv.index("--help-config")
+    section = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else ""
+    try:
+        text = config_help(RunConfig, section)
+    except ConfigError as e:
+        sys.exit(f"areal-jax: {e}")
+    print("Config keys (YAML nests them; on the command line: key=value, e.g. steps=20):\n")
+    print(text, end="")
+    sys.exit(0)
+
+
+def _load_checked(args: argparse.Namespace, prog: str) -> object:
+    """The run config, every value checked and the modules it names imported, or exit with the
+    message. The config file's folder and the working directory go on the import path first."""
+    from areal_jax.config import ConfigError, add_config_folders_to_path
+    from areal_jax.trainer.rl import check_imports
+    from areal_jax.trainer.run_config import load_run_config
+
+    add_config_folders_to_path(args.config)
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+        check_imports(cfg)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"{prog}: {e}")
+    if getattr(args, "print_config", False):
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        sys.exit(0)
+    return cfg
 
 
 def _train(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
     from areal_jax.data import DatasetError
     from areal_jax.trainer.rl import run_summary, train
-    from areal_jax.trainer.run_config import load_run_config
 
     args = _train_args(argv, "areal-jax train")
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-    except (ConfigError, ValueError) as e:
-        sys.exit(f"areal-jax train: {e}")
+    cfg = _load_checked(args, "areal-jax train")
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/); "
           f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
     from areal_jax.rewards.isolation import SandboxUnavailable
@@ -162,13 +204,9 @@ def _eval(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
     from areal_jax.data import DatasetError
     from areal_jax.trainer.evaluate import evaluate_checkpoint
-    from areal_jax.trainer.run_config import load_run_config
 
     args = _train_args(argv, "areal-jax eval", with_model=True)
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-    except (ConfigError, ValueError) as e:
-        sys.exit(f"areal-jax eval: {e}")
+    cfg = _load_checked(args, "areal-jax eval")
     from areal_jax.rewards.isolation import SandboxUnavailable
 
     try:

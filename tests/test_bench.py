@@ -187,7 +187,7 @@ def test_summarize_takes_the_window_after_warmup() -> None:
     poller.samples = [(9.0, 5, 0.0, 0.0, 0.0, 0.0), (10.0, 0, 100.0, 0.5, 0.5, 0.2),
                       (12.0, 3, 250.0, 1.0, 1.5, 0.7), (13.0, 0, 300.0, 1.0, 2.0, 0.8),
                       (15.0, 2, 400.0, 1.5, 3.5, 1.2), (16.0, 0, 999.0, 9.0, 9.0, 9.0)]
-    step = {"trajectories": 4, "answer_len_mean": 10.0, "rollout_seconds": 0.5, "train_seconds": 1.0,
+    step = {"trajectories": 4, "answer_len_mean": 10.0, "batch_wait_seconds": 0.5, "train_seconds": 1.0,
             "weight_sync_seconds": 0.1, "staleness_mean": 1.0, "answer_len_max": 30, "reward_mean": 0.5,
             "prompt_ids": ["a", "b"]}
     metrics = [{**step, "time": t, "step": i + 1, "filtered": 2 * i} for i, t in enumerate((4.0, 6.0, 9.0))]

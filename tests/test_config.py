@@ -94,3 +94,72 @@ def test_run_config_says_tiny_options_do_nothing_beside_a_model_path(tmp_path: P
     (msg,) = load_run_config("configs/demo.yaml", switched).advisories()
     assert "model.tiny_options" in msg and "hidden_size" in msg and "model.tiny_options={}" in msg
     assert load_run_config("configs/demo.yaml", [*switched, "model.tiny_options={}"]).advisories() == []
+
+
+# --- every value checked at load, naming the key (issue 43) ------------------------------------
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    # a section given a scalar
+    (["rollout=5"], r"config key 'rollout': expected a mapping \(the RolloutConfig section\), got 5"),
+    # list and tuple elements
+    (["rollout.stop_token_ids=[a, b]"], r"'rollout\.stop_token_ids\[0\]': expected int, got 'a'"),
+    (["train.betas=[foo, 0.9]"], r"'train\.betas\[0\]': expected float, got 'foo'"),
+    (["train.betas=[0.9]"], r"'train\.betas': expected 2 items, got 1"),
+    (["train.length_buckets=[64, big]"], r"'train\.length_buckets\[1\]': expected int"),
+    # ranges a server or the trainer would refuse much later
+    (["rollout.max_staleness=-1"], r"rollout\.max_staleness must be >= 0"),
+    (["rollout.max_new_tokens=0"], r"rollout\.max_new_tokens must be >= 1"),
+    (["rollout.top_p=0"], r"rollout\.top_p must be in \(0, 1\]"),
+    (["rollout.top_k=0"], r"rollout\.top_k must be -1 \(all\) or >= 1"),
+    (["rollout.max_concurrent_rollouts=0"], r"rollout\.max_concurrent_rollouts must be >= 1"),
+    (["rollout.stop_token_ids=[-3]"], r"rollout\.stop_token_ids must be token ids >= 0"),
+    # free-form sections with a known shape
+    (["model.tiny=tiny", "model.tiny_options.hidden_size=abc"],
+     r"'model\.tiny_options\.hidden_size': expected int, got 'abc'"),
+    (["model.tiny=tiny", "model.tiny_options.hiden_size=64"],
+     r"'model\.tiny_options\.hiden_size'.*did you mean 'hidden_size'"),
+    (["model.tiny=huge"], r"model\.tiny='huge': choose one of"),
+    (["model.model_type=qwen9"], r"'model\.model_type': 'qwen9' is not one of"),
+    (["rollout.workflow=multi_turn", "rollout.workflow_options.max_turn=3"],
+     r"'rollout\.workflow_options\.max_turn'.*multi_turn.*did you mean 'max_turns'"),
+    (["rollout.workflow=multi_turn", "rollout.workflow_options.max_turns=two"],
+     r"'rollout\.workflow_options\.max_turns': expected int, got 'two'"),
+    (["rollout.workflow=multi_turn", "rollout.workflow_options.max_turns=0"],
+     r"rollout\.workflow_options\.max_turns must be >= 1"),
+    (["rollout.workflow=single_turn", "rollout.workflow_options.max_turns=2"],
+     r"'rollout\.workflow_options\.max_turns'.*single_turn; it takes no options"),
+    (["rollout.workflow=agentic"], r"rollout\.workflow=agentic needs rollout\.workflow_options\.agent"),
+    (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', trajectory: tree}"],
+     r"'rollout\.workflow_options\.trajectory': 'tree' is not one of \['concat', 'per_turn'\]"),
+    # combinations that cannot work
+    (["rollout.filter_uniform_reward=true", "rollout.group_size=1"],
+     r"rollout\.filter_uniform_reward.*group_size 1.*every group"),
+    (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"],
+     r"trajectory: per_turn.*uneven groups.*algo\.adv_estimator='grpo'"),
+    (["data.apply_chat_template=false", "rollout.workflow=multi_turn"],
+     r"rollout\.workflow=multi_turn renders its conversation with the chat template"),
+])
+def test_bad_values_fail_at_load_naming_the_key(overrides: list[str], message: str) -> None:
+    from areal_jax.trainer.run_config import load_run_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(None, overrides)
+
+
+def test_good_values_of_those_keys_load() -> None:
+    from areal_jax.trainer.run_config import load_run_config
+
+    cfg = load_run_config(None, ["rollout.stop_token_ids=[3, 4]", "train.betas=[0.8, 0.99]",
+                                 "model.tiny=small", "model.tiny_options.hidden_size=32", "rollout.workflow=multi_turn",
+                                 "rollout.workflow_options={max_turns: 3, turn_discount: 1}",
+                                 "rollout.filter_uniform_reward=true", "rollout.group_size=2"])
+    assert cfg.rollout.stop_token_ids == [3, 4] and cfg.train.betas == (0.8, 0.99)
+    assert cfg.rollout.workflow_options == {"max_turns": 3, "turn_discount": 1.0}
+    sp = load_run_config(None, ["rollout.ignore_eos=true"]).rollout.sampling_params()
+    assert sp["ignore_eos"] is True and "ignore_eos" not in cfg.rollout.sampling_params()
+    # tiny_options alone build a tiny model (the size fills in what they leave out)
+    assert load_run_config(None, ["model.tiny_options.hidden_size=32"]).model.tiny == "tiny"
+    # a user's workflow takes any options: only it knows them
+    load_run_config(None, ["rollout.workflow=my_pkg.flows:episode", "rollout.workflow_options.anything=1"])
+    load_run_config(None, ["rollout.workflow=agentic", "algo.adv_estimator=reinforce_pp",
+                           "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"])

@@ -199,7 +199,7 @@ def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPo
     # evaluations of steps k .. n-1 (not the last step's): their seconds are not training's.
     wall = t1 - t0 - sum(m.get("eval_seconds", 0.0) for m in metrics[max(k - 1, 0):n - 1])
     trained = sum(m["trajectories"] * m["answer_len_mean"] for m in timed)
-    waiting = sum(m["rollout_seconds"] for m in timed)
+    waiting = sum(m["batch_wait_seconds"] for m in timed)
     per_step = wall / len(timed)
     # Seconds the trainer spent compiling a shape it met for the first time (a longer answer
     # needing a larger attention pair budget, say): a one-off that a long run pays once, but that

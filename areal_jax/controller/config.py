@@ -74,11 +74,18 @@ class RolloutConfig:
     group_size: int = 8
     """Answers per prompt (n): one group, normalised together by group-relative estimators."""
     max_new_tokens: int = 256
+    """The most tokens one answer may have (SGLang's ``max_new_tokens``)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's logprobs use the same (``train.temperature`` must match)."""
     top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose probability reaches this (1: all)."""
     top_k: int = -1
+    """Sample among the ``top_k`` most likely tokens; -1: all of them."""
     stop_token_ids: list[int] | None = None
+    """Token ids that end an answer besides the model's end-of-sequence ones."""
+    ignore_eos: bool = False
+    """Generate every answer to ``max_new_tokens``, past end-of-sequence tokens (SGLang's
+    ``ignore_eos``): fixed-length answers, for benchmarks and length-controlled tasks."""
     mode: Literal["async", "sync"] = "async"
     """``async``: rollout keeps generating while the trainer trains (AReaL). ``sync``: generate a
     batch, stop, train, update the weights, repeat (same code path, ``max_staleness`` forced to 0)."""
@@ -88,6 +95,10 @@ class RolloutConfig:
     """Cap on groups in flight; None: ``(max_staleness + 1) * batch_size``."""
     filter_uniform_reward: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards are all equal (they carry no signal)."""
+    failure_patience: int | None = None
+    """Episodes failing in a row (the workflow raised, or returned no trajectory) that end the
+    run, with the first one's traceback; fewer are counted (``failed``), logged and skipped.
+    None: ``max(50, 4 * batch_size)``."""
     weight_sync: Literal["http", "disk"] = "http"
     """``http``: stream buckets to our servers; ``disk``: write a versioned HF checkpoint and call
     ``/update_weights_from_disk`` (SGLang, or any server on a shared filesystem). ``backend:
@@ -133,6 +144,7 @@ class RolloutConfig:
     meanwhile. Runs of several trainer processes push in line."""
 
     def __post_init__(self) -> None:
+        self._check_values()
         if self.group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {self.group_size}")
         if self.backend == "servers" and not self.servers:
@@ -153,6 +165,31 @@ class RolloutConfig:
                              f"SGLang server(s) of rollout.sglang.tp_size={self.sglang.tp_size}: give "
                              f"num_servers x tp_size = {self.num_servers * self.sglang.tp_size}")
 
+    def _check_values(self) -> None:
+        """Ranges and combinations a server, the controller or the trainer would otherwise refuse
+        (or ignore) only after the run started."""
+        from areal_jax.controller.workflow import check_workflow_options
+
+        at_least = {"max_staleness": 0, "max_new_tokens": 1, "num_servers": 1, "max_concurrent_rollouts": 1,
+                    "failure_patience": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"rollout.{name} must be >= {low}, got {value}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k must be -1 (all) or >= 1, got {self.top_k}")
+        if self.stop_token_ids and min(self.stop_token_ids) < 0:
+            raise ValueError(f"rollout.stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"rollout.startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if self.filter_uniform_reward and self.group_size == 1:
+            raise ValueError("rollout.filter_uniform_reward drops groups whose rewards are all equal, and with "
+                             "rollout.group_size 1 every group is one answer, so it would drop every group: raise "
+                             "group_size or set filter_uniform_reward=false")
+        self.workflow_options = check_workflow_options(self.workflow, dict(self.workflow_options))
+
     def platform(self) -> str:
         """What ``server_devices`` numbers (``device_platform`` with ``auto`` resolved)."""
         if self.device_platform != "auto":
@@ -172,4 +209,6 @@ class RolloutConfig:
                               "top_p": self.top_p, "top_k": self.top_k}
         if self.stop_token_ids:
             sp["stop_token_ids"] = list(self.stop_token_ids)
+        if self.ignore_eos:
+            sp["ignore_eos"] = True
         return sp

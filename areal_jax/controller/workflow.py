@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from areal_jax.config import ConfigError, resolve_import_path
+from areal_jax.config import ConfigError, check_options, resolve_import_path
 from areal_jax.data.trajectory import Trajectory
 
 Workflow = Callable[[Any, Any], Awaitable[list[Trajectory]]]
@@ -181,27 +181,73 @@ def _ids(out: Any) -> list[int]:
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
+AGENT_TRAJECTORIES = ("concat", "per_turn")
+
+
 async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
     """``group_size`` runs of the user's agent (option ``agent``: ``pkg.mod:fn``), each against
-    a fresh recording chat client; every completion of a run becomes a trajectory with the
-    reward the agent returned (or per completion, with ``chat.set_reward``)."""
+    a fresh recording chat client, scored by what the agent returned (or ``chat.set_reward``).
+
+    Option ``trajectory``: ``concat`` (default) makes each run one trajectory, its turns
+    concatenated, the model's tokens trained and the environment's masked (AReaL's
+    ``export_interactions(style="concat")``), so a group is ``group_size`` trajectories whatever
+    the number of calls each run made. ``per_turn`` makes every completion a trajectory of its
+    own, rewarded ``reward * turn_discount ** (later completions)`` (option ``turn_discount``,
+    default 1); its groups then differ in size, which only ``reinforce_pp`` and ``gae`` take.
+    Option ``tool_parser``: how tool calls are read from answers (``auto``: by the chat
+    template; ``hermes``, ``llama3_json``; see ``controller/chat.py``)."""
     from areal_jax.controller.chat import RecordingChat
 
     name = client.options.get("agent")
     if not name:
         raise WorkflowError("rollout.workflow=agentic needs rollout.workflow_options.agent: 'pkg.module:function'")
     agent = resolve_callable(str(name), "rollout.workflow_options.agent")
+    style = client.options.get("trajectory", "concat")
+    if style not in AGENT_TRAJECTORIES:
+        raise WorkflowError(f"rollout.workflow_options.trajectory={style!r}: choose one of {list(AGENT_TRAJECTORIES)}")
+    discount = float(client.options.get("turn_discount", 1.0))
 
     async def one() -> list[Trajectory]:
-        chat = RecordingChat(client)
+        chat = RecordingChat(client, tool_parser=str(client.options.get("tool_parser", "auto")))
         reward = await agent(chat, row)
-        return chat.export(reward=None if reward is None else float(reward))
+        reward = None if reward is None else float(reward)
+        if style == "per_turn":
+            return chat.export(reward=reward, turn_discount=discount)
+        run = chat.export_concat(reward)
+        return [] if run is None else [run]
 
     runs = await asyncio.gather(*(one() for _ in range(client.group_size)))
     return [t for run in runs for t in run]
 
 
 BUILTIN: dict[str, Workflow] = {"single_turn": single_turn, "multi_turn": multi_turn, "agentic": agentic}
+
+WORKFLOW_OPTIONS: dict[str, dict[str, Any]] = {
+    "single_turn": {},
+    "multi_turn": {"max_turns": int, "turn_discount": float, "feedback": str},
+    "agentic": {"agent": str, "trajectory": Literal["concat", "per_turn"], "turn_discount": float,
+                "tool_parser": Literal["auto", "hermes", "llama3_json"]},
+}
+"""The options each built-in workflow reads from ``rollout.workflow_options``, with their types;
+a user's workflow takes any (only it knows them)."""
+
+
+def check_workflow_options(workflow: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` checked (and ints widened to floats) for built-in ``workflow``, at config load:
+    a misspelt key (``max_turn``) would otherwise be ignored and its default used."""
+    schema = WORKFLOW_OPTIONS.get(workflow)
+    if schema is None:
+        return options
+    where = "rollout.workflow_options"
+    options = check_options(options, schema, where, owner=f"rollout.workflow={workflow}")
+    if options.get("max_turns", 1) < 1:
+        raise ConfigError(f"{where}.max_turns must be >= 1, got {options['max_turns']}")
+    if options.get("turn_discount", 1.0) < 0:
+        raise ConfigError(f"{where}.turn_discount must be >= 0, got {options['turn_discount']}")
+    if workflow == "agentic" and not options.get("agent"):
+        raise ConfigError(f"rollout.workflow=agentic needs {where}.agent: 'pkg.module:function', an "
+                          "async def agent(chat, row) -> reward")
+    return options
 
 
 def resolve_callable(name: str, field_name: str) -> Callable[..., Any]:

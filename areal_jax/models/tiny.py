@@ -27,6 +27,10 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+TINY_OPTIONS_SET_BY_BUILDER = ("model_type", "vocab_size", "eos_token_id", "pad_token_id")
+"""``ModelConfig`` fields ``make_tiny_checkpoint`` sets itself (the character tokenizer's, and
+``model_type`` from its own argument), so a tiny model's options cannot."""
+
 TINY_SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16),

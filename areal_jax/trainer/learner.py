@@ -66,6 +66,18 @@ def adamw(train: TrainConfig, schedule: optax.Schedule) -> optax.GradientTransfo
     )
 
 
+def describe_optimizer(train: TrainConfig) -> str:
+    """One line saying the optimizer ``adamw`` builds from ``train``, for the run's log: its
+    defaults are not ``optax.adamw``'s (learning rate 1e-6, weight decay 0.01 on matrices only,
+    clipping at 1.0; optax's has no clipping and decays every parameter by 1e-4)."""
+    clip = f"global-norm clipping at {train.grad_clip:g}, then " if train.grad_clip else "no clipping, "
+    sched = (f"warmup_cosine (warmup {train.warmup_steps}, over {train.total_steps} optimizer steps, "
+             f"down to {train.min_lr_ratio:g} x lr)" if train.lr_schedule == "warmup_cosine"
+             else f"constant after {train.warmup_steps} warmup steps")
+    return (f"optimizer: {clip}AdamW lr {train.lr:g} ({sched}), betas ({train.betas[0]:g}, {train.betas[1]:g}), "
+            f"eps {train.eps:g}, weight decay {train.weight_decay:g} on matrices only (train.*)")
+
+
 def place(state: nnx.State, shardings: Any) -> nnx.State:
     """Float32 copies of ``state`` on ``shardings``: never the caller's own buffers (the apply
     step donates these), one leaf at a time so the transient is one tensor. In a multi-process

@@ -75,7 +75,10 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
         raise ValueError("overrides apply to a config file or dict; edit the RunConfig with dataclasses.replace")
     try:
         asyncio.get_running_loop()
+        in_a_loop = True
     except RuntimeError:
+        in_a_loop = False
+    if not in_a_loop:  # run outside the except block: else every error of the run shows "no running event loop"
         return asyncio.run(_train(config, resume, on_step))
     # A notebook already runs an event loop in this thread: run ours in another one.
     box: dict[str, Any] = {}
@@ -92,6 +95,22 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def check_imports(cfg: RunConfig) -> None:
+    """Import what the config names (the workflow, an agent, the reward function) now, so a
+    misspelt module fails before any server or model starts. Raises ``ConfigError``."""
+    from areal_jax.config import ConfigError
+    from areal_jax.controller.workflow import WorkflowError, resolve_callable
+    from areal_jax.rewards import get_reward_fn
+
+    try:
+        get_workflow(cfg.rollout.workflow)
+        if cfg.rollout.workflow == "agentic":
+            resolve_callable(str(cfg.rollout.workflow_options["agent"]), "rollout.workflow_options.agent")
+        get_reward_fn(cfg.reward.name)
+    except (WorkflowError, ValueError) as e:
+        raise ConfigError(str(e)) from None
 
 
 def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -175,7 +194,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
-    workflow = get_workflow(rollout.workflow)  # a bad name fails before anything starts
+    check_imports(cfg)  # a bad workflow, agent or reward name fails before anything starts
+    workflow = get_workflow(rollout.workflow)
     sandbox_line = cfg.reward.preflight()  # code rewards: no isolation fails here, before any model
     split = device_split(cfg)  # before this process's JAX starts: the trainer keeps its share only
     if split is not None:
@@ -218,6 +238,9 @@ async def _train(cfg: RunConfig, resume: bool = False,
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        from areal_jax.trainer.learner import describe_optimizer
+
+        logger.write(describe_optimizer(cfg.train))
         if cfg.train.compile_warmup:
             warm = await asyncio.to_thread(trainer.warmup)
             logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "
@@ -309,7 +332,8 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
             controller = RolloutController(
                 episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
-                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=start)
+                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=start,
+                failure_patience=rollout.failure_patience)
             if meta is not None:
                 controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
             controller.start()

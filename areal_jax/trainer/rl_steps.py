@@ -120,7 +120,7 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
                 fleet.check()
             t0 = time.perf_counter()
             groups = await batch_or_dead_server(controller, fleet)
-            rollout_s = time.perf_counter() - t0
+            wait_s = time.perf_counter() - t0
             trajectories = flatten_groups(groups)
             staleness = [t.staleness(version) for t in trajectories]
             t1 = time.perf_counter()
@@ -151,16 +151,21 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
             counters = controller.counters
             metrics: dict[str, Any] = {
                 "step": step, "version": version, "time": now - t_start,
-                "rollout_seconds": rollout_s, "train_seconds": train_s, "weight_sync_seconds": sync_s,
+                # The trainer's wait for a full batch (rollout runs throughout, so in async mode
+                # this is not generation time), then its update, then the weight push.
+                "batch_wait_seconds": wait_s, "train_seconds": train_s, "weight_sync_seconds": sync_s,
                 "compile_seconds": float(stats.get("compile_seconds", 0.0)),
                 "reward_mean": float(np.mean([t.reward for t in trajectories])),
                 "staleness_max": int(max(staleness)), "staleness_mean": float(np.mean(staleness)),
-                "gen_tokens_per_s": (counters.generated_tokens - gen_tokens) / max(now - t_last, 1e-9),
+                # Tokens generated since the last step over the wall time since then: the rate
+                # rollout keeps up across the run, not one engine's decode speed.
+                "gen_tokens_per_wall_s": (counters.generated_tokens - gen_tokens) / max(now - t_last, 1e-9),
                 "train_tokens_per_s": stats.get("real_tokens", 0.0) / max(train_s, 1e-9),
                 "trajectories": len(trajectories),
                 "answer_len_mean": float(np.mean([t.answer_len for t in trajectories])),
                 "answer_len_max": int(max(t.answer_len for t in trajectories)),
                 "filtered": counters.filtered, "failed": counters.failed, "stale_dropped": counters.stale_dropped,
+                "stale_requeued": counters.stale_requeued, "stale_abandoned": counters.stale_abandoned,
                 "reward_failures": episode_client.reward_failures,
                 "skipped_steps": skipped, "skipped_steps_total": trainer.skipped_steps,
                 "prompt_ids": [g.row_id for g in groups],
@@ -181,6 +186,7 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
                                               max_new_tokens=rollout.max_new_tokens))
             # What the servers hold now: this step's version, or with a push in flight the one before.
             metrics["served_versions"] = await served_versions(client)
+            metrics["step_seconds"] = time.perf_counter() - t0  # the whole step, its evaluation included
             logger.log(metrics)
             if ckpts is not None and ckpts.due(step, last=step == cfg.steps):
                 from areal_jax.trainer.checkpoint import rng_state

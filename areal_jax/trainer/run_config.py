@@ -3,9 +3,10 @@ reads (YAML overriding these defaults, then ``key=value`` overrides)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from areal_jax.algo import AlgoConfig
 from areal_jax.config import load_config
@@ -27,11 +28,12 @@ class ModelSource:
     """HF model directory (config.json, safetensors, tokenizer files)."""
     tiny: str | None = None
     """Build a tiny random model of this size (``tiny``, ``small``, ...) with the project's
-    character tokenizer in ``<run dir>/base`` instead of loading ``path``."""
+    character tokenizer in ``<run dir>/base`` instead of loading ``path``; with ``tiny_options``
+    and no ``path``, ``tiny`` (the size then fills in the shapes the options leave out)."""
     tiny_options: dict[str, Any] = field(default_factory=dict)
     """Overrides of the tiny model's config (``hidden_size``, ``num_hidden_layers``, ...); with
     ``path`` they do nothing, and the run's log says so at start (``RunConfig.advisories``)."""
-    model_type: str = "qwen2"
+    model_type: Literal["qwen2", "qwen3", "llama"] = "qwen2"
     """Architecture of a tiny model: ``qwen2``, ``qwen3`` or ``llama``."""
     dtype: str | None = None
     """Parameter/compute dtype override (``float32``, ``bfloat16``; a JAX/NumPy dtype is stored as
@@ -43,15 +45,39 @@ class ModelSource:
     494M model 1.49x faster than ``dense`` with logprobs as close to float32 (docs/results.md)."""
 
     def __post_init__(self) -> None:
+        if self.path is None and self.tiny is None and self.tiny_options:
+            self.tiny = "tiny"  # shapes given: the size only fills in the ones not set
         if (self.path is None) == (self.tiny is None):
             raise ValueError("model: set exactly one of model.path (a HF model directory) or model.tiny (a size)")
         from areal_jax.models.config import ATTENTION_IMPLS, dtype_name
 
+        self._check_tiny()
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"model.attention_impl={self.attention_impl!r}: choose one of {list(ATTENTION_IMPLS)}")
         # A name, not a dtype object: the run's config.yaml is written with yaml.safe_dump.
         if self.dtype is not None:
             self.dtype = dtype_name(self.dtype, "model.dtype")
+
+
+    def _check_tiny(self) -> None:
+        """``tiny`` names a size and ``tiny_options`` are the tiny model's config fields, each of
+        its type: a bad one otherwise surfaced as a JAX traceback when the model was built."""
+        if self.tiny is None:
+            return
+        import typing
+
+        from areal_jax.config import check_options
+        from areal_jax.models.config import ModelConfig
+        from areal_jax.models.tiny import TINY_OPTIONS_SET_BY_BUILDER, TINY_SIZES
+
+        if self.tiny not in TINY_SIZES:
+            raise ValueError(f"model.tiny={self.tiny!r}: choose one of {list(TINY_SIZES)} (tiny_options then "
+                             "override its shapes)")
+        hints = typing.get_type_hints(ModelConfig)
+        schema = {f.name: hints[f.name] for f in dataclasses.fields(ModelConfig)
+                  if f.init and f.name not in TINY_OPTIONS_SET_BY_BUILDER}
+        self.tiny_options = check_options(self.tiny_options, schema, "model.tiny_options",
+                                          owner=f"a tiny {self.model_type} model")
 
 
 @dataclass
@@ -84,6 +110,7 @@ class RunConfig:
     steps: int = 100
     """Training steps (policy versions) of RL."""
     seed: int = 0
+    """Seed of the tiny model's weights and of the host-side random draws."""
     model: ModelSource = field(default_factory=lambda: ModelSource(tiny="tiny"))
     data: DatasetConfig = field(default_factory=DatasetConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -108,6 +135,7 @@ class RunConfig:
     """Save the final policy as a HF model directory in ``<run dir>/final``."""
 
     def __post_init__(self) -> None:
+        self._check_combinations()
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 group, got {self.batch_size}")
         if self.steps < 0:
@@ -115,6 +143,20 @@ class RunConfig:
         if abs(self.train.temperature - self.rollout.temperature) > 1e-9 and self.rollout.temperature > 0:
             raise ValueError(f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
                              f"({self.rollout.temperature}): the trainer's logprobs must match the sampler's")
+
+    def _check_combinations(self) -> None:
+        """Settings of different sections that cannot work together."""
+        if not self.data.apply_chat_template and self.rollout.workflow in ("multi_turn", "agentic"):
+            raise ValueError(f"rollout.workflow={self.rollout.workflow} renders its conversation with the chat "
+                             "template; data.apply_chat_template=false gives raw prompts without one. Use "
+                             "single_turn (or your own workflow) for raw prompts")
+        opts = self.rollout.workflow_options
+        if (self.rollout.workflow == "agentic" and opts.get("trajectory") == "per_turn"
+                and self.algo.adv_estimator not in ("reinforce_pp", "gae")):
+            raise ValueError(
+                "rollout.workflow_options.trajectory: per_turn makes a trajectory per completion, so agent runs of "
+                f"different lengths give uneven groups, which algo.adv_estimator={self.algo.adv_estimator!r} cannot "
+                "normalise: use trajectory: concat (one trajectory per run) or adv_estimator reinforce_pp or gae")
 
     def advisories(self) -> list[str]:
         """Settings that are valid but known to train badly, or that have no effect, each with

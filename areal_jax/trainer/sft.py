@@ -34,16 +34,19 @@ class SFTConfig:
     lr: float = 1e-3
     """Peak AdamW learning rate, reached by a linear warmup over ``warmup_steps``."""
     warmup_steps: int = 10
+    """Steps of the linear warmup from 0 to ``lr``."""
     schedule: str = "constant"
     """After the warmup: ``constant`` (``lr`` to the end), or ``cosine`` (down to 0 at ``steps``).
     At a constant high rate the last few batches decide where the weights end up, so the warm
     start's accuracy moves with the seed and with rounding; a decay to 0 settles it."""
     weight_decay: float = 0.0
+    """AdamW's decoupled weight decay (on every parameter here)."""
     max_len: int = 128
     """Prompt + answer tokens of one example; longer examples are left out."""
     answer_format: str = "{answer}"
     """How a reference answer becomes the target text (``{answer}`` is replaced)."""
     seed: int = 0
+    """Seed of the example draws."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

@@ -143,3 +143,24 @@ def test_process_shards_are_disjoint_and_cover(tok) -> None:
     parts = [shard(i) for i in range(3)]
     assert all(len(p) == 10 for p in parts)
     assert sorted(sum(parts, [])) == sorted(f"chain_sum:{i}" for i in range(30))
+
+
+def test_explicit_format_wins_over_a_row_field_named_entry(tok, tmp_path: Path) -> None:
+    """A gsm8k row with a field called ``entry`` was read as a reasoning-gym row, whatever
+    ``data.format`` said, and failed with KeyError 'task'."""
+    f = tmp_path / "diary.jsonl"
+    f.write_text(json.dumps({"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7",
+                             "entry": "diary page 12"}) + "\n")
+    rows = load_prompts(DatasetConfig(source="jsonl", path=str(f), format="gsm8k"), tok).train_rows
+    assert rows[0].reward_fields["answer"] == "7" and "entry" not in rows[0].reward_fields
+    # auto: a reasoning-gym row has its task too; without one, the other keys decide
+    rows = load_prompts(DatasetConfig(source="jsonl", path=str(f)), tok).train_rows
+    assert rows[0].reward_fields["answer"] == "7"
+
+
+def test_raw_prompts_skip_the_chat_template(tok) -> None:
+    data = _load(tok, "gsm8k.jsonl", apply_chat_template=False, prompt_suffix=" A:")
+    row = data.train_rows[0]
+    assert row.prompt_ids == list(tok.encode(row.prompt + " A:", add_special_tokens=True))
+    templated = _load(tok, "gsm8k.jsonl", prompt_suffix=" A:").train_rows[0]
+    assert len(row.prompt_ids) < len(templated.prompt_ids)  # no role markers, no generation prompt

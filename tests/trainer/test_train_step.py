@@ -322,3 +322,25 @@ def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: 
     assert warm.policy.grad_fn._cache_size() == stats["shapes"] and warm.policy.forward_fn._cache_size() == forwards
     assert cold.policy.grad_fn._cache_size() >= 3
     assert max(map(len, cold.preparer._pair_budgets.values())) >= 2  # budgets a cold run met one by one
+
+
+def test_the_optimizer_line_states_what_adamw_builds() -> None:
+    """The run prints its resolved optimizer at start (its defaults are not optax.adamw's); the
+    line follows the config, and the chain steps at the stated rate (Adam's first step moves a
+    parameter by lr, whatever the gradient's size)."""
+    import optax
+
+    from areal_jax.trainer.learner import adamw, describe_optimizer
+
+    line = describe_optimizer(TrainConfig())
+    assert line == ("optimizer: global-norm clipping at 1, then AdamW lr 1e-06 (constant after 0 warmup steps), "
+                    "betas (0.9, 0.999), eps 1e-08, weight decay 0.01 on matrices only (train.*)")
+    other = describe_optimizer(TrainConfig(lr=3e-4, grad_clip=None, weight_decay=0.0, betas=(0.8, 0.95),
+                                           lr_schedule="warmup_cosine", warmup_steps=5, total_steps=50))
+    assert other.startswith("optimizer: no clipping, AdamW lr 0.0003 (warmup_cosine (warmup 5, over 50")
+    assert "betas (0.8, 0.95)" in other and "weight decay 0 " in other
+    train = TrainConfig(lr=0.1, weight_decay=0.0)
+    tx = adamw(train, optax.constant_schedule(train.lr))
+    params = {"bias": jnp.ones(3)}
+    updates, _ = tx.update({"bias": jnp.full(3, 1e6)}, tx.init(params), params)
+    np.testing.assert_allclose(np.asarray(updates["bias"]), -0.1, rtol=1e-4)
