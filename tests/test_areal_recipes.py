@@ -53,7 +53,7 @@ RECIPES = {
              "algo.eps_clip_higher": 0.28, "algo.overlong_penalty.buffer_len": 512,
              "algo.overlong_penalty.penalty_factor": 1.0, "algo.overlong_penalty.max_len": 4096},
 }  # fmt: skip
-STAT = {"m2po": "m2_dropped_fraction", "reinforce": "kl_ref_mean", "ppo": "explained_variance"}
+STAT = {"m2po": "m2_dropped_fraction", "reinforce": "kl_ref_mean", "ppo": "value_loss"}
 """A statistic only that run's algorithm produces, to see the algorithm ran."""
 
 
