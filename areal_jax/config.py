@@ -142,7 +142,7 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 
 INCLUDE_KEY = "include"
 """A config file's list of the files it builds on (paths relative to it), merged in order
-before its own keys: ``include: [gsm8k_base.yaml, algo/m2po.yaml]``."""
+before its own keys: ``include: [gsm8k_grpo.yaml, algo/m2po.yaml]``."""
 
 
 def read_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.algo import AlgoConfig
+from areal_jax.algo import AlgoConfig, OverlongPenalty, compute_advantages
 from areal_jax.models import logprobs_from_logits
 from areal_jax.trainer import TrainConfig, Trainer, batching
 from areal_jax.trainer.prepare import LOGPROB_KEYS, POLICY_KEYS
@@ -349,3 +349,28 @@ def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: 
     assert warm.policy.grad_fn._cache_size() == stats["shapes"] and warm.policy.forward_fn._cache_size() == forwards
     assert cold.policy.grad_fn._cache_size() >= 3
     assert max(map(len, cold.preparer._pair_budgets.values())) >= 2  # budgets a cold run met one by one
+
+
+def test_advantages_count_trained_tokens_and_see_truncation() -> None:
+    """The overlong penalty measures the loss-mask count, AReaL's: a multi-turn answer's
+    environment tokens (off the mask) do not make it longer. Answers cut off without EOS reach
+    ``mask_no_eos_with_zero``."""
+    trajs = random_trajectories(np.random.default_rng(8), 2, 4, answer_len=(10, 16))
+    for t in trajs[::2]:  # environment tokens inside the answer
+        t.loss_mask[t.prompt_len + 2:t.prompt_len + 8] = 0
+    for t in trajs[1::3]:
+        t.truncated = True
+    algo = AlgoConfig(overlong_penalty=OverlongPenalty(buffer_len=4, max_len=10), mask_no_eos_with_zero=True)
+    trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
+    got, _, _ = trainer.preparer.advantages(trajs, None)
+    masks = np.stack([np.pad(t.loss_mask, (0, 64 - len(t))) for t in trajs])
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    truncated = np.array([t.truncated for t in trajs])
+    ref, _ = compute_advantages(algo, rewards, masks, group_size=4, truncated=truncated)
+    for g, r, t in zip(got, np.asarray(ref), trajs, strict=True):
+        np.testing.assert_allclose(g, r[:len(t)], rtol=1e-5, atol=1e-6)
+    by_length, _ = compute_advantages(algo, rewards, masks, group_size=4, truncated=truncated,
+                                      response_lengths=np.array([t.answer_len for t in trajs]))
+    assert np.abs(np.asarray(by_length) - np.asarray(ref)).max() > 1e-2
+    kept_eos, _ = compute_advantages(algo, rewards, masks, group_size=4)
+    assert np.abs(np.asarray(kept_eos) - np.asarray(ref)).max() > 1e-2
