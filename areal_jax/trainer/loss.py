@@ -67,12 +67,14 @@ def micro_batch_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the minibatch loss, and its (unscaled) statistics.
 
-    ``decoupled_ppo_loss`` normalises within the micro-batch (by its mask count, or its sequence
-    count); ``scalars["loss_scale"]`` is this micro-batch's share of the minibatch's normaliser,
-    so the scaled losses, and hence their gradients, sum to those of the whole minibatch's loss.
+    ``decoupled_ppo_loss`` normalises within the micro-batch (by its mask count after M2PO's drops,
+    or its sequence count); ``scalars["loss_scale"]`` is this micro-batch's share of the
+    minibatch's normaliser counted before any drop (AReaL's ``loss_weight_fn``), so the scaled
+    losses, and hence their gradients, sum to those of the whole minibatch's loss.
     ``scalars["proximal_version"]`` is the policy version the proximal policy stands for; it is
     read only by the ``loglinear`` approximation. ``scalars["own_proximal"]`` > 0 takes the loss's
-    own logprobs (gradient stopped) as the proximal ones in place of ``proximal_logprobs``.
+    own logprobs (gradient stopped) as the proximal ones in place of ``proximal_logprobs`` or
+    the ``loglinear`` estimate; with ``ppo_n_minibatches == 1`` they always are.
     """
     logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
                                        with_entropy=True, attention_window=attention_window,
