@@ -122,10 +122,10 @@ def test_gsm8k_configs_train_two_steps(tmp_path: Path, capsys: pytest.CaptureFix
 
     model = _tiny_model(tmp_path / "model")
     small = [f"model.path={model}", f"data.path={ROWS}", f"data.eval_path={ROWS}", "steps=2", "batch_size=2",
-             "rollout.backend=local", "rollout.max_new_tokens=24", "rollout.max_concurrent_rollouts=null",
+             "rollout.backend=local", "rollout.max_new_tokens=16", "rollout.max_concurrent_rollouts=null",
              'rollout.server_args=["--max-running-requests", "8", "--context-length", "256"]',
              "reward.num_workers=1", "train.micro_batch_tokens=512", "train.length_buckets=[256,512]",
-             "train.max_seq_len=256", "train.remat=false", "eval.every=0", "eval.max_prompts=2",
+             "train.max_seq_len=256", "train.remat=false", "eval.every=0", "eval.max_prompts=1",
              "checkpoint.every_steps=0", "log.progress=false", "log.tensorboard=false", "export=false"]
     for name in sorted(RECIPES):
         run = tmp_path / name
