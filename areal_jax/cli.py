@@ -121,7 +121,8 @@ COMMANDS = {
 def _train_args(argv: list[str], prog: str, with_model: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=COMMANDS[prog.split()[-1]],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    p.add_argument("--config", required=True, action="append",
+                   help="YAML run config (see configs/); given again, the files merge in order, later keys winning")
     if with_model:
         p.add_argument("--model-path", required=True, help="HF model directory to evaluate")
     else:

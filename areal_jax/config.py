@@ -1,6 +1,7 @@
 """Loading configs: dataclasses (one per room) from YAML files plus ``key=value`` overrides.
 
-YAML only overrides defaults. An unknown key is an error that names the key, where it was, and
+YAML only overrides defaults; a file may build on others (``include:``), and several files merge
+in order. An unknown key is an error that names the key, where it was, and
 the closest known key; a value of the wrong type names the field and the type expected.
 """
 
@@ -13,7 +14,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -181,19 +182,48 @@ def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterable[str] = ()) -> T:
-    """Defaults of ``cls``, overridden by the YAML file at ``path``, overridden by ``overrides``."""
+INCLUDE_KEY = "include"
+"""A config file's list of the files it builds on (paths relative to it), merged in order
+before its own keys: ``include: [gsm8k_grpo.yaml, algo/m2po.yaml]``."""
+
+
+def read_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The mapping in the YAML file at ``path``, its ``include:`` files (each read the same way)
+    merged in order underneath its own keys."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        where = f" (included from {_chain[-1]})" if _chain else ""
+        raise ConfigError(f"config file {path} does not exist{where}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at top level")
+    includes = data.pop(INCLUDE_KEY, None) or []
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"config file {path}: '{INCLUDE_KEY}' must be a list of file paths, got {includes!r}")
+    chain = (*_chain, path.resolve())
+    base: dict[str, Any] = {}
+    for name in includes:
+        target = (path.parent / name).resolve()
+        if target in chain:
+            cycle = " -> ".join(str(p) for p in (*chain, target))
+            raise ConfigError(f"config file {path}: '{INCLUDE_KEY}' makes a cycle: {cycle}")
+        base = merge(base, read_config_file(target, chain))
+    return merge(base, data)
+
+
+def load_config(cls: type[T], path: str | Path | Sequence[str | Path] | None = None,
+                overrides: Iterable[str] = ()) -> T:
+    """Defaults of ``cls``, overridden by the YAML file at ``path`` (or by several, merged in
+    order, each with its ``include:`` files under it), overridden by ``overrides``."""
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping at top level")
+    for p in paths:
+        data = merge(data, read_config_file(p))
     return from_dict(cls, merge(data, parse_overrides(overrides)))
 
 

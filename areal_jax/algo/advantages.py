@@ -144,7 +144,9 @@ def overlong_penalty(
 
     0 up to ``max_len - buffer_len`` tokens, then falling linearly to ``-penalty_factor`` at
     ``max_len``, and ``-penalty_factor`` beyond: long answers are discouraged before they are
-    truncated, so truncation is not the only signal.
+    truncated, so truncation is not the only signal. Up to ``max_len`` this is AReaL's
+    ``reward_overlong_penalty``; beyond it (only a multi-turn answer's trained tokens get there)
+    AReaL's ramp keeps falling, and we keep DAPO's full penalty.
     """
     lengths = jnp.asarray(response_lengths, jnp.float32)
     soft_start = max_len - buffer_len

@@ -22,18 +22,23 @@ PROXIMAL_LOGPROBS_METHODS = ("recompute", "loglinear")
 
 @dataclasses.dataclass(frozen=True)
 class OverlongPenalty:
-    """DAPO's soft overlong punishment; see ``advantages.overlong_penalty``."""
+    """DAPO's soft overlong punishment; see ``advantages.overlong_penalty``. AReaL's
+    ``overlong_reward_penalty: true`` with ``overlong_tokens`` and ``overlong_penalty_factor``."""
 
-    max_len: int
-    """Answer length (tokens) at and beyond which the full penalty applies."""
     buffer_len: int
-    """Width of the linear ramp that ends at ``max_len``."""
+    """Width of the linear ramp that ends at ``max_len`` (AReaL's ``overlong_tokens``)."""
     penalty_factor: float = 1.0
-    """Size of the full penalty, in reward units."""
+    """Size of the full penalty, in reward units (AReaL's ``overlong_penalty_factor``)."""
+    max_len: int | None = None
+    """Answer length (trained tokens) at and beyond which the full penalty applies. None, the
+    usual: ``rollout.max_new_tokens``, filled in by the run config, as AReaL takes its
+    ``actor.max_new_tokens``."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.buffer_len <= self.max_len:
-            raise ValueError(f"need 0 < buffer_len <= max_len, got {self.buffer_len}, {self.max_len}")
+        if not self.buffer_len > 0:
+            raise ValueError(f"overlong_penalty.buffer_len must be positive, got {self.buffer_len}")
+        if self.max_len is not None and not self.buffer_len <= self.max_len:
+            raise ValueError(f"need buffer_len <= max_len, got {self.buffer_len}, {self.max_len}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +53,15 @@ class AlgoConfig:
     """Clip range above 1 (DAPO's clip-higher); None means ``eps_clip``."""
     c_clip: float | None = None
     """Dual-clip bound (> 1) on the loss of negative-advantage tokens; None disables it."""
+    use_behavior_imp_weight: bool = True
+    """Multiply each token's loss by its behaviour importance weight ``pi_prox / pi_behav``
+    (the decoupled objective's correction). AReaL applies it only when its
+    ``rejection_sampling`` is set (its GSM8K recipes set it); False is AReaL without
+    ``rejection_sampling``, and needs ``behavior_imp_weight_cap: null``."""
     behavior_imp_weight_cap: float | None = 5.0
-    """Tokens whose proximal/behavior weight exceeds this are dropped from the loss; None keeps all."""
+    """Tokens whose proximal/behavior weight exceeds this are dropped from the loss, still counted
+    in the token mean (AReaL's ``rejection_sampling: {metric: ratio, upper: 5.0}``, token level,
+    action ``mask``); None keeps all."""
     m2_threshold: float | None = None
     """M2PO's trust region against the behavior policy (AReaL's ``m2_threshold``; 0.04 in its
     recipe): in each micro-batch, the tokens with the largest squared log proximal/behavior weight
@@ -75,9 +87,14 @@ class AlgoConfig:
     reward_bias: float = 0.0
     """Added to rewards before scaling."""
     reward_clip: float | None = None
-    """Shaped rewards are clipped to ``[-reward_clip, reward_clip]``; None disables clipping."""
+    """Shaped rewards are clipped to ``[-reward_clip, reward_clip]``; None disables clipping
+    (AReaL's default is 20)."""
+    mask_no_eos_with_zero: bool = False
+    """An answer cut off at ``max_new_tokens`` without EOS gets score 0 in place of its
+    (normalised) reward, as AReaL's ``mask_no_eos_with_zero``; its per-token KL reward stays."""
     adv_norm: bool = False
-    """Normalise advantages over the batch's masked tokens after the estimator."""
+    """Normalise advantages over the batch's masked tokens after the estimator (AReaL's
+    ``adv_norm: {mean_level: batch, std_level: batch}``)."""
     std_unbiased: bool = True
     """Standard deviations of GRPO's group normalisation and of the token whitening (``adv_norm``,
     REINFORCE++) divide by ``n - 1`` (AReaL's default); False divides by ``n``. A GRPO group of
@@ -90,7 +107,10 @@ class AlgoConfig:
     """GAE's lambda; 1 gives Monte Carlo returns minus the value baseline. Without a critic the
     reward-to-go is discounted by ``gamma * gae_lambda`` per masked token."""
     proximal_logprobs: str = "recompute"
-    """``recompute`` (a forward pass of the proximal policy) or ``loglinear`` (approximate it)."""
+    """``recompute`` (a forward pass of the proximal policy) or ``loglinear`` (approximate it,
+    ``kl.approx_proximal_logprobs``). Either way the first minibatch of a batch, trained before
+    any update, takes its own logprobs, which are exact and cost nothing: with
+    ``ppo_n_minibatches: 1`` neither a pass nor the approximation is ever used."""
     overlong_penalty: OverlongPenalty | None = None
     """DAPO's soft overlong punishment added to rewards; None disables it."""
     ppo_n_minibatches: int = 1
@@ -133,6 +153,10 @@ class AlgoConfig:
                              "algo.use_decoupled_loss: true")
         if self.c_clip is not None and self.c_clip <= 1.0:
             raise ValueError(f"c_clip must be > 1, got {self.c_clip}")
+        if self.behavior_imp_weight_cap is not None and not self.use_behavior_imp_weight:
+            raise ValueError("behavior_imp_weight_cap drops tokens by the behaviour importance weight, which "
+                             "use_behavior_imp_weight: false does not apply; set algo.behavior_imp_weight_cap: null "
+                             "too (AReaL: rejection_sampling: null)")
         if self.proximal_logprobs == "loglinear" and not self.use_decoupled_loss:
             raise ValueError("proximal_logprobs='loglinear' only makes sense with use_decoupled_loss")
         if self.value_eps_clip is not None and self.value_eps_clip <= 0:
@@ -148,6 +172,7 @@ def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
         "eps_clip_higher": cfg.eps_clip_higher,
         "c_clip": cfg.c_clip,
         "behavior_imp_weight_cap": cfg.behavior_imp_weight_cap,
+        "use_behavior_imp_weight": cfg.use_behavior_imp_weight,
         "m2_threshold": cfg.m2_threshold,
         "use_decoupled": cfg.use_decoupled_loss,
         "ratio_level": cfg.ratio_level,
@@ -156,36 +181,41 @@ def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
     }
 
 
-def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, token_kl: jax.Array | None) -> jax.Array:
-    """The score on each answer's last masked token, plus ``-kl_coef * kl`` on every masked token."""
-    token_rewards = adv_lib.terminal_token_rewards(scores.reshape(-1), loss_mask)
+def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, token_kl: jax.Array | None,
+                   no_eos: jax.Array | None) -> jax.Array:
+    """The score on each answer's last masked token (0 for an answer without EOS under
+    ``mask_no_eos_with_zero``), plus ``-kl_coef * kl`` on every masked token."""
+    scores = scores.reshape(-1)
+    if cfg.mask_no_eos_with_zero and no_eos is not None:
+        scores = jnp.where(no_eos, 0.0, scores)
+    token_rewards = adv_lib.terminal_token_rewards(scores, loss_mask)
     if token_kl is not None:
         token_rewards = token_rewards - cfg.kl_coef * token_kl * loss_mask
     return token_rewards
 
 
 def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
-    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap):
+    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos):
         # AReaL: normalise the task reward in its group, then add the per-token KL reward, then
         # take GAE with zero values (the reward-to-go); the KL is never divided by a group's std.
         # Without a critic every value is 0, a truncated answer's bootstrap included.
         norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
         scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
-        token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl)
+        token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl, no_eos)
         advantages, _ = adv_lib.gae_advantages(
             token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
         )
-        if name in adv_lib.TOKEN_WHITENED:
+        if name in adv_lib.TOKEN_WHITENED and not cfg.adv_norm:  # adv_norm whitens once, as AReaL
             advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
         return advantages, None
 
     return estimate
 
 
-def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap):
+def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos):
     if values is None:
         raise ValueError("adv_estimator='gae' needs values from the critic")
-    token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl)
+    token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl, no_eos)
     return adv_lib.gae_advantages(
         token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, bootstrap_values=bootstrap
     )
@@ -211,9 +241,11 @@ def compute_advantages(
 ) -> tuple[jax.Array, jax.Array | None]:
     """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
 
-    In order, AReaL's: DAPO overlong penalty (lengths default to the mask's row sums), reward bias,
-    scale and clip; the estimator's group normalisation of the sequence rewards (none for GAE and
-    REINFORCE++); the score on the answer's last masked token plus, when ``token_kl`` is given, a
+    In order, AReaL's (``PPOActor._compute_advantages``): DAPO overlong penalty (lengths default
+    to the mask's row sums, AReaL's loss-mask count), reward bias, scale and clip; the
+    estimator's group normalisation of the sequence rewards (AReaL's ``reward_norm``; none for
+    GAE and REINFORCE++); the score on the answer's last masked token (0 for an answer without
+    EOS under ``mask_no_eos_with_zero``) plus, when ``token_kl`` is given, a
     reward ``-kl_coef * kl`` on every masked token; GAE over the loss mask (zero values without a
     critic: the reward-to-go; masked gaps in multi-turn answers are carried across); token
     whitening for REINFORCE++; then masked batch normalisation if ``adv_norm``. Returns
@@ -222,7 +254,8 @@ def compute_advantages(
     ``truncated [batch]`` marks answers cut off at the length limit without EOS; with a critic,
     GAE bootstraps each of them from ``last_values [batch]``, the critic's value of the state
     after the answer's last token (AReaL's ``values[:, -1] * no_eos``), while a finished answer's
-    value after its last token is 0. None: every answer finished.
+    value after its last token is 0. None: every answer finished. (AReaL calls an answer
+    "no EOS" when it fills the padded batch's width; we use the rollout's own finish reason.)
     """
     rewards = jnp.reshape(rewards, -1).astype(jnp.float32)
     loss_mask = jnp.asarray(loss_mask).astype(jnp.float32)
@@ -230,6 +263,9 @@ def compute_advantages(
         if response_lengths is None:
             response_lengths = loss_mask.sum(axis=-1)
         p = cfg.overlong_penalty
+        if p.max_len is None:
+            raise ValueError("algo.overlong_penalty.max_len is unset: a run config fills it from "
+                             "rollout.max_new_tokens; called directly, give it a value")
         rewards = rewards + adv_lib.overlong_penalty(
             response_lengths, max_len=p.max_len, buffer_len=p.buffer_len, penalty_factor=p.penalty_factor
         )
@@ -239,14 +275,15 @@ def compute_advantages(
     if cfg.kl_coef == 0.0:
         token_kl = None
     bootstrap = None
+    if truncated is not None:
+        truncated = jnp.reshape(jnp.asarray(truncated), -1).astype(bool)
     if truncated is not None and cfg.adv_estimator == "gae":
         if last_values is None:
             raise ValueError("truncated answers need last_values (the critic's value after each answer's last "
                              "token) for GAE to bootstrap from")
-        truncated = jnp.reshape(jnp.asarray(truncated), -1).astype(bool)
         bootstrap = jnp.where(truncated, jnp.reshape(jnp.asarray(last_values, jnp.float32), -1), 0.0)
     advantages, returns = ESTIMATORS[cfg.adv_estimator](
-        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap)
+        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated)
     if cfg.adv_norm:
         advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
     return advantages, returns

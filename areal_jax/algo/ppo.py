@@ -1,7 +1,10 @@
 """The decoupled PPO policy loss of AReaL and its clipping, ratio and aggregation variants.
 
-One loss covers GRPO, Dr.GRPO, DAPO, GSPO and plain PPO: they differ only in how the ratio is
-taken (token or sequence), how it is clipped, and how per-token losses are averaged.
+One loss covers GRPO, Dr.GRPO, DAPO, GSPO, M2PO and plain PPO: they differ only in how the ratio
+is taken (token or sequence), how it is clipped, which tokens are dropped, and how per-token losses
+are averaged. Each step follows AReaL's ``grpo_loss_fn`` / ``ppo_actor_loss_fn``
+(``areal/trainer/ppo/actor.py``, ``areal/utils/functional/functional.py``); the transcription tests
+in ``tests/algo/test_areal_transcription.py`` hold it to them.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def decoupled_ppo_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behavior_imp_weight_cap: float | None = None,
+    use_behavior_imp_weight: bool = True,
     m2_threshold: float | None = None,
     use_decoupled: bool = True,
     ratio_level: str = "token",
@@ -73,44 +77,43 @@ def decoupled_ppo_loss(
     seq_ids: jax.Array | None = None,
     constant_normalizer: float | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Decoupled PPO objective (AReaL, eq. 5) as a loss to minimise.
+    """Decoupled PPO objective (AReaL, eq. 5) as a loss to minimise, in the order AReaL's
+    ``grpo_loss_fn`` and ``ppo_actor_loss_fn`` take its steps.
 
     All arrays are ``[tokens]`` (packed; sequences told apart by ``seq_ids``) or
     ``[batch, tokens]`` (one sequence per row unless ``seq_ids`` is given).
 
-    Per token, with ``r = exp(logprobs - proximal_logprobs)`` and advantage ``A``::
+    1. **M2PO** (``m2_threshold``, Zheng et al. 2025; AReaL's ``m2_threshold``, 0.04 in its
+       recipe): of the masked tokens, those with the largest ``(log w) ** 2``, where
+       ``w = exp(proximal_logprobs - behavior_logprobs)``, leave the loss mask until the mean of
+       the rest is below the threshold (``second_moment_keep``). They leave it as in AReaL:
+       everything below, the token mean's count included, sees only the kept tokens.
+    2. **Behaviour importance weight** (``use_behavior_imp_weight``; AReaL applies it when
+       ``rejection_sampling`` is set): each token's loss is multiplied by
+       ``stop_gradient(w)``, and tokens with ``w > behavior_imp_weight_cap`` get weight 0 (AReaL's
+       ``rejection_sampling: {metric: ratio, level: token, action: mask, upper: cap}``). They
+       stay in the token mean's count, as in AReaL, so dropping one does not re-weight the others.
+    3. **Ratio**: ``token``: ``r = exp(logprobs - proximal_logprobs)`` per token. ``sequence``
+       (GSPO, as AReaL does it): each sequence's ratio is ``exp(mean over its kept tokens of
+       (logprobs - proximal_logprobs))``, the gradient flowing through that mean, and each token's
+       advantage is replaced by the mean advantage of its sequence's kept tokens.
+    4. **Clip**, per token, with advantage ``A``::
 
         L = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_higher))
         L = min(L, c_clip * |A|)            where A < 0, if c_clip is set (dual clip)
-        w = stop_gradient(exp(proximal_logprobs - behavior_logprobs))
-        w = 0                               where w > behavior_imp_weight_cap, if set
-        w = 0                               on the tokens M2PO drops, if m2_threshold is set
 
-    and the loss is the aggregation of ``w * L`` over ``loss_mask``:
+    5. **Aggregation** of ``w * L`` over the kept tokens:
 
-    - ``token_mean``: ``sum(w * L * mask) / sum(mask)``; the mask is counted before any token
-      is dropped (by the cap or M2PO), so dropping a token does not re-weight the others.
-    - ``seq_mean_token_mean``: token mean within each sequence, then mean over sequences that
-      have at least one masked token.
-    - ``constant``: ``sum(w * L * mask) / constant_normalizer`` (Dr.GRPO).
-
-    ``m2_threshold`` is M2PO's trust region against the behavior policy: of the masked tokens,
-    those with the largest ``(log w) ** 2`` are dropped until the mean of the rest is below it
-    (``second_moment_keep``; M2PO's and AReaL's ``m2_threshold``, 0.04 in their recipes). The
-    proximal clip bounds how far one update moves from the proximal policy; this bounds how far
-    the trained tokens' proximal policy may sit from the one that sampled them, and it drops only
-    the outliers. The selection is over the arrays given: a micro-batch in the trainer.
+       - ``token_mean`` (AReaL's): ``sum / count`` with ``count`` the mask after M2PO.
+       - ``seq_mean_token_mean``: the token mean within each sequence, then the mean over
+         sequences that have a masked token (not an AReaL aggregation).
+       - ``constant``: ``sum / constant_normalizer`` (Dr.GRPO's paper; not AReaL's Dr.GRPO recipe).
 
     ``use_decoupled=False`` is the naive (coupled) PPO the staleness ablation compares against:
     the ratio is taken against the behavior policy and there is no ``w``; ``proximal_logprobs``
-    is then ignored (and ``m2_threshold`` is refused: it would select nothing).
+    is then ignored (and ``m2_threshold`` is refused: there is no proximal policy to bound).
 
-    ``ratio_level="sequence"`` is GSPO: the ratio of a sequence is
-    ``s = exp(mean over its masked tokens of (logprobs - proximal_logprobs))`` and every token
-    of it uses ``s``. Gradients follow GSPO-token: token ``t`` sees
-    ``stop_gradient(s) * exp(logprobs_t - stop_gradient(logprobs_t))``, whose value is ``s`` and
-    whose gradient is ``s * grad(logprobs_t)``. With an advantage constant over a sequence and
-    ``seq_mean_token_mean`` this is exactly the GSPO sequence-level gradient.
+    The M2PO selection is over the arrays given: a micro-batch in the trainer, as in AReaL.
 
     Stats (scalars, over masked tokens): ``clip_fraction``, ``dual_clip_fraction``,
     ``ratio_mean``, ``behavior_imp_weight_mean`` / ``_max`` (before the cap drops anything),
@@ -133,6 +136,9 @@ def decoupled_ppo_loss(
     if m2_threshold is not None and not use_decoupled:
         raise ValueError("m2_threshold bounds the proximal policy's distance from the behavior policy, which "
                          "naive PPO (use_decoupled=False) does not have: drop m2_threshold or use the decoupled loss")
+    if behavior_imp_weight_cap is not None and not use_behavior_imp_weight:
+        raise ValueError("behavior_imp_weight_cap drops tokens by a behaviour importance weight that "
+                         "use_behavior_imp_weight=False does not apply: set the cap to None or turn the weight on")
     if eps_clip_higher is None:
         eps_clip_higher = eps_clip
 
@@ -148,26 +154,48 @@ def decoupled_ppo_loss(
     behavior_logprobs = jax.lax.stop_gradient(behavior_logprobs)
     advantages = jax.lax.stop_gradient(jnp.reshape(advantages, -1).astype(logprobs.dtype))
     mask = jnp.reshape(loss_mask, -1).astype(logprobs.dtype)
+    masked = mask > 0
     # Padding may hold arbitrary logprobs; zeroing the log-ratio there keeps exp finite, so no
     # NaN can leak into the gradient through a 0 * inf product.
-    log_ratio = jnp.where(mask > 0, logprobs - proximal_logprobs, 0.0)
+    log_ratio = jnp.where(masked, logprobs - proximal_logprobs, 0.0)
     mask_count = jnp.maximum(jnp.sum(mask), 1.0)
+
+    if use_decoupled:
+        log_w = jnp.where(masked, proximal_logprobs - behavior_logprobs, 0.0)
+        raw_w = jnp.exp(log_w)
+    else:
+        log_w = jnp.zeros_like(log_ratio)
+        raw_w = jnp.ones_like(log_ratio)
+    no = jnp.zeros_like(masked)
+    m2_dropped = masked & ~second_moment_keep(log_w, mask, m2_threshold) if m2_threshold is not None else no
+    in_loss = masked & ~m2_dropped  # AReaL's loss mask after M2PO: what the token mean counts
+    capped = (raw_w > behavior_imp_weight_cap) if behavior_imp_weight_cap is not None else no
+    w = jnp.where(capped, 0.0, raw_w) if use_decoupled and use_behavior_imp_weight else jnp.ones_like(raw_w)
+    kept = in_loss & ~capped  # the tokens that carry gradient: AReaL's mask after rejection sampling
 
     needs_segments = ratio_level == "sequence" or aggregation == "seq_mean_token_mean"
     if needs_segments:
         segs, num_segments = _segment_ids_for(shape, seq_ids)
-        seg_tokens = jax.ops.segment_sum(mask, segs, num_segments=num_segments)
+        seg_sum = lambda x: jax.ops.segment_sum(x, segs, num_segments=num_segments)  # noqa: E731
 
     if ratio_level == "sequence":
-        seq_log_ratio = jax.ops.segment_sum(log_ratio * mask, segs, num_segments=num_segments)
-        seq_log_ratio = seq_log_ratio / jnp.maximum(seg_tokens, 1.0)
-        token_log_ratio = jnp.where(mask > 0, logprobs - jax.lax.stop_gradient(logprobs), 0.0)
-        log_ratio = jax.lax.stop_gradient(seq_log_ratio[segs]) + token_log_ratio
-    ratio = jnp.exp(log_ratio)
+        kept_f = kept.astype(mask.dtype)
+        seq_count = jnp.maximum(seg_sum(kept_f), 1.0)
+        ratio = jnp.exp((seg_sum(log_ratio * kept_f) / seq_count)[segs])
+        advantages = (seg_sum(advantages * kept_f) / seq_count)[segs]
+    else:
+        ratio = jnp.exp(log_ratio)
 
+    # The gradient at the clip's edges follows AReaL's (PyTorch's): the clip passes it at a ratio
+    # on the bound, and of two equal branches either one's (they are the same there). jnp.clip
+    # and jnp.maximum would halve it at each tie, and a ratio of exactly 1 (one minibatch, own
+    # proximal logprobs) sits on both bounds of M2PO's ``eps_clip: 0``.
+    low, high = 1.0 - eps_clip, 1.0 + eps_clip_higher
+    inside = (ratio >= low) & (ratio <= high)
+    clipped_ratio = jnp.where(inside, ratio, jax.lax.stop_gradient(jnp.clip(ratio, low, high)))
     unclipped = -advantages * ratio
-    clipped = -advantages * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_clip_higher)
-    per_token = jnp.maximum(unclipped, clipped)
+    clipped = -advantages * clipped_ratio
+    per_token = jnp.where(unclipped >= clipped, unclipped, clipped)
     is_clipped = clipped > unclipped
     if c_clip is not None:
         dual_bound = c_clip * jnp.abs(advantages)
@@ -176,42 +204,25 @@ def decoupled_ppo_loss(
     else:
         is_dual_clipped = jnp.zeros_like(is_clipped)
 
-    if use_decoupled:
-        log_w = jnp.where(mask > 0, proximal_logprobs - behavior_logprobs, 0.0)
-        raw_w = jnp.exp(log_w)
-    else:
-        log_w = jnp.zeros_like(log_ratio)
-        raw_w = jnp.ones_like(log_ratio)
-    if behavior_imp_weight_cap is not None:
-        dropped = raw_w > behavior_imp_weight_cap
-    else:
-        dropped = jnp.zeros_like(is_clipped)
-    if m2_threshold is not None:
-        m2_dropped = (mask > 0) & ~second_moment_keep(log_w, mask, m2_threshold)
-        dropped = dropped | m2_dropped
-    else:
-        m2_dropped = jnp.zeros_like(is_clipped)
-    w = jnp.where(dropped, 0.0, raw_w)
-
     # where() rather than a product so a dropped or masked token cannot send gradient even
     # when its per-token loss is not finite.
-    weighted = jnp.where((mask > 0) & (w > 0), w * per_token, 0.0)
+    weighted = jnp.where(kept, w * per_token, 0.0)
     if aggregation == "token_mean":
-        loss = jnp.sum(weighted) / mask_count
+        loss = jnp.sum(weighted) / jnp.maximum(jnp.sum(in_loss.astype(mask.dtype)), 1.0)
     elif aggregation == "constant":
         loss = jnp.sum(weighted) / constant_normalizer
     else:
-        seq_loss = jax.ops.segment_sum(weighted, segs, num_segments=num_segments)
-        seq_loss = seq_loss / jnp.maximum(seg_tokens, 1.0)
-        num_seqs = jnp.maximum(jnp.sum(seg_tokens > 0), 1)
+        seq_loss = seg_sum(weighted) / jnp.maximum(seg_sum(in_loss.astype(mask.dtype)), 1.0)
+        num_seqs = jnp.maximum(jnp.sum(seg_sum(mask) > 0), 1)
         loss = jnp.sum(seq_loss) / num_seqs
 
+    dropped = capped | m2_dropped
     stats = {
         "clip_fraction": _masked_mean(is_clipped.astype(mask.dtype), mask, mask_count),
         "dual_clip_fraction": _masked_mean(is_dual_clipped.astype(mask.dtype), mask, mask_count),
         "ratio_mean": _masked_mean(ratio, mask, mask_count),
         "behavior_imp_weight_mean": _masked_mean(raw_w, mask, mask_count),
-        "behavior_imp_weight_max": jnp.max(jnp.where(mask > 0, raw_w, 0.0)),
+        "behavior_imp_weight_max": jnp.max(jnp.where(masked, raw_w, 0.0)),
         "dropped_fraction": _masked_mean(dropped.astype(mask.dtype), mask, mask_count),
         "m2": _masked_mean(jnp.square(log_w), mask, mask_count),
         "m2_dropped_fraction": _masked_mean(m2_dropped.astype(mask.dtype), mask, mask_count),

@@ -36,7 +36,7 @@ ON_REQUEST: list[tuple[str, str, int, dict[str, Any]]] = [
   tokens. At ``max_staleness`` 0 it is the synchronous run's own computation, so the baseline
   serves both.
 - ``async_eta4_m2po``: decoupled PPO with M2PO's trust region against the behaviour policy
-  (``algo.m2_threshold`` 0.04, the configs/algo/m2po.yaml preset). At ``max_staleness`` 0 it
+  (``algo.m2_threshold`` 0.04, its value in AReaL's M2PO recipe). At ``max_staleness`` 0 it
   can touch only the second minibatch, one update away from the sampler, so the plain
   synchronous run is its baseline too.
 - ``async_eta4_push_inline``: each weight push before the next batch trains, as before

@@ -67,30 +67,37 @@ def micro_batch_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """This micro-batch's share of the minibatch loss, and its (unscaled) statistics.
 
-    ``decoupled_ppo_loss`` normalises within the micro-batch (by its mask count, or its sequence
-    count); ``scalars["loss_scale"]`` is this micro-batch's share of the minibatch's normaliser,
-    so the scaled losses, and hence their gradients, sum to those of the whole minibatch's loss.
+    ``decoupled_ppo_loss`` normalises within the micro-batch (by its mask count after M2PO's drops,
+    or its sequence count); ``scalars["loss_scale"]`` is this micro-batch's share of the
+    minibatch's normaliser counted before any drop (AReaL's ``loss_weight_fn``), so the scaled
+    losses, and hence their gradients, sum to those of the whole minibatch's loss.
     ``scalars["proximal_version"]`` is the policy version the proximal policy stands for; it is
     read only by the ``loglinear`` approximation. ``scalars["own_proximal"]`` > 0 takes the loss's
-    own logprobs (gradient stopped) as the proximal ones in place of ``proximal_logprobs``.
+    own logprobs (gradient stopped) as the proximal ones in place of ``proximal_logprobs`` or
+    the ``loglinear`` estimate; with ``ppo_n_minibatches == 1`` they always are.
     """
     logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
                                        with_entropy=True, attention_window=attention_window,
                                        attention_block=attention_block)
     mask = batch["loss_mask"]
     behavior = batch["behavior_logprobs"]
+    own = jax.lax.stop_gradient(logprobs)
     if not algo.use_decoupled_loss:
         proximal = behavior  # ignored by the loss; naive PPO ratios against the behavior policy
-    elif algo.proximal_logprobs == "loglinear":
-        proximal = approx_proximal_logprobs(behavior, logprobs, batch["versions"], scalars["proximal_version"])
-    elif "proximal_logprobs" in batch:
+    elif algo.ppo_n_minibatches == 1:
+        # Nothing has been updated yet: the proximal policy is this one, and its logprobs are
+        # exact and free, so neither a recompute nor the loglinear estimate is used (AReaL's
+        # loglinear would put its estimate here).
+        proximal = own
+    else:
+        if algo.proximal_logprobs == "loglinear":
+            later = approx_proximal_logprobs(behavior, logprobs, batch["versions"], scalars["proximal_version"])
+        else:  # recomputed; a batch without them (a direct call) has not been updated either
+            later = batch.get("proximal_logprobs", own)
         # ``own_proximal``: the batch's first minibatch, trained before any update, whose proximal
-        # policy is this one; its ``proximal_logprobs`` only hold the place (one compiled step
+        # policy is this one (its ``proximal_logprobs`` only hold the place: one compiled step
         # serves every minibatch).
-        proximal = jnp.where(scalars.get("own_proximal", 0.0) > 0, jax.lax.stop_gradient(logprobs),
-                             batch["proximal_logprobs"])
-    else:  # one minibatch: nothing has been updated yet, the proximal policy is this one
-        proximal = jax.lax.stop_gradient(logprobs)
+        proximal = jnp.where(scalars.get("own_proximal", 0.0) > 0, own, later)
     loss, stats = decoupled_ppo_loss(
         logprobs, proximal, behavior, batch["advantages"], mask,
         seq_ids=packed_seq_ids(batch["segment_ids"]), **ppo_loss_kwargs(algo),

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
-from areal_jax.algo.kl import KL_ESTIMATORS
+from areal_jax.algo.kl import kl_penalty_estimate
 from areal_jax.data.packing import attention_block_pairs, bucket_length, build_packed_batch, pair_budget
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer import batching
@@ -147,6 +147,12 @@ class BatchPreparer:
         policy is the policy being trained, and the loss takes its own logprobs."""
         a = self.algo
         return a.use_decoupled_loss and a.proximal_logprobs == "recompute" and a.ppo_n_minibatches > 1
+
+    @property
+    def first_minibatch_own_proximal(self) -> bool:
+        """Whether the first of several minibatches takes its own logprobs as the proximal ones
+        (exact and free: it is trained before any update), whatever ``proximal_logprobs`` says."""
+        return self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches > 1
 
     def plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
         t = self.train
@@ -287,8 +293,8 @@ class BatchPreparer:
         # updates, so theirs are recomputed now, with the weights before the first.
         # (The first minibatch's micro-batches carry the behaviour logprobs in their place, so that
         # one compiled step serves them all; ``PreparedBatch.own_proximal`` says so.)
-        own_proximal = self.recomputes_proximal
-        if own_proximal:
+        own_proximal = self.first_minibatch_own_proximal
+        if self.recomputes_proximal:
             for m in minibatches[0]:
                 m.arrays["proximal_logprobs"] = m.arrays["behavior_logprobs"]
             for m in micro[len(minibatches[0]):]:
@@ -300,8 +306,7 @@ class BatchPreparer:
             # as AReaL's PPOActor.compute_advantages: it takes recomputed logprobs only for naive
             # PPO with recompute_logprob, a mode this trainer does not have (its naive PPO is
             # against the behaviour policy).
-            est = KL_ESTIMATORS[self.algo.kl_estimator]
-            token_kl = [np.asarray(est(t.behavior_logprobs, r)) * t.loss_mask
+            token_kl = [np.asarray(kl_penalty_estimate(self.algo.kl_estimator, t.behavior_logprobs, r)) * t.loss_mask
                         for r, t in zip(ref, trajectories, strict=True)]
             stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(t.loss_mask.sum() for t in trajectories))
         values = last_values = None
@@ -345,14 +350,13 @@ class BatchPreparer:
         mask = np.stack([pad(trajectories[i].loss_mask) for i in order])
         rewards = np.array([trajectories[i].reward for i in order], np.float32)
         kl = None if token_kl is None else np.stack([pad(token_kl[i]) for i in order])
-        lengths = np.array([trajectories[i].answer_len for i in order], np.float32)
         vals = None if values is None else np.stack([pad(values[i]) for i in order])
-        boot = {}
-        if last_values is not None:
-            boot = {"truncated": np.array([trajectories[i].truncated for i in order]),
-                    "last_values": np.array([last_values[i] for i in order], np.float32)}
+        # The overlong penalty measures the loss mask's count (AReaL's), not the answer's length:
+        # a multi-turn answer's environment tokens are not the policy's.
+        truncated = np.array([trajectories[i].truncated for i in order])
+        boot = {} if last_values is None else {"last_values": np.array([last_values[i] for i in order], np.float32)}
         adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
-                                response_lengths=lengths, values=vals, **boot)
+                                values=vals, truncated=truncated, **boot)
         stats: dict[str, float] = {}
         if ret is not None:
             count = max(float(mask.sum()), 1.0)

@@ -4,7 +4,8 @@ reads (YAML overriding these defaults, then ``key=value`` overrides)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -143,6 +144,14 @@ class RunConfig:
         if abs(self.train.temperature - self.rollout.temperature) > 1e-9 and self.rollout.temperature > 0:
             raise ValueError(f"train.temperature ({self.train.temperature}) must equal rollout.temperature "
                              f"({self.rollout.temperature}): the trainer's logprobs must match the sampler's")
+        penalty = self.algo.overlong_penalty
+        if penalty is not None and penalty.max_len is None:
+            # DAPO's soft punishment ends at the generation limit, as AReaL's follows max_new_tokens.
+            if penalty.buffer_len > self.rollout.max_new_tokens:
+                raise ValueError(f"algo.overlong_penalty.buffer_len ({penalty.buffer_len}) exceeds "
+                                 f"rollout.max_new_tokens ({self.rollout.max_new_tokens}), where the penalty "
+                                 f"ends; lower buffer_len or set overlong_penalty.max_len")
+            self.algo = replace(self.algo, overlong_penalty=replace(penalty, max_len=self.rollout.max_new_tokens))
 
     def _check_combinations(self) -> None:
         """Settings of different sections that cannot work together."""
@@ -180,7 +189,9 @@ class RunConfig:
         return asdict(self)
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Defaults, then the YAML file, then ``key=value`` overrides; unknown keys and wrong types
-    fail here, before anything starts."""
+def load_run_config(path: str | Path | Sequence[str | Path] | None = None,
+                    overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Defaults, then the YAML file (or files, merged in order; each with its ``include:`` files
+    under it), then ``key=value`` overrides; unknown keys and wrong types fail here, before
+    anything starts."""
     return load_config(RunConfig, path, overrides)

@@ -29,49 +29,56 @@ def _m2po_drops(log_w, mask, threshold):
 
 def _reference(lp, prox, behav, adv, mask, segs, *, eps, eps_hi, c_clip, cap, decoupled, level, agg, norm,
                m2=None):
-    """Loss, d loss / d logprobs and stats, written from the paper's formulas in NumPy."""
+    """Loss, d loss / d logprobs and stats, written from the papers' formulas in NumPy, in AReaL's
+    order: M2PO's drops leave the loss mask (and the token mean's count), the cap zeroes the
+    weight, and GSPO's sequence ratio and advantage are means over the kept tokens."""
     lp, prox, behav, adv, mask = (np.asarray(x, np.float64).ravel() for x in (lp, prox, behav, adv, mask))
     segs = np.asarray(segs).ravel()
     if not decoupled:
         prox = behav
     eps_hi = eps if eps_hi is None else eps_hi
     n = len(lp)
+    m = mask > 0
+    w_raw = np.exp(prox - behav) if decoupled else np.ones(n)
+    log_w = np.where(m, prox - behav, 0.0) if decoupled else np.zeros(n)
+    capped = (w_raw > cap) if cap is not None else np.zeros(n, bool)
+    m2_drops = _m2po_drops(log_w, mask, m2) if m2 is not None else np.zeros(n, bool)
+    dropped = capped | m2_drops
+    in_loss = m & ~m2_drops  # M2PO's drops leave the loss mask; the cap's only zero the weight
+    kept = in_loss & ~capped
+    w = np.where(dropped, 0.0, w_raw)
     ratio = np.exp(lp - prox)
-    if level == "sequence":
-        ratio = np.empty(n)
-        for s in np.unique(segs):
-            sel = segs == s
-            cnt = mask[sel].sum()
-            ratio[sel] = np.exp((mask[sel] * (lp - prox)[sel]).sum() / max(cnt, 1))
+    dratio = np.diag(ratio)  # d ratio_t / d logprobs_u
+    if level == "sequence":  # the sequence's mean log-ratio and mean advantage over its kept tokens
+        ratio, adv, dratio = np.empty(n), adv.copy(), np.zeros((n, n))
+        for s_ in np.unique(segs):
+            sel, ks = segs == s_, (segs == s_) & kept
+            cnt = max(ks.sum(), 1)
+            ratio[sel] = np.exp((lp - prox)[ks].sum() / cnt)
+            adv[sel] = adv[ks].sum() / cnt
+            dratio[np.ix_(sel, ks)] = ratio[sel][:, None] / cnt
     unclipped = -adv * ratio
     clipped = -adv * np.clip(ratio, 1 - eps, 1 + eps_hi)
     loss_tok = np.maximum(unclipped, clipped)
-    # d L / d logprobs is -A * r on the unclipped branch (for GSPO-token too) and 0 elsewhere.
-    dtok = np.where(clipped > unclipped, 0.0, -adv * ratio)
+    # d L_t / d ratio_t is -A on the unclipped branch and 0 elsewhere.
+    dtok = np.where(clipped > unclipped, 0.0, -adv)
     dual = np.zeros(n, bool)
     if c_clip is not None:
         dual = (adv < 0) & (loss_tok > c_clip * np.abs(adv))
         loss_tok = np.where(dual, c_clip * np.abs(adv), loss_tok)
         dtok = np.where(dual, 0.0, dtok)
-    w_raw = np.exp(prox - behav) if decoupled else np.ones(n)
-    log_w = np.where(mask > 0, prox - behav, 0.0) if decoupled else np.zeros(n)
-    dropped = (w_raw > cap) if cap is not None else np.zeros(n, bool)
-    m2_drops = _m2po_drops(log_w, mask, m2) if m2 is not None else np.zeros(n, bool)
-    dropped = dropped | m2_drops
-    w = np.where(dropped, 0.0, w_raw)
     coef = np.zeros(n)
-    m = mask > 0
     if agg == "token_mean":
-        coef[:] = 1.0 / max(mask.sum(), 1)
+        coef[:] = 1.0 / max(in_loss.sum(), 1)
     elif agg == "constant":
         coef[:] = 1.0 / norm
     else:
-        live = [s for s in np.unique(segs) if mask[segs == s].sum() > 0]
-        for s in live:
-            sel = segs == s
-            coef[sel] = 1.0 / mask[sel].sum() / len(live)
-    loss = np.sum(np.where(m, w * loss_tok * coef, 0.0))
-    grad = np.where(m, w * dtok * coef, 0.0)
+        live = [s_ for s_ in np.unique(segs) if mask[segs == s_].sum() > 0]
+        for s_ in live:
+            sel = segs == s_
+            coef[sel] = 1.0 / max(in_loss[sel].sum(), 1) / len(live)
+    loss = np.sum(np.where(kept, w * loss_tok * coef, 0.0))
+    grad = np.where(kept, w * dtok * coef, 0.0) @ dratio
     k = max(mask.sum(), 1)
     stats = {
         "clip_fraction": (m & (clipped > unclipped)).sum() / k,
@@ -146,7 +153,13 @@ def test_loss_and_grad_vs_reference(seed, decoupled, clips, cap, level, agg):
     for name, value in ref_stats.items():
         np.testing.assert_allclose(stats[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
     assert set(stats) == set(ref_stats)
-    # Guard against a vacuous pass: the options under test must actually change something.
+    # Guard against a vacuous pass: the options under test must actually change something. At
+    # sequence level whether a sequence clips hangs on its mean advantage's sign, so the guard
+    # there is that the sequence ratio changed the loss.
+    if level == "sequence":
+        token_loss, _ = decoupled_ppo_loss(lp, prox, behav, adv, mask, **{**kw, "ratio_level": "token"})
+        assert abs(float(token_loss) - float(loss)) > 1e-3
+        return
     assert stats["clip_fraction"] > 0
     if c_clip is not None:
         assert stats["dual_clip_fraction"] > 0
@@ -276,7 +289,7 @@ def test_all_zero_mask_gives_zero_loss_not_nan():
 def test_gspo_sequence_ratio_is_shared_by_all_tokens():
     lp, prox, behav, adv, mask = _inputs(9)
     adv = np.repeat(adv[:, :1], lp.shape[1], axis=1)
-    # With a huge clip range nothing clips, so the loss is -mean_seq(A_i * s_i) weighted by w.
+    # With a huge clip range nothing clips, so the loss is -mean_seq(A_i * s_i).
     loss, _ = decoupled_ppo_loss(
         lp, prox, prox, adv, mask, eps_clip=100.0, ratio_level="sequence", aggregation="seq_mean_token_mean"
     )

@@ -9,10 +9,10 @@ import pathlib
 import jax
 import numpy as np
 import pytest
-import yaml
 from flax import nnx
 
 from areal_jax.algo import AlgoConfig
+from areal_jax.config import from_dict, read_config_file
 from areal_jax.models import Critic
 from areal_jax.trainer import TrainConfig, Trainer, batching
 from tests.trainer.helpers import random_trajectories, tiny_model
@@ -21,7 +21,7 @@ PRESETS = pathlib.Path(__file__).resolve().parents[2] / "configs" / "algo"
 
 
 def _preset(name: str, **overrides) -> AlgoConfig:
-    return AlgoConfig(**{**yaml.safe_load((PRESETS / f"{name}.yaml").read_text()), **overrides})
+    return from_dict(AlgoConfig, {**read_config_file(PRESETS / f"{name}.yaml")["algo"], **overrides})
 
 
 def _flat(tree) -> np.ndarray:

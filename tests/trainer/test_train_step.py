@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from areal_jax.algo import AlgoConfig
+from areal_jax.algo import AlgoConfig, OverlongPenalty, compute_advantages
 from areal_jax.models import logprobs_from_logits
 from areal_jax.trainer import TrainConfig, Trainer, batching
 from areal_jax.trainer.prepare import LOGPROB_KEYS, POLICY_KEYS
@@ -159,19 +159,46 @@ def test_one_minibatch_takes_the_proximal_logprobs_from_its_own_forward_pass() -
 
 
 def test_loglinear_proximal_needs_no_forward_and_interpolates() -> None:
-    """Tokens from version 3 trained at version 5: alpha = (5 - 3) / (6 - 3), so the behavior
-    importance weight is ``exp(2/3 * (logp_theta - logp_behavior))``."""
-    algo = AlgoConfig(proximal_logprobs="loglinear", behavior_imp_weight_cap=None)
+    """Two minibatches of tokens from version 3 trained at version 5: the first takes its own
+    logprobs (exact, and free: nothing has been updated), the second the loglinear estimate,
+    alpha = (5 - 3) / (6 - 3), so its behavior importance weight is
+    ``exp(2/3 * (logp_theta - logp_behavior))``. Neither runs a proximal forward pass."""
+    algo = AlgoConfig(proximal_logprobs="loglinear", behavior_imp_weight_cap=None, ppo_n_minibatches=2)
     trainer = Trainer(tiny_model(seed=1), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
     trajs = random_trajectories(np.random.default_rng(3), 2, 3, version=3)
     current = trainer.compute_logprobs(trajs)
     logged = trainer.policy.forward_fn._cache_size()
-    stats = trainer.train_batch(trajs, version=5)
-    assert trainer.policy.forward_fn._cache_size() == logged  # train_batch ran no proximal forward pass
-    w = np.concatenate([np.exp(2 / 3 * (c - t.behavior_logprobs))[t.loss_mask > 0]
-                        for c, t in zip(current, trajs, strict=True)])
-    np.testing.assert_allclose(stats["behavior_imp_weight_mean"], w.mean(), rtol=1e-4)
-    np.testing.assert_allclose(stats["behavior_imp_weight_max"], w.max(), rtol=1e-4)
+    prepared = trainer.prepare_batch(trajs, 5)
+    assert trainer.policy.forward_fn._cache_size() == logged  # no proximal forward pass
+    assert prepared.own_proximal and all("proximal_logprobs" not in m.arrays for mb in prepared.minibatches
+                                         for m in mb)
+    halves = np.array_split(np.arange(len(trajs)), 2)
+    for i, (minibatch, idx) in enumerate(zip(prepared.minibatches, halves, strict=True)):
+        _, aux = trainer.minibatch_grads([m.inputs(POLICY_KEYS) for m in minibatch], 5, own_proximal=i == 0)
+        aux = jax.device_get(aux)
+        got = sum(float(a["behavior_imp_weight_mean"]) * float(a["mask_count"]) for a in aux) / sum(
+            float(a["mask_count"]) for a in aux)
+        # First minibatch: the proximal policy is the current one, log w = logp_theta - logp_behavior;
+        # later ones: the estimate sits 2/3 of the way from the behavior logprobs to the current ones.
+        alpha = 1.0 if i == 0 else 2 / 3
+        log_w = np.concatenate([alpha * (current[j] - trajs[j].behavior_logprobs)[trajs[j].loss_mask > 0]
+                                for j in idx])
+        np.testing.assert_allclose(got, np.exp(log_w).mean(), rtol=1e-4)
+
+
+def test_loglinear_with_one_minibatch_takes_the_exact_proximal_logprobs() -> None:
+    """With one minibatch the exact proximal logprobs are the loss's own: ``loglinear`` changes
+    nothing, the gradient is the one ``recompute`` gives."""
+    trajs = random_trajectories(np.random.default_rng(6), 2, 3, version=1)
+    cfg = TrainConfig(micro_batch_tokens=64, length_buckets=(64,))
+    grads = []
+    for method in ("loglinear", "recompute"):
+        trainer = Trainer(tiny_model(seed=4), AlgoConfig(proximal_logprobs=method), cfg)
+        (micro,) = trainer.prepare_batch(trajs, 4).minibatches
+        g, _ = trainer.minibatch_grads([m.inputs(POLICY_KEYS) for m in micro], 4)
+        grads.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(jax.device_get(g))]))
+    np.testing.assert_array_equal(grads[0], grads[1])
+    assert np.abs(grads[0]).max() > 0
 
 
 def test_kl_reference_only_when_kl_coef_positive() -> None:
@@ -344,3 +371,28 @@ def test_the_optimizer_line_states_what_adamw_builds() -> None:
     params = {"bias": jnp.ones(3)}
     updates, _ = tx.update({"bias": jnp.full(3, 1e6)}, tx.init(params), params)
     np.testing.assert_allclose(np.asarray(updates["bias"]), -0.1, rtol=1e-4)
+
+
+def test_advantages_count_trained_tokens_and_see_truncation() -> None:
+    """The overlong penalty measures the loss-mask count, AReaL's: a multi-turn answer's
+    environment tokens (off the mask) do not make it longer. Answers cut off without EOS reach
+    ``mask_no_eos_with_zero``."""
+    trajs = random_trajectories(np.random.default_rng(8), 2, 4, answer_len=(10, 16))
+    for t in trajs[::2]:  # environment tokens inside the answer
+        t.loss_mask[t.prompt_len + 2:t.prompt_len + 8] = 0
+    for t in trajs[1::3]:
+        t.truncated = True
+    algo = AlgoConfig(overlong_penalty=OverlongPenalty(buffer_len=4, max_len=10), mask_no_eos_with_zero=True)
+    trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
+    got, _, _ = trainer.preparer.advantages(trajs, None)
+    masks = np.stack([np.pad(t.loss_mask, (0, 64 - len(t))) for t in trajs])
+    rewards = np.array([t.reward for t in trajs], np.float32)
+    truncated = np.array([t.truncated for t in trajs])
+    ref, _ = compute_advantages(algo, rewards, masks, group_size=4, truncated=truncated)
+    for g, r, t in zip(got, np.asarray(ref), trajs, strict=True):
+        np.testing.assert_allclose(g, r[:len(t)], rtol=1e-5, atol=1e-6)
+    by_length, _ = compute_advantages(algo, rewards, masks, group_size=4, truncated=truncated,
+                                      response_lengths=np.array([t.answer_len for t in trajs]))
+    assert np.abs(np.asarray(by_length) - np.asarray(ref)).max() > 1e-2
+    kept_eos, _ = compute_advantages(algo, rewards, masks, group_size=4)
+    assert np.abs(np.asarray(kept_eos) - np.asarray(ref)).max() > 1e-2
