@@ -57,6 +57,21 @@ def overrides(out: Path, prompts: Path, backend: str) -> list[str]:
     ]
 
 
+def run_config(out: Path, backend: str, extra: list[str] | tuple[str, ...] = ()) -> Any:
+    """The task's ``RunConfig`` in run directory ``out`` (its prompts written there), with
+    ``extra`` overrides."""
+    import random
+
+    from areal_jax.trainer.run_config import load_run_config
+
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    rng = random.Random(0)
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choices(PROMPT_WORDS, k=4)) + f" {i}"}) + "\n"
+                               for i in range(256)))
+    return load_run_config(None, [*overrides(out, prompts.absolute(), backend), *extra])
+
+
 def record(kept: dict[str, Any]) -> None:
     """Keep each trained batch and, at each push, a host copy of the version's weights."""
     import jax
@@ -114,17 +129,8 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="more key=value overrides (rollout.mode=sync, train.lr=3e-4, ...)")
     args = ap.parse_args()
     from areal_jax.trainer.rl import train
-    from areal_jax.trainer.run_config import load_run_config
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = out / "prompts.jsonl"
-    import random
-
-    rng = random.Random(0)
-    prompts.write_text("".join(json.dumps({"prompt": " ".join(rng.choices(PROMPT_WORDS, k=4)) + f" {i}"}) + "\n"
-                               for i in range(256)))
-    cfg = load_run_config(None, [*overrides(out, prompts.absolute(), args.backend), *args.extra])
+    cfg = run_config(Path(args.out), args.backend, args.extra)
     kept: dict[str, Any] = {"batches": [], "params": {}}
     if args.check:
         record(kept)
