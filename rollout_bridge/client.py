@@ -140,7 +140,13 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                 for a in live:
                     if a.attempt > self.cfg.max_resends:
                         raise RolloutError(f"request {a.rid}: gave up after {self.cfg.max_resends} re-sends")
-                server = await self._pick(key)
+                # Not while this client has the servers paused: an answer sent now would run under
+                # the weights pushed before the continue, stamped with the version before them.
+                while True:
+                    await self._continued.wait()
+                    server = await self._pick(key)
+                    if self._continued.is_set():
+                        break
                 parts = [a.next_part() for a in live]
                 subs = [p["rid"] for p in parts]
                 payload = parts[0] if not batch else {

@@ -119,6 +119,9 @@ class ServerPool:
         self._last_disk: tuple[str, int] | None = None
         self._paused = False
         """This client paused the fleet and has not continued it yet."""
+        self._continued = asyncio.Event()
+        """Set while the fleet is not paused by this client: generation waits on it before sending."""
+        self._continued.set()
 
     # -- versions --
 
@@ -392,12 +395,18 @@ class ServerPool:
         return [{"server": s.url, "status": st, "reply": r} for s, st, r in reached]
 
     async def pause(self, mode: str = "abort") -> None:
+        """Pause every server (``mode`` as SGLang's ``/pause_generation``). Until
+        ``continue_generation``, this client sends no request: a server that reports no
+        per-token versions (stock SGLang) would run one it got while paused under the weights
+        pushed meanwhile, and its tokens would carry the version recorded when it was sent."""
         self._paused = True
+        self._continued.clear()
         for r in await self._broadcast("/pause_generation", {"mode": mode}, timeout=self.cfg.control_timeout_s):
             self._server(r["server"]).paused = True
 
     async def continue_generation(self) -> None:
         self._paused = False
+        self._continued.set()
         replies = await self._broadcast("/continue_generation", {}, timeout=self.cfg.control_timeout_s, strict=False)
         for r in replies:  # a server whose continue failed stays paused: out of rotation
             ok = r["status"] == 200 and not (isinstance(r["reply"], dict) and r["reply"].get("success") is False)

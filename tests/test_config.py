@@ -86,6 +86,32 @@ def test_run_config_advises_against_one_step_decoupled_ppo_at_large_staleness() 
     assert load_run_config("configs/demo.yaml").advisories() == []
 
 
+def test_run_config_advises_against_one_step_decoupled_ppo_on_stale_data_at_a_large_lr() -> None:
+    """Any staleness with one optimizer step per batch and no M2PO trust region: only the learning
+    rate bounds a step on stale data, so a rate above ``STALE_ONE_STEP_LR`` is warned about (the
+    issue's run: lr 1e-3, no gradient clip, ``max_staleness`` 1)."""
+    from areal_jax.trainer.run_config import STALE_ONE_STEP, STALE_ONE_STEP_LR, load_run_config
+
+    def advice(*overrides: str) -> list[str]:
+        return load_run_config("configs/demo.yaml", ["rollout.mode=async", "rollout.max_staleness=1",
+                                                     *overrides]).advisories()
+
+    big = f"train.lr={STALE_ONE_STEP_LR * 10 / 3:g}"  # 1e-3
+    (msg,) = advice(big, "train.grad_clip=null")
+    assert "train.lr 0.001" in msg and "max_staleness 1" in msg and "clip never binds" in msg
+    assert "algo.ppo_n_minibatches >= 2" in msg and "algo.m2_threshold" in msg
+    assert advice(big) == [msg]  # a gradient clip does not bound it
+    assert advice(f"train.lr={STALE_ONE_STEP_LR:g}") == []  # the demo's rate, seen stable
+    assert advice(big, "algo.ppo_n_minibatches=2") == []
+    assert advice(big, "algo.m2_threshold=0.04") == []
+    assert advice(big, "algo.use_decoupled_loss=false") == []
+    assert advice(big, "rollout.max_staleness=0") == [] and advice(big, "rollout.mode=sync") == []
+    # At large staleness the staleness warning says it all, whatever the rate; M2PO answers it too.
+    (large,) = advice(big, f"rollout.max_staleness={STALE_ONE_STEP}")
+    assert f"max_staleness {STALE_ONE_STEP}" in large and "train.lr" not in large
+    assert advice(f"rollout.max_staleness={STALE_ONE_STEP}", "algo.m2_threshold=0.04") == []
+
+
 def test_run_config_says_tiny_options_do_nothing_beside_a_model_path(tmp_path: Path) -> None:
     from areal_jax.trainer.run_config import load_run_config
 

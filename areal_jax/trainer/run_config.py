@@ -100,6 +100,13 @@ class EvalConfig:
 STALE_ONE_STEP = 4
 """The ``max_staleness`` from which ``RunConfig.advisories`` warns about decoupled PPO with one
 optimizer step per batch (at 4 it lost 7 points on the benchmark task, at 8 it collapsed)."""
+STALE_ONE_STEP_LR = 3e-4
+"""The learning rate above which ``RunConfig.advisories`` warns about decoupled PPO with one
+optimizer step per batch at any staleness: on a random-init 4-layer model, asynchronous runs with
+nearly every sample one version stale climbed to reward 1 and then fell to 0 at lr 1e-3 (to 0.31
+with a gradient clip of 1), and held at 3e-4 (docs/stale-one-step.md). A floor, not a safe value:
+larger models overshoot at smaller rates (AReaL's GRPO recipe trains with one minibatch at 1.7e-5
+and clips gradients at 1)."""
 
 
 @dataclass
@@ -172,12 +179,25 @@ class RunConfig:
         the fix; the run writes them to its log at start."""
         out = []
         eta = self.rollout.effective_max_staleness
-        if self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches == 1 and eta >= STALE_ONE_STEP:
+        one_step = (self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches == 1
+                    and self.algo.m2_threshold is None)
+        if one_step and eta >= STALE_ONE_STEP:
             out.append(
                 f"algo.ppo_n_minibatches is 1 with the decoupled loss at rollout.max_staleness {eta}: with one "
                 "optimizer step per batch the proximal policy is the current one, so the clip never binds and "
                 "nothing bounds how far stale data moves the policy (docs/results.md, staleness ablation). "
                 "Set algo.ppo_n_minibatches >= 2, or lower rollout.max_staleness")
+        elif one_step and eta >= 1 and self.train.lr > STALE_ONE_STEP_LR:
+            out.append(
+                f"train.lr {self.train.lr:g} with algo.ppo_n_minibatches 1 and the decoupled loss at "
+                f"rollout.max_staleness {eta}: when rollout keeps ahead of the trainer every trained sample is "
+                "stale, and with one optimizer step per batch the PPO clip never binds (the proximal policy is "
+                "the current one), so only the learning rate bounds how far each step moves the policy on that "
+                "data; a small model at this rate climbed to full reward and then collapsed (docs/stale-one-step.md). "
+                "A gradient clip did not prevent it (Adam scales its steps to the learning rate). Lower train.lr "
+                "(AReaL's recipes: about 1e-5 with one minibatch), or set algo.ppo_n_minibatches >= 2 (the clip "
+                "binds from the second minibatch on), or algo.m2_threshold (M2PO's trust region, e.g. 0.04), or "
+                "rollout.max_staleness 0")
         if self.model.path is not None and self.model.tiny_options:
             out.append(
                 f"model.tiny_options {sorted(self.model.tiny_options)} are ignored: model.path is set, and its "

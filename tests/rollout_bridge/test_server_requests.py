@@ -182,7 +182,9 @@ def test_client_caps_its_connections_per_server(tiny_dir: Path) -> None:
         async with running_server(tiny_dir, max_seq_len=64) as (addr, engine):
             cfg = ClientConfig(max_connections_per_server=2, control_timeout_s=10)
             async with HttpRolloutClient([addr], config=cfg) as client:
-                await client.pause("in_place")
+                # The server paused by another hand: this client, which sends nothing while it has
+                # the servers paused itself, sends to it, and the server holds what it gets.
+                await engine.pause("in_place")
                 tasks = [asyncio.create_task(client.generate([5, i], {"max_new_tokens": 3, "ignore_eos": True}))
                          for i in range(5)]
                 await _until(lambda: engine.num_waiting == 2)
