@@ -37,7 +37,7 @@ from areal_jax.models.attention import resolve_attention_impl
 from areal_jax.trainer import stats as step_stats
 from areal_jax.trainer.compile_clock import compile_clock
 from areal_jax.trainer.config import TrainConfig
-from areal_jax.trainer.learner import Learner, place
+from areal_jax.trainer.learner import Learner
 from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
 from areal_jax.trainer.prepare import (
     CRITIC_KEYS,
@@ -96,8 +96,7 @@ class Trainer:
         # kl_coef == 0 keeps no reference at all: no memory, no forward pass.
         self.ref_params = None
         if algo.kl_coef > 0:
-            self.ref_params = self.policy.copy_params() if reference is None else \
-                place(nnx.split(reference)[1], self.policy.shardings)
+            self.ref_params = self.policy.copy_params() if reference is None else self.policy.place_frozen(reference)
         # Critic-free estimators keep no critic at all: no memory, no forward or backward pass.
         self.critic_learner: Learner | None = None
         if algo.adv_estimator == "gae":
