@@ -215,6 +215,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        if trainer.memory is not None:
+            logger.write(trainer.memory.describe())
         if cfg.train.compile_warmup:
             warm = await asyncio.to_thread(trainer.warmup)
             logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "
