@@ -18,6 +18,11 @@ two copies. A learner therefore owns its params outright: it copies the module i
 caller's arrays, which an engine may be serving, are never donated), and params handed out with
 ``lend()`` (to an in-process engine, with no copy) are not donated by the next update, which
 writes new buffers instead; the reader frees the old ones when it lets go of them.
+
+A learner can be abstract (``jax.ShapeDtypeStruct`` params and optimizer state, nothing
+allocated) to lower and compile its steps for the memory plan (``trainer/memory.py``); its
+``use_remat`` rebuilds the steps under another remat policy. A frozen copy (``copy_params``,
+``place_frozen``: a reference model) holds each weight in the dtype its layer computes in.
 """
 
 from __future__ import annotations

@@ -119,3 +119,16 @@ def test_reference_model_in_compute_dtype() -> None:
     policy = np.concatenate(trainer.compute_logprobs(trajs))
     reference = np.concatenate(trainer.compute_logprobs(trajs, reference=True))
     np.testing.assert_allclose(reference, policy, rtol=0, atol=1e-6)
+
+
+def test_config_keys() -> None:
+    from areal_jax.config import ConfigError, from_dict
+    from areal_jax.trainer.run_config import RunConfig
+
+    cfg = from_dict(RunConfig, {"train": {"device_memory_gb": 80, "remat": "auto"}})
+    assert cfg.train.device_memory_gb == 80.0 and cfg.train.remat == "auto"
+    assert TrainConfig().remat == "auto" and TrainConfig(remat=True).remat == "full"
+    with pytest.raises(ConfigError, match="remat='some'; choose auto, none, dots or full"):
+        from_dict(RunConfig, {"train": {"remat": "some"}})
+    with pytest.raises(ConfigError, match="device_memory_gb must be positive"):
+        from_dict(RunConfig, {"train": {"device_memory_gb": 0}})
