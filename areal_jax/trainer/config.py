@@ -88,8 +88,9 @@ class TrainConfig:
     first step with the knobs to turn."""
     device_memory_gb: float | None = None
     """Memory per device (GiB) the train step may plan to use. None: 90% of the limit the device
-    reports (GPU, TPU), and no plan at all where it reports none (CPU). Set it on a device shared
-    with an inference engine (what the engine leaves), or to plan a CPU run."""
+    reports (GPU, TPU) less what is in use when the trainer starts, and no plan at all where it
+    reports none (CPU). Set it on a device shared with an inference engine that allocates after
+    the trainer starts (what the engine leaves), or to plan a CPU run."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))

@@ -111,10 +111,11 @@ def abstract(tree: Any) -> Any:
 def device_capacity(memory_gb: float | None, devices: Sequence[jax.Device]) -> tuple[int | None, str]:
     """Bytes per device the train step may plan for, and where the figure came from: ``memory_gb``
     (``train.device_memory_gb``) when set, else ``DEVICE_HEADROOM`` of the smallest limit the
-    devices report (``memory_stats()['bytes_limit']``: GPU, TPU), else None (CPU)."""
+    devices report (``memory_stats()['bytes_limit']``: GPU, TPU) less the most any of them has
+    in use already (the loaded model, an engine's page pool), else None (CPU)."""
     if memory_gb is not None:
         return int(memory_gb * GiB), f"train.device_memory_gb={memory_gb:g}"
-    limits = []
+    limits, used = [], []
     for d in devices:
         try:
             stats = d.memory_stats()
@@ -123,10 +124,13 @@ def device_capacity(memory_gb: float | None, devices: Sequence[jax.Device]) -> t
         if not stats or not stats.get("bytes_limit"):
             return None, "no device memory limit known"
         limits.append(int(stats["bytes_limit"]))
+        used.append(int(stats.get("bytes_in_use", 0)))
     if not limits:
         return None, "no device memory limit known"
-    return int(min(limits) * DEVICE_HEADROOM), \
-        f"{DEVICE_HEADROOM:.0%} of the {min(limits) / GiB:.1f} GiB the device reports"
+    source = f"{DEVICE_HEADROOM:.0%} of the {min(limits) / GiB:.1f} GiB the device reports"
+    if max(used):
+        source += f", less {max(used) / GiB:.1f} GiB already in use"
+    return int(min(limits) * DEVICE_HEADROOM) - max(used), source
 
 
 def step_memory(learner: Any, batch: dict[str, jax.ShapeDtypeStruct], scalars: dict[str, Any],

@@ -88,12 +88,18 @@ def test_no_plan_without_a_memory_limit() -> None:
 
 def test_device_capacity_from_reported_limit() -> None:
     class Reporting:  # what a GPU or TPU device answers (this CPU reports nothing)
-        def memory_stats(self) -> dict[str, int]:
-            return {"bytes_limit": 10 * GiB, "bytes_in_use": 0}
+        def __init__(self, used: int) -> None:
+            self.used = used
 
-    capacity, source = device_capacity(None, [Reporting(), Reporting()])
-    assert capacity == 9 * GiB and "90% of the 10.0 GiB" in source
-    assert device_capacity(2.5, [Reporting()]) == (int(2.5 * GiB), "train.device_memory_gb=2.5")
+        def memory_stats(self) -> dict[str, int]:
+            return {"bytes_limit": 10 * GiB, "bytes_in_use": self.used}
+
+    capacity, source = device_capacity(None, [Reporting(0), Reporting(0)])
+    assert capacity == 9 * GiB and source == "90% of the 10.0 GiB the device reports"
+    # What is already there (the loaded model, an engine's pages) is not the step's to plan with.
+    capacity, source = device_capacity(None, [Reporting(GiB // 2), Reporting(GiB)])
+    assert capacity == 8 * GiB and source.endswith("less 1.0 GiB already in use")
+    assert device_capacity(2.5, [Reporting(GiB)]) == (int(2.5 * GiB), "train.device_memory_gb=2.5")
 
 
 def test_planned_trainer_trains() -> None:
