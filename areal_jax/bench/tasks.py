@@ -175,7 +175,7 @@ def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, An
     if scratch is not None:
         examples = [e for e in scratch_examples(rows, tokenizer, run.seed, scratch)
                     if len(e[0]) + len(e[1]) <= run.warm_start.max_len]
-    warm_start(model, run.warm_start, tokenizer, rows, examples=examples)
+    warm_start(model, run.warm_start, tokenizer, rows, examples=examples, train=run.train)
     return Path(save_pretrained(model, target, tokenizer_dir=base))
 
 

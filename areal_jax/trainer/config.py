@@ -78,14 +78,30 @@ class TrainConfig:
     computed (``data.packing.attention_block_pairs``): a row of short sequences costs about
     ``sum(len ** 2) / 2`` scores instead of ``tokens * max_seq_len``. 0 computes every score
     within the window. The fused paths (cuDNN, splash) skip masked blocks themselves."""
-    remat: bool | str = False
+    remat: bool | str = "auto"
     """What the backward pass keeps of each decoder layer: ``none`` (all activations), ``full``
     (only the layer input: least memory, about 1/3 more compute) or ``dots`` (also the weight
-    matmuls' outputs); True / False mean ``full`` / ``none``."""
+    matmuls' outputs); True / False mean ``full`` / ``none``. ``auto``: the first of ``none``,
+    ``dots``, ``full`` whose step fits the device by the memory plan (``trainer/memory.py``),
+    ``none`` where no device memory is known (a CPU without ``device_memory_gb``). A policy
+    given by name is checked against the plan too, and a run that does not fit fails before its
+    first step with the knobs to turn."""
+    device_memory_gb: float | None = None
+    """Memory per device (GiB) the train step may plan to use. None: 90% of the limit the device
+    reports (GPU, TPU) less what is in use when the trainer starts, and no plan at all where it
+    reports none (CPU). Set it on a device shared with an inference engine that allocates after
+    the trainer starts (what the engine leaves), or to plan a CPU run."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
-        object.__setattr__(self, "remat", remat_policy(self.remat, "remat"))
+        if self.remat != "auto":
+            try:
+                object.__setattr__(self, "remat", remat_policy(self.remat, "remat"))
+            except ValueError:
+                raise ValueError(f"remat={self.remat!r}; choose auto, none, dots or full (or true / false)") from None
+        if self.device_memory_gb is not None and not self.device_memory_gb > 0:
+            raise ValueError(f"device_memory_gb must be positive (or null: the device's own limit), "
+                             f"got {self.device_memory_gb}")
         object.__setattr__(self, "length_buckets", tuple(sorted(int(b) for b in self.length_buckets)))
         if self.attention_block < 0:
             raise ValueError(f"attention_block must be >= 0 (0: off), got {self.attention_block}")

@@ -18,6 +18,11 @@ two copies. A learner therefore owns its params outright: it copies the module i
 caller's arrays, which an engine may be serving, are never donated), and params handed out with
 ``lend()`` (to an in-process engine, with no copy) are not donated by the next update, which
 writes new buffers instead; the reader frees the old ones when it lets go of them.
+
+A learner can be abstract (``jax.ShapeDtypeStruct`` params and optimizer state, nothing
+allocated) to lower and compile its steps for the memory plan (``trainer/memory.py``); its
+``use_remat`` rebuilds the steps under another remat policy. A frozen copy (``copy_params``,
+``place_frozen``: a reference model) holds each weight in the dtype its layer computes in.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from areal_jax.models.config import remat_policy
 from areal_jax.trainer.config import TrainConfig
 from sharding import activate, logical_to_sharding, shardings_of
 from sharding.rules import Rules
@@ -78,19 +84,50 @@ def describe_optimizer(train: TrainConfig) -> str:
             f"eps {train.eps:g}, weight decay {train.weight_decay:g} on matrices only (train.*)")
 
 
-def place(state: nnx.State, shardings: Any) -> nnx.State:
-    """Float32 copies of ``state`` on ``shardings``: never the caller's own buffers (the apply
+def place(state: nnx.State, shardings: Any, dtypes: Any = None) -> nnx.State:
+    """Float32 copies of ``state`` on ``shardings`` (or, where ``dtypes``, a prefix tree like
+    ``shardings``, says so, copies in that dtype): never the caller's own buffers (the apply
     step donates these), one leaf at a time so the transient is one tensor. In a multi-process
     run a leaf held whole by each process (a model built on the host, the same everywhere) goes
     to this process's devices only."""
-    def copy(x: Any, s: NamedSharding) -> jax.Array:
+    def copy(x: Any, s: NamedSharding, dtype: Any) -> jax.Array:
         if not s.is_fully_addressable and (not isinstance(x, jax.Array) or x.is_fully_addressable):
-            host = np.asarray(x, np.float32)
+            host = np.asarray(x, np.float32).astype(dtype)
             return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-        return jax.device_put(jnp.asarray(x, jnp.float32), s, may_alias=False)
+        return jax.device_put(jnp.asarray(x, dtype), s, may_alias=False)
 
+    if dtypes is None:
+        dtypes = jax.tree.map(lambda _: jnp.float32, shardings)
     # ``shardings`` has one leaf per variable: a prefix of ``state``.
-    return jax.tree.map(lambda s, var: jax.tree.map(lambda x: copy(x, s), var), shardings, state)
+    return jax.tree.map(lambda s, d, var: jax.tree.map(lambda x: copy(x, s, d), var), shardings, dtypes, state)
+
+
+def abstract_params(state: nnx.State, shardings: Any) -> nnx.State:
+    """What ``place`` would make of ``state``, as ``jax.ShapeDtypeStruct`` leaves: no memory."""
+    def spec(x: Any, s: NamedSharding) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=s)
+
+    return jax.tree.map(lambda s, var: jax.tree.map(lambda x: spec(x, s), var), shardings, state)
+
+
+def compute_cast_mask(graphdef: nnx.GraphDef, params: nnx.State, dtype: Any) -> Any:
+    """One bool per variable of ``params`` (a prefix tree, like the shardings): True for the
+    weights of a layer that computes in ``dtype`` (a ``Linear`` or ``Embed`` whose ``dtype`` it
+    is) and would cast them to it itself. A layer kept in float32 on purpose (a critic's value
+    head) is left alone."""
+    module = nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+    cast: set[tuple[Any, ...]] = set()
+    for path, node in nnx.iter_graph(module):
+        layer_dtype = getattr(node, "dtype", None)
+        if isinstance(node, (nnx.Linear, nnx.Embed)) and layer_dtype is not None \
+                and jnp.dtype(layer_dtype) == jnp.dtype(dtype):
+            cast.update((*path, name) for name in ("kernel", "bias", "embedding"))
+
+    def key(path: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+    return jax.tree_util.tree_map_with_path(lambda path, _: key(path) in cast, nnx.split(module)[1],
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, shardings: Any,
@@ -123,27 +160,48 @@ def opt_state_shardings(tx: optax.GradientTransformation, params: nnx.State, sha
 
 class Learner:
     """One model under training (see the module docstring). ``module`` gives the architecture
-    (its class and config) and the starting weights; ``lr`` is the schedule's peak."""
+    (its class and config) and the starting weights; ``lr`` is the schedule's peak; ``remat``
+    the decoder layers' remat policy (default ``train.remat``, ``none`` where that is ``auto``).
+
+    ``abstract=True`` allocates nothing: params and optimizer state are ``jax.ShapeDtypeStruct``
+    leaves on their shardings, enough to lower and compile the steps and read their memory
+    (``trainer/memory.py``), for a model too large to hold here or before deciding how to run it.
+    A module made by ``nnx.eval_shape`` gives an abstract learner whatever the flag says."""
 
     def __init__(self, module: nnx.Module, *, train: TrainConfig, lr: float, mesh: Mesh, rules: Rules,
-                 loss: LossFn, forward: ForwardFn) -> None:
+                 loss: LossFn, forward: ForwardFn, remat: str | None = None, abstract: bool = False) -> None:
         self.train, self.mesh, self.rules = train, mesh, rules
         self.step = 0
         """Optimizer steps taken (skipped ones not counted); the schedule's position."""
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.data_sharding = logical_to_sharding(("batch", "length"), mesh, rules)
         self.source_graphdef, state = nnx.split(module)
-        self.graphdef = self._compute_graphdef(type(module), module.config)
+        self.module_type, self.config = type(module), module.config
+        self.compute_dtype = train.resolved_compute_dtype()
         self.shardings = ps = shardings_of(state, mesh, rules)
-        self.params = place(state, ps)
+        self.abstract = abstract or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
+        self.params = abstract_params(state, ps) if self.abstract else place(state, ps)
         self.schedule = dataclasses.replace(train, lr=lr).schedule()
         self.tx = adamw(train, self.schedule)
         self.opt_shardings = os_ = opt_state_shardings(self.tx, self.params, ps, self.replicated)
-        ds, rep = self.data_sharding, self.replicated
-        with activate(mesh, rules):
-            self.opt_state = jax.jit(self.tx.init, out_shardings=os_)(self.params)
+        if self.abstract:
+            self.opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                          jax.eval_shape(self.tx.init, self.params), os_)
+        else:
+            with activate(mesh, rules):
+                self.opt_state = jax.jit(self.tx.init, out_shardings=os_)(self.params)
         self._loss, self._forward = loss, forward
         self._zeros_fn = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ps)
+        self.use_remat(remat or ("none" if train.remat == "auto" else train.remat))
+        self._lent = False
+
+    def use_remat(self, policy: str) -> None:
+        """Run the decoder layers under remat ``policy`` (``none``, ``dots``, ``full``) from now on:
+        the step functions are rebuilt (and compile again on their next call)."""
+        self.remat = remat_policy(policy, "remat")
+        self.graphdef = self._compute_graphdef(self.module_type, self.config)
+        self._cast = compute_cast_mask(self.graphdef, self.params, self.compute_dtype)
+        ps, os_, ds, rep = self.shardings, self.opt_shardings, self.data_sharding, self.replicated
         self.grad_fn = jax.jit(self._grad_step, in_shardings=(ps, ps, ds, rep), out_shardings=(ps, rep),
                                donate_argnums=(1,))
         self.forward_fn = jax.jit(self._forward_step, in_shardings=(ps, ds), out_shardings=ds)
@@ -153,15 +211,33 @@ class Learner:
         # The same step for lent params: they stay alive (and unchanged) for whoever reads them.
         self._apply_keep_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
                                       donate_argnums=(1,))
-        self._lent = False
 
     def _compute_graphdef(self, cls: type[nnx.Module], config: Any) -> nnx.GraphDef:
         """The graph the jitted code merges params into. It differs from the source model's only
         in numerics: float32 storage (the master copy), the configured compute dtype and remat."""
-        cfg = config.replace(param_dtype="float32", dtype=self.train.resolved_compute_dtype(), remat=self.train.remat)
+        cfg = config.replace(param_dtype="float32", dtype=self.compute_dtype, remat=self.remat)
         with activate(self.mesh, self.rules):
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
         return graphdef
+
+    def compute_params(self, params: nnx.State) -> nnx.State:
+        """``params`` as the model computes with them: every weight its layer casts to the compute
+        dtype, cast (on its own shard); the rest as it is. A frozen copy in these dtypes gives
+        the same outputs as the float32 one at half its memory in bfloat16.
+
+        The steps themselves take the float32 masters: XLA's partitioner already puts each
+        layer's cast on the shard, before the FSDP gather (so the gather moves bfloat16,
+        ``tests/trainer/test_scale.py``), and casting the whole model up front would hold a
+        second, bfloat16 copy of every layer's shard through the step (1.5 GiB per device at
+        Qwen2.5-7B on 8 devices)."""
+        def cast(x: jax.Array, s: NamedSharding, yes: bool) -> jax.Array:
+            if not yes or x.dtype == self.compute_dtype:
+                return x
+            return jax.lax.with_sharding_constraint(x.astype(self.compute_dtype), s)
+
+        # ``shardings`` and the mask have one leaf per variable: a prefix of ``params``.
+        return jax.tree.map(lambda s, yes, var: jax.tree.map(lambda x: cast(x, s, yes), var),
+                            self.shardings, self._cast, params)
 
     # --- jitted bodies ------------------------------------------------------------------------
 
@@ -244,6 +320,20 @@ class Learner:
         self._lent = False
 
     def copy_params(self) -> nnx.State:
-        """A frozen copy of the current params on the same shardings (a reference model)."""
+        """A frozen copy of the current params on the same shardings (a reference model), in
+        the compute dtype where the model computes in it (``compute_params``): half the memory
+        of a float32 copy in bfloat16, and the same logprobs."""
+        if self.abstract:
+            return jax.tree.map(
+                lambda s, yes, var: jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                    x.shape, self.compute_dtype if yes else x.dtype, sharding=s), var),
+                self.shardings, self._cast, self.params)
         with activate(self.mesh, self.rules):
-            return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.shardings)(self.params)
+            return jax.jit(lambda p: jax.tree.map(jnp.copy, self.compute_params(p)),
+                           out_shardings=self.shardings)(self.params)
+
+    def place_frozen(self, module: nnx.Module) -> nnx.State:
+        """``module``'s params (the same architecture) placed like this learner's, in the dtypes
+        of ``copy_params``: a given reference model."""
+        dtypes = jax.tree.map(lambda yes: jnp.dtype(self.compute_dtype) if yes else jnp.float32, self._cast)
+        return place(nnx.split(module)[1], self.shardings, dtypes)

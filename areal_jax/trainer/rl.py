@@ -232,7 +232,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
             from areal_jax.trainer.sft import warm_start
 
             t0 = time.perf_counter()
-            sft_stats = await asyncio.to_thread(warm_start, model, cfg.warm_start, tokenizer, data.train_rows)
+            sft_stats = await asyncio.to_thread(warm_start, model, cfg.warm_start, tokenizer, data.train_rows,
+                                                  train=cfg.train, mesh=mesh)
             serve_dir = save_pretrained(model, run_dir / "warm_start", tokenizer_dir=base)
             logger.write(f"warm start: {sft_stats.get('steps', '?')} supervised steps in "
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
@@ -241,6 +242,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         from areal_jax.trainer.learner import describe_optimizer
 
         logger.write(describe_optimizer(cfg.train))
+        if trainer.memory is not None:
+            logger.write(trainer.memory.describe())
         if cfg.train.compile_warmup:
             warm = await asyncio.to_thread(trainer.warmup)
             logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "

@@ -169,7 +169,10 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
                 "reward_failures": episode_client.reward_failures,
                 "skipped_steps": skipped, "skipped_steps_total": trainer.skipped_steps,
                 "prompt_ids": [g.row_id for g in groups],
+                "remat": trainer.policy.remat,
             }
+            if trainer.memory is not None:
+                metrics.update(trainer.memory.metrics())
             if save_s is not None:
                 metrics["checkpoint_seconds"], save_s = save_s, None
             for k in ("loss", "clip_fraction", "dual_clip_fraction", "behavior_imp_weight_mean",

@@ -4,13 +4,21 @@ A small model that never produces the answer format gets no reward signal to lea
 supervised steps on ``(prompt, reference answer)`` pairs teach the format (and some of the task),
 so RL has something to sharpen. Prompt tokens carry no loss. Every batch is padded to one
 length, so the step compiles once.
+
+The steps run through a ``Learner`` (``trainer/learner.py``), the RL trainer's own core: float32
+master weights and AdamW state sharded like the params on the run's mesh, the batch's rows split
+over its data-parallel groups, the gradient clipped to ``train.grad_clip``, decay on matrices
+only, logprobs formed chunk by chunk (no ``[batch, length, vocab]`` logits), the run's compute
+dtype, and a step with a non-finite gradient skipped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -18,9 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from areal_jax.data.datasets import PromptRow, last_boxed
 from areal_jax.models.logprobs import logprobs_from_logits
+from areal_jax.trainer.config import TrainConfig
+from areal_jax.trainer.learner import Learner
+from areal_jax.trainer.loss import token_logprobs
+from sharding import DEFAULT_RULES, MeshConfig, gather_to_host, make_mesh
+from sharding.rules import Rules
 
 
 @dataclass
@@ -56,13 +70,23 @@ class SFTConfig:
 SCHEDULES = ("constant", "cosine")
 
 
+def sft_train_config(cfg: SFTConfig, train: TrainConfig | None = None) -> TrainConfig:
+    """The ``TrainConfig`` the warm start's ``Learner`` runs: the run's optimizer and numerics
+    (``train``: clipping, Adam's betas and eps, compute dtype, remat) with the warm start's own
+    learning rate, schedule and weight decay, one row length (``max_len``)."""
+    base = train or TrainConfig()
+    warmup = max(cfg.warmup_steps, 1)
+    return dataclasses.replace(
+        base, lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_steps=warmup,
+        lr_schedule="warmup_cosine" if cfg.schedule == "cosine" else "constant",
+        total_steps=max(cfg.steps, warmup + 1), min_lr_ratio=0.0, temperature=1.0,
+        micro_batch_tokens=cfg.max_len, length_buckets=(cfg.max_len,), max_seq_len=None,
+        remat="none" if base.remat == "auto" else base.remat)
+
+
 def lr_schedule(cfg: SFTConfig) -> optax.Schedule:
     """The warm start's learning rate at each step (see ``SFTConfig.schedule``)."""
-    warmup = max(cfg.warmup_steps, 1)
-    if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), end_value=0.0)
-    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), optax.constant_schedule(cfg.lr)],
-                                [warmup])
+    return sft_train_config(cfg).schedule()
 
 
 def reference_answer(row: PromptRow) -> str:
@@ -108,63 +132,74 @@ def pad_batch(examples: Sequence[tuple[list[int], list[int]]], length: int) -> d
 
 
 def sft_loss(model: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean negative log-likelihood of the answer tokens."""
+    """Mean negative log-likelihood of the answer tokens, from whole logits (a reference for
+    ``sft_micro_batch_loss``, which the warm start trains on)."""
     logits = model(batch["input_ids"], batch["positions"], batch["segment_ids"])
     logp = logprobs_from_logits(logits, batch["targets"])
     mask = batch["loss_mask"]
     return -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
+def sft_micro_batch_loss(model: Any, batch: dict[str, jax.Array], scalars: dict[str, jax.Array], *,
+                         chunk_size: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``sft_loss`` with the logits formed chunk by chunk, in the ``Learner``'s loss form."""
+    logp, _ = token_logprobs(model, batch, temperature=1.0, chunk_size=chunk_size)
+    mask = batch["loss_mask"]
+    loss = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    return loss * scalars["loss_scale"], {"loss": loss}
+
+
 def warm_start(model: Any, cfg: SFTConfig, tokenizer: Any, rows: Sequence[PromptRow],
-               examples: Sequence[tuple[list[int], list[int]]] | None = None) -> dict[str, Any]:
+               examples: Sequence[tuple[list[int], list[int]]] | None = None, *, train: TrainConfig | None = None,
+               mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES) -> dict[str, Any]:
     """Train ``model`` in place on the rows' reference answers (or on ``examples``, ``(prompt_ids,
-    answer_ids)`` pairs made elsewhere); returns loss and timing stats."""
+    answer_ids)`` pairs made elsewhere) through a ``Learner`` on ``mesh`` (default: the mesh the
+    model's params live on, or its one device) with the optimizer and numerics of ``train``
+    (``sft_train_config``); its weights come back in the model's own dtypes. Returns loss and
+    timing stats. In a multi-process run every process calls this with the same examples."""
     examples = list(examples) if examples is not None else sft_examples(rows, tokenizer, cfg)
-    tx = optax.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params: Any, opt_state: Any, batch: dict[str, jax.Array]) -> tuple[Any, Any, jax.Array]:
-        loss, grads = jax.value_and_grad(lambda p: sft_loss(nnx.merge(graphdef, p, rest), batch))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    t = sft_train_config(cfg, train)
+    mesh = mesh if mesh is not None else _mesh_of(model)
+    learner = Learner(model, train=t, lr=cfg.lr, mesh=mesh, rules=rules,
+                      loss=partial(sft_micro_batch_loss, chunk_size=t.logprob_chunk_size),
+                      forward=lambda m, b: token_logprobs(m, b, temperature=1.0, chunk_size=t.logprob_chunk_size)[0])
+    groups = int(mesh.shape["data"] * mesh.shape["fsdp"])
     rng = np.random.default_rng(cfg.seed)
-    losses = []
+    losses, applied = [], []
     t0 = time.perf_counter()
-    place = _batch_placer(params)
+    one = {"loss_scale": np.float32(1.0)}
     for _ in range(cfg.steps):
         pick = rng.choice(len(examples), size=min(cfg.batch_size, len(examples)), replace=False)
-        batch = place(pad_batch([examples[i] for i in pick], cfg.max_len))
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(loss)
-    nnx.update(model, params)
-    losses = [float(x) for x in jax.device_get(losses)]
-    return {"steps": cfg.steps, "examples": len(examples), "loss_first": losses[0] if losses else float("nan"),
+        batch = place_rows(pad_batch([examples[i] for i in pick], cfg.max_len), learner.data_sharding, groups)
+        acc, aux = learner.grad(learner.zeros(), batch, one)
+        applied.append(learner.apply(acc)["skipped"])
+        losses.append(aux["loss"])
+    losses, applied = ([float(gather_to_host(x)) for x in xs] for xs in (losses, applied))
+    # The trained weights, in the dtypes the model keeps (a bfloat16 checkpoint stays bfloat16).
+    _, state = nnx.split(model)
+    nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype), learner.params, state))
+    return {"steps": cfg.steps, "examples": len(examples), "skipped_steps": int(sum(applied)),
+            "loss_first": losses[0] if losses else float("nan"),
             "loss_last": float(np.mean(losses[-5:])) if losses else float("nan"), "seconds": time.perf_counter() - t0}
 
 
-def _batch_placer(params: Any) -> Any:
-    """How a host batch reaches the step. On a mesh, its rows are split over the mesh's batch axes
-    (``data`` and ``fsdp``) when they divide evenly, else replicated; in a multi-process run each
-    process fills only its own devices, from its copy (every process draws the same batch). On
-    one device, as it is (jit places it)."""
-    from jax.sharding import NamedSharding, PartitionSpec
+def place_rows(batch: dict[str, np.ndarray], sharding: NamedSharding, groups: int) -> dict[str, jax.Array]:
+    """A host batch on the learner's data sharding: rows split over the ``groups`` data-parallel
+    groups, padded with empty rows (no tokens, no loss) to a multiple of them. In a multi-process
+    run each process fills only its own devices, from its copy (every process draws the same
+    batch)."""
+    rows = next(iter(batch.values())).shape[0]
+    pad = -rows % groups
+    if pad:
+        batch = {k: np.concatenate([v, np.zeros((pad, *v.shape[1:]), v.dtype)]) for k, v in batch.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index]) for k, v in batch.items()}
 
-    from sharding import DEFAULT_RULES, logical_to_sharding
 
-    leaf = jax.tree.leaves(params)[0]
-    if not isinstance(leaf.sharding, NamedSharding) or leaf.sharding.mesh.size == 1:
-        return lambda batch: batch
-    mesh = leaf.sharding.mesh
-    split = logical_to_sharding(("batch", None), mesh, DEFAULT_RULES)
-    ways = int(np.prod([mesh.shape[a] for axes in split.spec if axes for a in np.atleast_1d(axes)]))
-
-    def place(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        rows = next(iter(batch.values())).shape[0]
-        sharding = split if rows % ways == 0 else NamedSharding(mesh, PartitionSpec())
-        return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
-                for k, v in batch.items()}
-
-    return place
+def _mesh_of(model: Any) -> Mesh:
+    """The mesh ``model``'s params live on, or a one-device mesh on the device that holds them."""
+    leaf = jax.tree.leaves(nnx.state(model, nnx.Param))[0]
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh
+    device = next(iter(sharding.device_set)) if sharding is not None else jax.devices()[0]
+    return make_mesh(MeshConfig(), devices=[device])

@@ -31,14 +31,18 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.algo import AlgoConfig
+from areal_jax.data.packing import bucket_length, build_packed_batch
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models import Critic, Decoder
 from areal_jax.models.attention import resolve_attention_impl
+from areal_jax.models.config import ModelConfig
+from areal_jax.trainer import batching
 from areal_jax.trainer import stats as step_stats
 from areal_jax.trainer.compile_clock import compile_clock
 from areal_jax.trainer.config import TrainConfig
-from areal_jax.trainer.learner import Learner, place
+from areal_jax.trainer.learner import Learner
 from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
+from areal_jax.trainer.memory import REMAT_ORDER, MemoryPlan, device_bytes, device_capacity, plan_remat
 from areal_jax.trainer.prepare import (
     CRITIC_KEYS,
     LOGPROB_KEYS,
@@ -49,10 +53,19 @@ from areal_jax.trainer.prepare import (
     fetch,
     loss_units,
 )
-from sharding import DEFAULT_RULES, MeshConfig, make_mesh
+from sharding import DEFAULT_RULES, MeshConfig, activate, make_mesh
 from sharding.rules import Rules
 
 __all__ = ["MicroBatch", "PreparedBatch", "Trainer"]
+
+POLICY_SCALARS = {"loss_scale": np.float32(1.0), "proximal_version": np.float32(0.0), "own_proximal": np.float32(0.0)}
+"""The scalars every policy gradient step takes (``minibatch_grads``), for lowering it abstractly."""
+
+
+def abstract_critic(config: ModelConfig, mesh: Mesh, rules: Rules) -> Critic:
+    """A critic for ``config`` with ``jax.ShapeDtypeStruct`` params: an abstract trainer's."""
+    with activate(mesh, rules):
+        return nnx.eval_shape(lambda: Critic(config, rngs=nnx.Rngs(0)))
 
 
 class Trainer:
@@ -83,29 +96,79 @@ class Trainer:
         """Optimizer steps skipped so far because their gradient was not finite."""
         t = self.train
         attention = {"attention_window": t.max_seq_len, "attention_block": t.attention_block}
-        self.policy = Learner(
-            model, train=t, lr=t.lr, mesh=self.mesh, rules=rules,
+        make_policy = partial(
+            Learner, model, train=t, lr=t.lr, mesh=self.mesh, rules=rules,
             loss=partial(micro_batch_loss, algo=algo, temperature=t.temperature, chunk_size=t.logprob_chunk_size,
                          **attention),
             forward=partial(token_logprobs_only, temperature=t.temperature, chunk_size=t.logprob_chunk_size,
                             **attention))
+        # Planned on abstract arrays first: a model that cannot fit fails with the knobs to turn
+        # before any of it is allocated.
+        self.policy = make_policy(abstract=True)
+        self.abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(model)))
+        """Built from an ``nnx.eval_shape`` model: nothing allocated, only ``memory`` and lowering."""
         # Block pairs serve the dense attention path only: the fused kernels skip masked blocks themselves.
         dense = resolve_attention_impl(model.config.attention_impl, t.resolved_compute_dtype()) == "dense"
         self.preparer = BatchPreparer(algo, t, dp_groups=self.dp_groups, data_sharding=self.policy.data_sharding,
                                       pairs_block=t.attention_block if dense else 0)
+        make_critic = None
+        if algo.adv_estimator == "gae":
+            if critic is None:
+                critic = abstract_critic(model.config, self.mesh, rules) if self.abstract else \
+                    Critic.from_policy(model, nnx.Rngs(0))
+            make_critic = partial(
+                Learner, critic, train=t, lr=t.lr if t.critic_lr is None else t.critic_lr, mesh=self.mesh,
+                rules=rules, loss=partial(micro_batch_value_loss, algo=algo, **attention),
+                forward=partial(token_values, **attention))
+        self.memory: MemoryPlan | None = self._plan_memory(make_critic, kl=algo.kl_coef > 0)
+        """The memory plan (None where no device memory is known and nothing was planned)."""
+        if not self.abstract:
+            self.policy = make_policy(remat=self.policy.remat)
         # kl_coef == 0 keeps no reference at all: no memory, no forward pass.
         self.ref_params = None
         if algo.kl_coef > 0:
-            self.ref_params = self.policy.copy_params() if reference is None else \
-                place(nnx.split(reference)[1], self.policy.shardings)
+            self.ref_params = self.policy.copy_params() if reference is None else self.policy.place_frozen(reference)
         # Critic-free estimators keep no critic at all: no memory, no forward or backward pass.
         self.critic_learner: Learner | None = None
-        if algo.adv_estimator == "gae":
-            self.critic_learner = Learner(
-                critic if critic is not None else Critic.from_policy(model, nnx.Rngs(0)), train=t,
-                lr=t.lr if t.critic_lr is None else t.critic_lr, mesh=self.mesh, rules=rules,
-                loss=partial(micro_batch_value_loss, algo=algo, **attention),
-                forward=partial(token_values, **attention))
+        if make_critic is not None:
+            self.critic_learner = make_critic(remat=self.policy.remat, abstract=self.abstract)
+
+    def _plan_memory(self, make_critic: Any, kl: bool) -> MemoryPlan | None:
+        """Choose the policy's remat by the memory plan (``trainer/memory.py``), or keep
+        ``train.remat`` (``none`` for ``auto``) where no device memory is known."""
+        t = self.train
+        capacity, source = device_capacity(t.device_memory_gb, list(self.mesh.devices.flat))
+        if capacity is None:
+            return None
+        resident = device_bytes(self.policy.copy_params()) if kl else 0
+        if make_critic is not None:  # its step runs apart, and needs less than the policy's (no logits)
+            critic = make_critic(abstract=True)
+            resident += device_bytes(critic.params) + device_bytes(critic.opt_state)
+        knobs = (f" (now train.micro_batch_tokens={t.micro_batch_tokens}, mesh data={self.mesh.shape['data']} "
+                 f"fsdp={self.mesh.shape['fsdp']} tensor={self.mesh.shape['tensor']}, train.remat={t.remat})")
+        return plan_remat(self.policy, self.largest_micro_batch(), POLICY_SCALARS, capacity=capacity,
+                          capacity_source=source, resident_bytes=resident, knobs=lambda: knobs,
+                          policies=REMAT_ORDER if t.remat == "auto" else (t.remat,))
+
+    def largest_micro_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """The gradient step's largest input, abstract: one row per data-parallel group of the
+        bucket that holds ``micro_batch_tokens``, with every field a real micro-batch carries
+        (its dtypes read off a packed placeholder row) and the largest attention pair budget."""
+        t = self.train
+        length = bucket_length(t.micro_batch_tokens, t.length_buckets)
+        row = build_packed_batch([batching.shifted_fields(Trajectory(
+            input_ids=np.ones(2, np.int32), loss_mask=np.array([0, 1], np.float32),
+            behavior_logprobs=np.zeros(2, np.float32), versions=np.array([-1, 0], np.int32), reward=0.0,
+            group_id=0, prompt_len=1))], [0], length)
+        extra = ("advantages", "proximal_logprobs") if self.preparer.recomputes_proximal else ("advantages",)
+        dtypes = {k: v.dtype for k, v in row.items()} | dict.fromkeys(extra, np.dtype(np.float32))
+        rows, ds = self.dp_groups, self.policy.data_sharding
+        batch = {k: jax.ShapeDtypeStruct((rows, length), d, sharding=ds) for k, d in dtypes.items()
+                 if k in (*POLICY_KEYS, "proximal_logprobs")}
+        budgets = self.preparer.budget_ladder(length)
+        if budgets:
+            batch["attention_pairs"] = jax.ShapeDtypeStruct((rows, budgets[-1], 2), np.int32, sharding=ds)
+        return batch
 
     # --- state --------------------------------------------------------------------------------
 

@@ -1,0 +1,215 @@
+"""The train step's memory plan: per-device bytes from XLA's own analysis of the compiled steps,
+the device's capacity, and the remat policy that fits.
+
+Before the first step the trainer lowers its gradient step at the largest micro-batch it will
+meet and its optimizer step, on abstract arguments (``jax.ShapeDtypeStruct``: nothing is
+allocated), compiles them and reads ``compiled.memory_analysis()``. A step's peak on one device
+is what stays resident between steps and is not among its arguments (the optimizer state during
+the gradient step; a reference model; a critic), plus its arguments and outputs (less the donated
+buffers its outputs reuse), plus XLA's scratch (``temp``: activations kept for the backward
+pass, gathered weights, logits chunks).
+
+With ``train.remat='auto'`` (the default) the plan tries ``none``, ``dots`` and ``full`` in that
+order (least recompute first) and keeps the first that fits; a policy given by name is checked
+and kept. When nothing fits, the error names the knobs. With no capacity known (a CPU without
+``train.device_memory_gb``) nothing is compiled and ``auto`` means ``none``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from sharding import activate
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+REMAT_ORDER = ("none", "dots", "full")
+"""Remat policies from the least recompute (and most memory) to the most."""
+DEVICE_HEADROOM = 0.9
+"""Share of a device's reported memory limit the plan may fill: the rest is left to what XLA's
+analysis does not see (allocator fragmentation, collective and cuDNN scratch, the placed
+training batch, an in-flight weight push). An explicit ``train.device_memory_gb`` is used whole."""
+
+
+class MemoryPlanError(ValueError):
+    """The train step does not fit the device under any allowed remat policy."""
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Per-device bytes of one remat policy's train step (XLA's figures, see the module docstring)."""
+
+    remat: str
+    state_bytes: int
+    """Resident between steps: params, optimizer state, and any reference model or critic."""
+    grad_peak_bytes: int
+    """Peak while a micro-batch's gradient is computed and accumulated."""
+    grad_temp_bytes: int
+    """XLA's scratch of that gradient step (activations, gathered weights, logits chunks)."""
+    apply_peak_bytes: int
+    """Peak during the optimizer step."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.grad_peak_bytes, self.apply_peak_bytes)
+
+    def describe(self) -> str:
+        return (f"remat={self.remat}: {self.peak_bytes / GiB:.1f} GiB per device at peak "
+                f"({self.state_bytes / GiB:.1f} GiB params and optimizer state, "
+                f"{self.grad_temp_bytes / GiB:.1f} GiB gradient-step scratch)")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What the plan chose, and why."""
+
+    remat: str
+    capacity_bytes: int
+    capacity_source: str
+    """Where the capacity came from (``train.device_memory_gb``, or the device's own limit)."""
+    chosen: StepMemory
+    tried: tuple[StepMemory, ...]
+    """Every policy compiled, in order, the chosen one last."""
+
+    def describe(self) -> str:
+        skipped = "".join(f"; {m.remat} needs {m.peak_bytes / GiB:.1f} GiB" for m in self.tried[:-1])
+        return (f"memory plan: {self.chosen.describe()}, within {self.capacity_bytes / GiB:.1f} GiB "
+                f"({self.capacity_source}){skipped}")
+
+    def metrics(self) -> dict[str, Any]:
+        """Added to every train step's statistics."""
+        return {"remat": self.remat, "memory_peak_gib": self.chosen.peak_bytes / GiB,
+                "memory_capacity_gib": self.capacity_bytes / GiB}
+
+
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of ``tree``'s arrays (or ``ShapeDtypeStruct`` leaves with shardings):
+    each leaf's shard on the device that holds the most of it."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def abstract(tree: Any) -> Any:
+    """``tree`` as ``jax.ShapeDtypeStruct`` leaves with the same shardings."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
+
+
+def device_capacity(memory_gb: float | None, devices: Sequence[jax.Device]) -> tuple[int | None, str]:
+    """Bytes per device the train step may plan for, and where the figure came from: ``memory_gb``
+    (``train.device_memory_gb``) when set, else ``DEVICE_HEADROOM`` of the smallest limit the
+    devices report (``memory_stats()['bytes_limit']``: GPU, TPU) less the most any of them has
+    in use already (the loaded model, an engine's page pool), else None (CPU)."""
+    if memory_gb is not None:
+        return int(memory_gb * GiB), f"train.device_memory_gb={memory_gb:g}"
+    limits, used = [], []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if not stats or not stats.get("bytes_limit"):
+            return None, "no device memory limit known"
+        limits.append(int(stats["bytes_limit"]))
+        used.append(int(stats.get("bytes_in_use", 0)))
+    if not limits:
+        return None, "no device memory limit known"
+    source = f"{DEVICE_HEADROOM:.0%} of the {min(limits) / GiB:.1f} GiB the device reports"
+    if max(used):
+        source += f", less {max(used) / GiB:.1f} GiB already in use"
+    return int(min(limits) * DEVICE_HEADROOM) - max(used), source
+
+
+def step_memory(learner: Any, batch: dict[str, jax.ShapeDtypeStruct], scalars: dict[str, Any],
+                resident_bytes: int = 0, apply_live: int | None = None) -> StepMemory:
+    """Compile ``learner``'s gradient step on ``batch`` (and, unless ``apply_live`` gives its own
+    peak from an earlier call, its optimizer step, which remat does not change) and read their
+    memory. ``resident_bytes``: what else stays on the device (reference model, critic)."""
+    params, opt_state = abstract(learner.params), abstract(learner.opt_state)
+    rep = learner.replicated
+    scalars = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=rep) for k, v in scalars.items()}
+    opt_bytes = device_bytes(opt_state)
+    with activate(learner.mesh, learner.rules):
+        grad = learner.grad_fn.lower(params, params, batch, scalars).compile().memory_analysis()
+        if apply_live is None:
+            step = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
+            apply_live = _live(learner.apply_fn.lower(params, opt_state, params, step).compile().memory_analysis())
+    return StepMemory(
+        remat=learner.remat,
+        state_bytes=device_bytes(params) + opt_bytes + resident_bytes,
+        grad_peak_bytes=_live(grad) + opt_bytes + resident_bytes,
+        grad_temp_bytes=int(grad.temp_size_in_bytes),
+        apply_peak_bytes=apply_live + resident_bytes,
+    )
+
+
+def _live(analysis: Any) -> int:
+    """A compiled step's own peak: arguments, outputs not written over donated arguments, scratch."""
+    return int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+               - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes)
+
+
+def plan_remat(learner: Any, batch: dict[str, jax.ShapeDtypeStruct], scalars: dict[str, Any], *,
+               capacity: int, capacity_source: str, policies: Sequence[str] = REMAT_ORDER,
+               resident_bytes: int = 0, knobs: Callable[[], str] = lambda: "") -> MemoryPlan:
+    """The first of ``policies`` whose step fits ``capacity`` bytes per device; ``learner`` is left
+    on it (``use_remat``). Raises ``MemoryPlanError`` naming the knobs (``knobs()`` describes the
+    run's current settings) when none fits."""
+    tried: list[StepMemory] = []
+    apply_live = None
+    for policy in policies:
+        learner.use_remat(policy)
+        m = step_memory(learner, batch, scalars, resident_bytes, apply_live)
+        apply_live = m.apply_peak_bytes - resident_bytes
+        tried.append(m)
+        if m.peak_bytes <= capacity:
+            plan = MemoryPlan(policy, capacity, capacity_source, m, tuple(tried))
+            log.info("%s", plan.describe())
+            return plan
+    least = min(tried, key=lambda m: m.peak_bytes)
+    state = least.state_bytes
+    hint = (f"params and optimizer state alone take {state / GiB:.1f} GiB per device: shard them over more "
+            f"devices (raise mesh.fsdp)" if state > capacity else
+            "lower train.micro_batch_tokens (activations grow with it), raise mesh.fsdp (params and optimizer "
+            "state per device shrink with it)" + ("" if "full" in policies else ", allow more remat (train.remat: "
+                                                  "full or auto)"))
+    raise MemoryPlanError(
+        f"the train step does not fit the device: {'; '.join(m.describe() for m in tried)}; "
+        f"{capacity / GiB:.1f} GiB available ({capacity_source}). {hint}; or set train.device_memory_gb if the "
+        f"device has more memory than that{knobs()}")
+
+
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+
+
+def collective_bytes(hlo_text: str, op: str = "all-gather") -> dict[str, int]:
+    """Bytes the ``op`` instructions of an HLO module's text produce, summed by element type
+    (``{"bf16": ..., "f32": ...}``): each instruction once, as written (one inside a loop body
+    counts once however often the loop runs). Reads the synchronous form and the ``-start``
+    half of the asynchronous one, whose result tuple holds the operands too (counted as well,
+    as the shard they are)."""
+    out: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        m = re.search(rf"=\s*(.*?)\s+{re.escape(op)}(?:-start)?\(", line)
+        if not m:
+            continue
+        for dtype, dims in _SHAPE.findall(m.group(1)):
+            if dtype in _DTYPE_BYTES:
+                size = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+                out[dtype] = out.get(dtype, 0) + size * _DTYPE_BYTES[dtype]
+    return out
