@@ -9,11 +9,18 @@ values, rebuilt from builtin types only. So ``assert add(1, 2) == 3`` sends ``ad
 keeps ``== 3`` out; ``assert abs(area(2) - 12.566) < 1e-3`` keeps ``abs(. - 12.566) < 1e-3`` out.
 
 A test passes only if each of its split assertions ran at least once and held every time (so a
-solution that skips them, by leaving early or by forging the harness's report, fails).
+solution that skips them, by leaving early or by forging the harness's report, fails). An
+``assert A and B`` is split as ``assert A`` then ``assert B`` (the same verdict); a condition that
+is one call into the solution (``assert is_prime(7)``) is judged by its reported value's truth.
 
-A condition that is one hole (``assert check(candidate)``), or that short-circuits (``and``,
-``or``, ``if``-expressions, comprehensions: the holes would all run, where Python's own assert
-might not), stays as it is and runs inside, guarded by the harness's nonce only.
+Everything else that would decide a test inside the solution's process is an *inside check*
+(``split_asserts`` lists them): an assert that cannot be split (``or``, comprehensions, a bare
+name, a call of a function the test defines, ``math.factorial(...)``), a ``raise``, or a test
+with no split assertion at all. The solution owns that process (it can read the harness's memory
+for the nonce, or return an object equal to everything), so the sandbox refuses such tests
+(they fail closed) unless the config trusts inside checks. A function the test itself defines
+(``def ref(x): ...``) is no solution call either: its value, computed in the solution's process,
+is the solution's to choose, so ``assert f(x) == ref(x)`` would hide no answer outside.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ import ast
 import builtins
 import math
 import operator
+import re
 import sys
 from typing import Any
 
 _CALLS: dict[str, Any] = {
     "abs": abs, "len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "list": list, "tuple": tuple,
     "round": round, "min": min, "max": max, "sum": sum, "float": float, "int": int, "str": str, "bool": bool,
-    "any": any, "all": all, "dict": dict}
+    "any": any, "all": all, "dict": dict, "isinstance": isinstance, "type": lambda value, /: type(value)}
 """Builtins the skeleton may call: pure, and bounded on bounded input."""
 _MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil,
          "inf": math.inf, "nan": math.nan, "pi": math.pi, "e": math.e}
@@ -90,7 +98,7 @@ def _is_math_constant(node: ast.expr) -> bool:
 
 def _solution_call(hole: ast.expr, imported: set[str]) -> bool:
     """Whether ``hole`` is a call into the solution (or a part of its result): its root is a
-    call of a name that is neither a Python builtin nor imported by the test. Anything else
+    call of a name that is neither a Python builtin nor imported or defined by the test. Anything else
     (``type(x)``, ``Fraction(1, 2)``, ``math.factorial(9)``, a bare name) may not be a plain
     value, and stays inside."""
     node, called = hole, False
@@ -101,37 +109,69 @@ def _solution_call(hole: ast.expr, imported: set[str]) -> bool:
             and node.id not in sys.stdlib_module_names)
 
 
-def split_asserts(source: str) -> tuple[str, dict[int, ast.AST]]:
+def split_asserts(source: str) -> tuple[str, dict[int, ast.AST], list[str]]:
     """``source`` with each assert that can be judged outside turned into a report of its holes,
-    and the skeletons by report number (see the module docstring)."""
+    the skeletons by report number, and the inside checks left in it (see the module docstring),
+    each as ``line N: <code>``."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return source, {}  # the harness's compile reports it
+    except (SyntaxError, ValueError) as e:
+        return source, {}, [f"it does not parse ({type(e).__name__})"]  # the harness's compile reports it
     table: dict[int, ast.AST] = {}
+    inside: list[str] = []
     imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
                 for a in n.names}
+    # the test's own functions and classes (and lambdas bound to a name) run in the solution's
+    # process like the solution's: their values are no answers
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    defined |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Lambda)
+                for t in n.targets if isinstance(t, ast.Name)}
+    not_solution = imported | defined
+
+    def split(cond: ast.expr) -> tuple[ast.AST, list[ast.expr]] | None:
+        if any(isinstance(n, _SHORT_CIRCUIT) for n in ast.walk(cond)):
+            return None
+        holes: list[ast.expr] = []
+        skeleton = _skeleton(cond, holes)
+        if not holes or not all(_solution_call(h, not_solution) for h in holes):
+            return None  # nothing hidden, or a part that may not be a plain value (or is no answer)
+        return skeleton, holes
+
+    def where(node: ast.stmt) -> str:
+        return f"line {node.lineno}: {ast.unparse(node).splitlines()[0][:100]}"
 
     class Rewrite(ast.NodeTransformer):
         def visit_Assert(self, node: ast.Assert) -> ast.AST:
-            if any(isinstance(n, _SHORT_CIRCUIT) for n in ast.walk(node.test)):
+            test = node.test
+            conds = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
+            parts = [split(c) for c in conds]
+            if any(p is None for p in parts):
+                if not (isinstance(test, ast.Constant) and test.value):  # ``assert True`` decides nothing
+                    inside.append(where(node))
                 return node
-            holes: list[ast.expr] = []
-            skeleton = _skeleton(node.test, holes)
-            if not holes or isinstance(skeleton, _Hole) or not all(_solution_call(h, imported) for h in holes):
-                return node  # nothing hidden, nothing left outside, or a part that may not be a plain value
-            k = len(table)
-            table[k] = skeleton
-            report = ast.Call(ast.Name("__areal_check__", ast.Load()),
-                              [ast.Constant(k), ast.Tuple(holes, ast.Load())], [])
-            return ast.copy_location(ast.Expr(report), node)
+            reports = []
+            for skeleton, holes in parts:
+                k = len(table)
+                table[k] = skeleton
+                report = [ast.Constant(k), ast.Tuple(holes, ast.Load())]
+                call = ast.Call(ast.Name("__areal_check__", ast.Load()), report, [])
+                reports.append(ast.copy_location(ast.Expr(call), node))
+            return reports
+
+        def visit_Raise(self, node: ast.Raise) -> ast.AST:
+            inside.append(where(node))
+            return node
 
     tree = ast.fix_missing_locations(Rewrite().visit(tree))
-    return ast.unparse(tree), table
+    if not table and not inside:
+        inside.append("no assertion in it can be judged outside the sandbox")
+    return ast.unparse(tree), table, inside
 
 
 _MAX_SIZE = 1 << 22
 """Largest sequence or integer (in bits) the skeleton may build from reported values."""
+_WIDE_FORMAT = re.compile(r"\*|[0-9]{7,}")
+"""In a %-format, what may be a huge width or precision (``'%999999999d' % 1``: 1 GB)."""
 
 
 def judge(skeleton: ast.AST, encoded: Any) -> bool:
@@ -187,6 +227,8 @@ def _check_size(op: ast.operator, a: Any, b: Any) -> None:
         bits = a.bit_length() * b if isinstance(op, ast.Pow) else a.bit_length() + b.bit_length()
         if bits > _MAX_SIZE and abs(a) > 1:
             raise ValueError("an integer past the size limit")
+    if isinstance(op, ast.Mod) and isinstance(a, str | bytes) and _WIDE_FORMAT.search(str(a)):
+        raise ValueError("a %-format with a width or precision past the size limit")
     if isinstance(op, ast.Mult):
         for seq, count in ((a, b), (b, a)):
             if isinstance(seq, str | bytes | list | tuple) and isinstance(count, int) and len(seq) * count > _MAX_SIZE:

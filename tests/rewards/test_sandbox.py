@@ -206,19 +206,62 @@ CHEATS = {
 
 
 INSIDE = "def check(f):\n    return f(1, 2) == 3 and f(2, 2) == 4\nassert check(add)\n"
-"""A test judged inside the solution's process (it cannot be split): only the nonce guards it."""
+"""A test judged inside the solution's process (it cannot be split): refused unless trusted."""
 
 
 @needs_sandbox
 def test_wrong_solutions_that_cheat_score_zero() -> None:
     right = WRONG.replace("a - b", "a + b")
-    assert run_tests(right, TESTS) == (1, 1, {}) and run_tests(right, INSIDE) == (1, 1, {})
+    assert run_tests(right, TESTS) == (1, 1, {}) and run_tests(right, INSIDE, trust_inside_checks=True) == (1, 1, {})
     assert asserts.split_asserts(INSIDE)[1] == {} and len(asserts.split_asserts(TESTS)[1]) == 3
     for name, code in CHEATS.items():
         passed, total, detail = run_tests(code, TESTS, timeout_s=5)
         assert (passed, total) == (0, 1) and detail.get("error"), (name, detail)
         if name != "always-equal object":  # inside the process an object equal to everything wins: see BUILD.md
-            assert run_tests(code, INSIDE, timeout_s=5)[0] == 0, name
+            assert run_tests(code, INSIDE, timeout_s=5, trust_inside_checks=True)[0] == 0, name
+
+
+FORGERS = {
+    # the harness's payload (its nonce and report fd) found with gc, and a pass sent for test 0
+    "nonce read from memory": (
+        "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
+        "            os.write(o['result_fd'], json.dumps({'pass': 0, 'nonce': o['nonce']}).encode() + b'\\n')\n"
+        "            os._exit(0)\n", INSIDE),
+    "object equal to everything, in an `or`": (
+        "class E:\n    def __eq__(s, o):\n        return True\ndef add(a, b):\n    return E()\n",
+        "assert add(1, 2) == 3 or add(2, 2) == 4"),
+    # the test's own reference, replaced from the solution's frame before the test calls it
+    "reference function replaced": (
+        "import sys\ndef add(a, b):\n    sys._getframe(1).f_globals['ref'] = lambda a, b: 0\n    return 0\n",
+        "def ref(a, b):\n    return a + b\nassert add(1, 2) == ref(1, 2)"),
+    "assert False after an expected exception": (
+        "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
+        "            os.write(o['result_fd'], json.dumps({'pass': 0, 'nonce': o['nonce']}).encode() + b'\\n')\n"
+        "            os._exit(0)\n", "try:\n    add('x', 1)\n    assert False\nexcept TypeError:\n    pass"),
+}
+
+
+@needs_sandbox
+def test_a_solution_that_owns_its_process_cannot_pass_a_check_made_there() -> None:
+    """Tests that would be judged inside the solution's process fail closed, unrun: each of these
+    wrong solutions passes its test when such checks are trusted (which is why they are not)."""
+    for name, (code, test) in FORGERS.items():
+        assert run_tests(code, test, timeout_s=5, trust_inside_checks=True)[0] == 1, name
+        passed, total, detail = run_tests(code, test, timeout_s=5)
+        assert (passed, total) == (0, 1) and detail["error"].startswith("refused: line"), (name, detail)
+    # a refused test's code never enters the sandbox: here it holds the answer of the split test 0
+    leak = ("import gc, re\ndef secret():\n    for o in gc.get_objects():\n"
+            "        if isinstance(o, dict) and 'tests' in o and 'nonce' in o:\n"
+            "            found = re.findall('W[0-9]+', ' '.join(o['tests']))\n            if found:\n"
+            "                return found[0]\n")
+    tests = ["assert secret() == 'W4711'", "assert secret() == 'W4711' or False"]
+    assert run_tests(leak, tests, trust_inside_checks=True)[0] == 2  # trusted, the answer leaks to test 0
+    assert run_tests(leak, tests)[0] == 0
+    passed, total, detail = run_tests("def secret():\n    return 'W4711'\n", tests)
+    assert (passed, total) == (1, 2) and detail["error"].startswith("test 1: refused: line 1"), detail
+    assert asserts.split_asserts("x = f(1)\nassert True")[2] == ["no assertion in it can be judged outside the sandbox"]
 
 
 @needs_sandbox
@@ -240,29 +283,37 @@ def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
              "sorted(f('s'), reverse=True) == [2, 1]", "len(f('c')) == 2", "f('n') is None", "f('tf') is True",
              "2 in f('s')", "not f('n')", "f('i') // 10 ** 29 == 10", "round(f('x').real) == 1 == f('t')[0]",
              "sorted(f('d'), key=len) == ['a']", "f('x') ** 2 == -3 + 4j", "{**f('d')} == {'a': (1,)}",
-             "type(f('t')) == tuple", "f('t') and f('s')", "f('big') == math.factorial(3000)"]
+             "type(f('t')) == tuple", "f('t') and f('s')", "f('big') == math.factorial(3000)",
+             "isinstance(f('i'), int) and not isinstance(f('l'), (tuple, set))", "f('tf')", "f('n')",
+             "f('tf') and f('nan') == 0"]
     tests = [f"assert {case}" for case in cases]
-    outside = sum(len(asserts.split_asserts(t)[1]) for t in tests)
-    assert outside == len(cases) - 4  # all but `**`, `type(...)`, `and`, `math.factorial`: those run inside
+    inside = [t for t in tests if asserts.split_asserts(t)[2]]
+    assert inside == ["assert {**f('d')} == {'a': (1,)}", "assert f('big') == math.factorial(3000)"]  # run inside
     ns: dict = {}
     exec(code, ns)
     plain = [bool(eval(case, ns)) for case in cases]
-    got = run_tests(code, tests)
+    got = run_tests(code, tests, trust_inside_checks=True)
     assert got[:2] == (sum(plain), len(cases)), (got, [c for c, p in zip(cases, plain, strict=True) if not p])
     failing = [t for t, p in zip(tests, plain, strict=True) if not p]
-    assert len(failing) == 5 and run_tests(code, failing)[0] == 0  # and it is those that fail
+    assert len(failing) == 7 and run_tests(code, failing)[0] == 0  # and it is those that fail
+    assert run_tests(code, tests)[0] == sum(plain) - 2  # by default the two judged inside fail closed
 
 
 def test_values_from_the_solution_cannot_make_the_judge_work_without_bound() -> None:
     """The judge rebuilds reported values from builtin types only and refuses what would blow up."""
-    src = "assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]\nassert f(4) == 2 ** 20000"
-    _, table = asserts.split_asserts(src)
+    src = ("assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]\nassert f(4) == 2 ** 20000\n"
+           "assert f(5) % 7 == ''")
+    _, table, _ = asserts.split_asserts(src)
     assert asserts.judge(table[0], {"t": [2]}) and not asserts.judge(table[1], {"t": ["x"]})
     assert asserts.judge(table[3], {"t": [{"i": format(2 ** 20000, "x")}]})  # past JSON's 4300 digits
     with pytest.raises(ValueError, match="size limit"):
         asserts.judge(table[0], {"t": [10 ** 7]})
     with pytest.raises(ValueError, match="size limit"):
         asserts.judge(table[1], {"t": ["x" * 1000]})
+    assert not asserts.judge(table[4], {"t": ["%5d"]})
+    for bomb in ("%999999999d", "%.999999999f", "%*d", b"%(a)1000000000s"):  # a 1 GB string, built here
+        with pytest.raises(ValueError, match="size limit"):
+            asserts.judge(table[4], {"t": [bomb if isinstance(bomb, str) else {"b": bomb.hex()}]})
     for bad in ({"t": [{"q": 1}]}, {"t": [{"f": 1}]}, [1], {"t": [{"x": "TypeError: a Foo"}]},
                 {"t": [{"d": [[[1], 2]]}]}):  # unknown tag, bad float, not a tuple, unencodable, unhashable key
         with pytest.raises((ValueError, TypeError)):
@@ -296,7 +347,7 @@ def test_a_hung_solution_or_a_first_failure_ends_the_row_early(monkeypatch: pyte
         return real(iso, payload, lambda m: seen.append(m) or on_message(m), **kw)
 
     monkeypatch.setattr(sandbox, "_run_sandbox", recording)
-    passed, total, detail = run_tests("while True:\n    pass\n", ["assert True"] * 5, timeout_s=1)
+    passed, total, detail = run_tests("while True:\n    pass\n", ["assert f() == 1"] * 5, timeout_s=1)
     assert (passed, total) == (0, 5) and "the solution's own code: timed out" in detail["error"] and len(runs) == 1
     runs.clear()
     tests = [{"input": "1", "output": "wrong"}] + [{"input": "slow", "output": ""}] * 4
@@ -347,7 +398,7 @@ def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside)
     flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
     passed, _, detail = run_tests(flood, [{"input": "", "output": "x"}], timeout_s=10)
     assert passed == 0 and "MiB of output" in detail["error"]
-    assert run_tests(flood, "assert True", timeout_s=1)[0] == 0  # a flood to the harness's own stdout
+    assert run_tests(flood, "assert f() == 1", timeout_s=1)[0] == 0  # a flood to the harness's own stdout
     assert _rss_mib() - rss0 < 64  # the output was never held whole here
     assert set(Path(tempfile.gettempdir()).glob("areal-sandbox-*")) == before_tmp
 
