@@ -96,17 +96,20 @@ def _is_math_constant(node: ast.expr) -> bool:
             and node.attr in _MATH and not callable(_MATH[node.attr]))
 
 
-def _solution_call(hole: ast.expr, imported: set[str]) -> bool:
+def _solution_call(hole: ast.expr, not_solution: set[str], results: frozenset[str] = frozenset()) -> bool:
     """Whether ``hole`` is a call into the solution (or a part of its result): its root is a
-    call of a name that is neither a Python builtin nor imported or defined by the test. Anything else
-    (``type(x)``, ``Fraction(1, 2)``, ``math.factorial(9)``, a bare name) may not be a plain
-    value, and stays inside."""
+    call of a name that is neither a Python builtin nor imported or defined by the test, or a
+    name in ``results`` (bound only to such calls' results: ``x = f(1)``). Anything else
+    (``type(x)``, ``Fraction(1, 2)``, ``math.factorial(9)``, a loop variable) may not be a plain
+    value, or may stand for an answer, and stays inside."""
     node, called = hole, False
     while isinstance(node, ast.Call | ast.Attribute | ast.Subscript):
         called = called or isinstance(node, ast.Call)
         node = node.func if isinstance(node, ast.Call) else node.value
-    return (called and isinstance(node, ast.Name) and node.id not in imported and not hasattr(builtins, node.id)
-            and node.id not in sys.stdlib_module_names)
+    if not isinstance(node, ast.Name):
+        return False
+    return node.id in results or (called and node.id not in not_solution and not hasattr(builtins, node.id)
+                                  and node.id not in sys.stdlib_module_names)
 
 
 def split_asserts(source: str) -> tuple[str, dict[int, ast.AST], list[str]]:
@@ -119,22 +122,18 @@ def split_asserts(source: str) -> tuple[str, dict[int, ast.AST], list[str]]:
         return source, {}, [f"it does not parse ({type(e).__name__})"]  # the harness's compile reports it
     table: dict[int, ast.AST] = {}
     inside: list[str] = []
-    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
-                for a in n.names}
-    # the test's own functions and classes (and lambdas bound to a name) run in the solution's
-    # process like the solution's: their values are no answers
-    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
-    defined |= {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Lambda)
-                for t in n.targets if isinstance(t, ast.Name)}
-    not_solution = imported | defined
+    not_solution, results = _not_solution(tree)
 
     def split(cond: ast.expr) -> tuple[ast.AST, list[ast.expr]] | None:
         if any(isinstance(n, _SHORT_CIRCUIT) for n in ast.walk(cond)):
             return None
         holes: list[ast.expr] = []
         skeleton = _skeleton(cond, holes)
-        if not holes or not all(_solution_call(h, not_solution) for h in holes):
+        if not holes or not all(_solution_call(h, not_solution, results) for h in holes):
             return None  # nothing hidden, or a part that may not be a plain value (or is no answer)
+        truth = skeleton.operand if isinstance(skeleton, ast.UnaryOp) and isinstance(skeleton.op, ast.Not) else skeleton
+        if isinstance(truth, _Hole):  # only its truth counts (``assert m.search(s)``): report that, a plain value
+            holes[truth.index] = ast.Call(ast.Name("bool", ast.Load()), [holes[truth.index]], [])
         return skeleton, holes
 
     def where(node: ast.stmt) -> str:
@@ -166,6 +165,50 @@ def split_asserts(source: str) -> tuple[str, dict[int, ast.AST], list[str]]:
     if not table and not inside:
         inside.append("no assertion in it can be judged outside the sandbox")
     return ast.unparse(tree), table, inside
+
+
+def _not_solution(tree: ast.AST) -> tuple[set[str], frozenset[str]]:
+    """Names whose calls are no calls into the solution: what the test imports, defines (functions,
+    classes), or binds to anything but the result of a call into the solution (``ref =
+    functools.partial(...)``, ``r = Reference()``, loop variables). Their values are computed in the
+    solution's process like the solution's, but they would stand for answers there (``assert
+    f(x) == ref(x)``), so an assertion that calls them is not split. Second: the names bound only
+    to results of calls into the solution (``s = Solution()``, ``x = f(1)``), the solution's."""
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+                for a in n.names}
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)}
+    other: set[str] = set()
+    results: set[str] = set()
+    for n in ast.walk(tree):
+        value = None
+        if isinstance(n, ast.Assign | ast.AnnAssign | ast.NamedExpr):
+            targets, value = getattr(n, "targets", None) or [n.target], n.value
+        elif isinstance(n, ast.AugAssign | ast.For | ast.AsyncFor | ast.comprehension):
+            targets = [n.target]
+        elif isinstance(n, ast.withitem) and n.optional_vars is not None:
+            targets = [n.optional_vars]
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            other.add(n.name)
+            continue
+        else:
+            continue
+        names = {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+        if value is None or not _solution_call(value, imported | defined):
+            other |= names
+        else:  # ``x = f(1)``, ``a, b = f(1)``: not ``d[k] = f(1)`` (``d`` may hold more)
+            results |= {t.id for target in targets for t in _plain_targets(target)}
+    not_solution = imported | defined | other
+    return not_solution, frozenset(results - not_solution)
+
+
+def _plain_targets(target: ast.expr) -> list[ast.Name]:
+    if isinstance(target, ast.Name):
+        return [target]
+    if isinstance(target, ast.Starred):
+        return _plain_targets(target.value)
+    if isinstance(target, ast.Tuple | ast.List):
+        return [n for e in target.elts for n in _plain_targets(e)]
+    return []
 
 
 _MAX_SIZE = 1 << 22

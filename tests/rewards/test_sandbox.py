@@ -235,6 +235,17 @@ FORGERS = {
     "reference function replaced": (
         "import sys\ndef add(a, b):\n    sys._getframe(1).f_globals['ref'] = lambda a, b: 0\n    return 0\n",
         "def ref(a, b):\n    return a + b\nassert add(1, 2) == ref(1, 2)"),
+    "reference bound with functools.partial": (
+        "import gc\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'ref' in o and '__areal_check__' in o:\n"
+        "            o['ref'] = lambda a, b: 0\n    return 0\n",
+        "import functools\ndef _add(a, b):\n    return a + b\nref = functools.partial(_add)\n"
+        "assert add(1, 2) == ref(1, 2)"),
+    "reference as a method of the test's class": (
+        "import gc\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, type) and o.__name__ == 'Ref':\n"
+        "            o.add = lambda s, a, b: 0\n    return 0\n",
+        "class Ref:\n    def add(self, a, b):\n        return a + b\nr = Ref()\nassert add(1, 2) == r.add(1, 2)"),
     "assert False after an expected exception": (
         "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
         "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
@@ -262,6 +273,21 @@ def test_a_solution_that_owns_its_process_cannot_pass_a_check_made_there() -> No
     passed, total, detail = run_tests("def secret():\n    return 'W4711'\n", tests)
     assert (passed, total) == (1, 2) and detail["error"].startswith("test 1: refused: line 1"), detail
     assert asserts.split_asserts("x = f(1)\nassert True")[2] == ["no assertion in it can be judged outside the sandbox"]
+
+
+@needs_sandbox
+def test_common_test_styles_are_judged_outside_and_pass_right_answers() -> None:
+    """Truth of a call (a match object), a method of the solution's class, names bound to its
+    results, HumanEval's ``check(candidate)``: all split, none refused, and right answers pass."""
+    code = ("import re\ndef m(s):\n    return re.search('a', s)\nclass Solution:\n    def two(self, x):\n"
+            "        return 2 * x\ndef pair(x):\n    return x, -x\n")
+    tests = ["assert m('ab')", "assert not m('b') and m('a')", "s = Solution()\nassert s.two(2) == 4",
+             "x = m('xa')\nassert x.start() == 1", "a, b = pair(3)\nassert (a, b) == (3, -3)",
+             "def check(candidate):\n    assert candidate(5) == 10\ncheck(Solution().two)"]
+    assert all(asserts.split_asserts(t)[1] and not asserts.split_asserts(t)[2] for t in tests)
+    assert run_tests(code, tests) == (len(tests), len(tests), {})
+    wrong = code.replace("2 * x", "x").replace("re.search('a', s)", "None").replace("x, -x", "x, x")
+    assert run_tests(wrong, tests)[0] == 0
 
 
 @needs_sandbox
