@@ -210,7 +210,7 @@ class _Judge:
             i = self._index(msg["pass"])
             if i is None or i in self.verdicts:
                 return
-            if not secrets.compare_digest(str(msg.get("nonce", "")), self.nonce):
+            if not secrets.compare_digest(str(msg.get("nonce", "")).encode(), self.nonce.encode()):
                 self.fail(i, "the pass did not carry the run's nonce")
             elif i in self.wrong:
                 self.fail(i, self.wrong[i])
@@ -316,7 +316,12 @@ def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, An
                             return
                         if "start" in msg:
                             test_deadline = time.monotonic() + per_test_s
-                        if on_message(msg):
+                        try:
+                            stop = on_message(msg)
+                        except Exception as e:  # noqa: BLE001 - fields the solution wrote (bad base64, a non-ASCII nonce)
+                            result["why"] = f"the sandbox sent a message that cannot be judged ({type(e).__name__})"
+                            return
+                        if stop:
                             return
                     if len(line) > _MAX_LINE:
                         result["why"] = "the sandbox's harness sent an oversized message"

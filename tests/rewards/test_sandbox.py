@@ -196,6 +196,11 @@ CHEATS = {
         "import os, json\ndef add(a, b):\n    for fd in range(1, 64):\n        try:\n"
         "            os.write(fd, b'{\"pass\": 0, \"nonce\": \"\"}\\n' + b'{\"val\": [0, 0, 3]}\\n')\n"
         "        except OSError:\n            pass\n    os._exit(0)\n"),
+    "a non-ASCII nonce (it made the scorer raise)": (
+        "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
+        "            os.write(o['result_fd'], json.dumps({'pass': 0, 'nonce': 'é'}).encode() + b'\\n')\n"
+        "            os._exit(0)\n"),
     "patched print and stdout": (
         "import sys, builtins\nbuiltins.print = lambda *a, **k: None\nsys.stdout = None\n" + WRONG),
     "always-equal object": (
