@@ -421,6 +421,11 @@ def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside)
                  "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
                  "        break\nprint(n)")
         assert run_program(forks, max_processes=8)["stdout"] == "5\n"
+    fill = ("import os\nn = 0\nfor d in ('/', '/usr', '/dev', '/dev/shm', '/tmp'):\n    for i in range(8):\n"
+            "        try:\n            open(f'{d}/f{i}', 'wb').write(b'x' * (15 << 20))\n            n += 15\n"
+            "        except OSError:\n            break\nopen('/dev/null', 'w').write('x')\nprint(n)")
+    cap = (isolation.TMPFS_BYTES + isolation.SHM_BYTES) >> 20  # files are memory: only the capped tmpfs take them
+    assert 45 <= int(run_program(fill)["stdout"]) <= cap  # 540 MiB before: bwrap's root and /dev had no cap
     alloc = run_program("x = bytearray(2 << 30)\nprint('allocated')", memory_mb=512)
     assert alloc["returncode"] != 0 and "allocated" not in alloc["stdout"] and "MemoryError" in alloc["stderr"]
     t0 = time.monotonic()
