@@ -33,9 +33,30 @@ import re
 import sys
 from typing import Any
 
+
+def _round(number: Any, ndigits: Any = None) -> Any:
+    if isinstance(ndigits, int) and abs(ndigits) > 1000:  # ``round(5, -10**9)`` computes 10**10**9
+        raise ValueError("round() with ndigits past the size limit")
+    return round(number, ndigits)
+
+
+def _sum(values: Any, start: Any = 0) -> Any:
+    if not isinstance(start, list | tuple):
+        return sum(values, start)
+    # ``sum(lists, [])`` copies its total at each step: a million one-item lists took hours
+    out = list(start)
+    for v in values:
+        if not isinstance(v, type(start)):
+            raise TypeError(f"can only concatenate {type(start).__name__} (not {type(v).__name__})")
+        out += v
+        if len(out) > _MAX_SIZE:
+            raise ValueError("a sum past the size limit")
+    return type(start)(out)
+
+
 _CALLS: dict[str, Any] = {
     "abs": abs, "len": len, "sorted": sorted, "set": set, "frozenset": frozenset, "list": list, "tuple": tuple,
-    "round": round, "min": min, "max": max, "sum": sum, "float": float, "int": int, "str": str, "bool": bool,
+    "round": _round, "min": min, "max": max, "sum": _sum, "float": float, "int": int, "str": str, "bool": bool,
     "any": any, "all": all, "dict": dict, "isinstance": isinstance, "type": lambda value, /: type(value)}
 """Builtins the skeleton may call: pure, and bounded on bounded input."""
 _MATH = {"isclose": math.isclose, "fabs": math.fabs, "sqrt": math.sqrt, "floor": math.floor, "ceil": math.ceil,
@@ -265,7 +286,11 @@ def _evaluate(node: ast.AST, holes: tuple) -> Any:
 
 
 def _check_size(op: ast.operator, a: Any, b: Any) -> None:
-    """Refuse an operation whose result would be huge (the values came from the solution)."""
+    """Refuse an operation whose result would be huge, or take quadratic time on huge integers
+    (the values came from the solution)."""
+    if (isinstance(op, ast.Div | ast.FloorDiv | ast.Mod) and isinstance(a, int) and isinstance(b, int)
+            and min(a.bit_length(), b.bit_length()) > 1 << 16):
+        raise ValueError("a division of integers past the size limit")
     if isinstance(op, ast.Pow | ast.Mult) and isinstance(a, int) and isinstance(b, int):
         bits = a.bit_length() * b if isinstance(op, ast.Pow) else a.bit_length() + b.bit_length()
         if bits > _MAX_SIZE and abs(a) > 1:

@@ -342,6 +342,13 @@ def test_values_from_the_solution_cannot_make_the_judge_work_without_bound() -> 
     with pytest.raises(ValueError, match="size limit"):
         asserts.judge(table[1], {"t": ["x" * 1000]})
     assert not asserts.judge(table[4], {"t": ["%5d"]})
+    _, more, _ = asserts.split_asserts("assert round(f(1), f(2)) == 0\nassert f(3) % f(4) == 0\n"
+                                       "assert sum(f(5), []) == [0]")
+    assert asserts.judge(more[0], {"t": [34, -2]}) and asserts.judge(more[2], {"t": [[[0], []]]})
+    for k, values in ((0, [5, -10 ** 9]), (1, [{"i": "f" * 300000}, {"i": "f" * 100000}])):  # 10**10**9; quadratic
+        with pytest.raises(ValueError, match="size limit"):
+            asserts.judge(more[k], {"t": values})
+    assert not asserts.judge(more[2], {"t": [[[0]] * 300000]})  # linear: Python's sum() copies 45e9 items
     for bomb in ("%999999999d", "%.999999999f", "%*d", b"%(a)1000000000s"):  # a 1 GB string, built here
         with pytest.raises(ValueError, match="size limit"):
             asserts.judge(table[4], {"t": [bomb if isinstance(bomb, str) else {"b": bomb.hex()}]})
