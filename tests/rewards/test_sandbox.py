@@ -553,6 +553,17 @@ def test_training_with_code_rewards_and_no_isolation_stops_first_saying_how_to_g
     assert not (tmp_path / "base").exists() and not (tmp_path / "logs").exists()  # before any model or server
 
 
+def test_the_only_writable_places_are_capped_and_older_bubblewrap_drops_what_it_lacks() -> None:
+    argv = isolation._bwrap_args("bwrap", "/py/bin/python", "/py", "/py", False)
+    writable = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert writable == ["/dev/shm", "/tmp"] and all(argv[argv.index(d) - 2] == "--size" for d in ("/dev/shm", "/tmp"))
+    assert argv[argv.index("--") - 4:argv.index("--")] == ["--remount-ro", "/", "--chdir", "/tmp"]
+    older = isolation._without(argv, {"--disable-userns": 0, "--size": 1, "/dev/shm": -1})
+    assert "--size" not in older and "/dev/shm" not in older and "--disable-userns" not in older
+    assert older[older.index("--dev"):older.index("--")] == ["--dev", "/dev", "--tmpfs", "/tmp", "--remount-ro", "/dev",
+                                                             "--remount-ro", "/", "--chdir", "/tmp"]
+
+
 def test_the_sandbox_refuses_a_mix_of_test_kinds() -> None:
     with pytest.raises(ValueError, match="not a mix"):
         run_tests("x = 1", ["assert x == 1", {"input": "", "output": ""}], unsandboxed=True)
