@@ -556,7 +556,7 @@ def test_training_with_code_rewards_and_no_isolation_stops_first_saying_how_to_g
 def test_the_only_writable_places_are_capped_and_older_bubblewrap_drops_what_it_lacks() -> None:
     argv = isolation._bwrap_args("bwrap", "/py/bin/python", "/py", "/py", False)
     writable = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
-    assert writable == ["/dev/shm", "/tmp"] and all(argv[argv.index(d) - 2] == "--size" for d in ("/dev/shm", "/tmp"))
+    assert writable == ["/dev/shm", "/tmp"] and all(argv[argv.index(d) - 3] == "--size" for d in ("/dev/shm", "/tmp"))
     assert argv[argv.index("--") - 4:argv.index("--")] == ["--remount-ro", "/", "--chdir", "/tmp"]
     older = isolation._without(argv, {"--disable-userns": 0, "--size": 1, "/dev/shm": -1})
     assert "--size" not in older and "/dev/shm" not in older and "--disable-userns" not in older
