@@ -13,14 +13,16 @@ solution that skips them, by leaving early or by forging the harness's report, f
 ``assert A and B`` is split as ``assert A`` then ``assert B`` (the same verdict); a condition that
 is one call into the solution (``assert is_prime(7)``) is judged by its reported value's truth.
 
-Everything else that would decide a test inside the solution's process is an *inside check*
-(``split_asserts`` lists them): an assert that cannot be split (``or``, comprehensions, a bare
-name, a call of a function the test defines, ``math.factorial(...)``), a ``raise``, or a test
-with no split assertion at all. The solution owns that process (it can read the harness's memory
-for the nonce, or return an object equal to everything), so the sandbox refuses such tests
-(they fail closed) unless the config trusts inside checks. A function the test itself defines
-(``def ref(x): ...``) is no solution call either: its value, computed in the solution's process,
-is the solution's to choose, so ``assert f(x) == ref(x)`` would hide no answer outside.
+Why this holds: every reported value is the solution's to choose, so an assertion binds only
+through its skeleton's literals, which it cannot see. Everything else that would decide a test
+inside the solution's process is an *inside check* (``split_asserts`` lists them): an assert that
+cannot be split (``or``, comprehensions, ``math.factorial(...)``, a name bound to anything but a
+solution's result, as in ``expected = 3``, or a call of what the test defines or imports: ``def
+ref``, ``ref = functools.partial(...)``, ``r = Ref()``), a ``raise``, or a test with no split
+assertion at all. The solution owns that process (it can read the harness's memory for the
+nonce, return an object equal to everything, or replace ``ref`` so that ``assert f(x) ==
+ref(x)`` holds), so the sandbox refuses such tests (they fail closed) unless the config trusts
+inside checks.
 """
 
 from __future__ import annotations
