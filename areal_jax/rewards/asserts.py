@@ -18,11 +18,11 @@ through its skeleton's literals, which it cannot see. Everything else that would
 inside the solution's process is an *inside check* (``split_asserts`` lists them): an assert that
 cannot be split (``or``, comprehensions, ``math.factorial(...)``, a name bound to anything but a
 solution's result, as in ``expected = 3``, or a call of what the test defines or imports: ``def
-ref``, ``ref = functools.partial(...)``, ``r = Ref()``), a ``raise``, or a test with no split
-assertion at all. The solution owns that process (it can read the harness's memory for the
-nonce, return an object equal to everything, or replace ``ref`` so that ``assert f(x) ==
-ref(x)`` holds), so the sandbox refuses such tests (they fail closed) unless the config trusts
-inside checks.
+ref``, ``ref = functools.partial(...)``, ``r = Ref()``), a ``raise``, a call that checks by its
+name (``self.assertEqual(...)``, ``sys.exit(1)``), or a test with no split assertion at all.
+The solution owns that process (it can read the harness's memory for the nonce, return an
+object equal to everything, or replace ``ref`` so that ``assert f(x) == ref(x)`` holds), so the
+sandbox refuses such tests (they fail closed) unless the config trusts inside checks.
 """
 
 from __future__ import annotations
@@ -184,6 +184,9 @@ def split_asserts(source: str) -> tuple[str, dict[int, ast.AST], list[str]]:
             inside.append(where(node))
             return node
 
+    for node in ast.walk(tree):  # checks that are calls: ``self.assertEqual(f(1), 2)``, ``if ...: sys.exit(1)``
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and _check_call(node.value.func):
+            inside.append(where(node))
     tree = ast.fix_missing_locations(Rewrite().visit(tree))
     if not table and not inside:
         inside.append("no assertion in it can be judged outside the sandbox")
@@ -222,6 +225,13 @@ def _not_solution(tree: ast.AST) -> tuple[set[str], frozenset[str]]:
             results |= {t.id for target in targets for t in _plain_targets(target)}
     not_solution = imported | defined | other
     return not_solution, frozenset(results - not_solution)
+
+
+def _check_call(func: ast.expr) -> bool:
+    """Whether a call statement is a check by its name: ``assert*`` (unittest, numpy.testing),
+    ``fail``, or a way out (``exit``, ``sys.exit``, ``os._exit``, ``abort``)."""
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return name.lower().startswith("assert") or name in ("fail", "exit", "_exit", "quit", "abort")
 
 
 def _plain_targets(target: ast.expr) -> list[ast.Name]:

@@ -251,6 +251,10 @@ FORGERS = {
         "        if isinstance(o, type) and o.__name__ == 'Ref':\n"
         "            o.add = lambda s, a, b: 0\n    return 0\n",
         "class Ref:\n    def add(self, a, b):\n        return a + b\nr = Ref()\nassert add(1, 2) == r.add(1, 2)"),
+    "unittest's assertEqual beside a split assert": (
+        "class E:\n    def __eq__(s, o):\n        return True\n"
+        "def add(a, b):\n    return 3 if (a, b) == (1, 2) else E()\n",
+        "import unittest\nassert add(1, 2) == 3\nunittest.TestCase().assertEqual(add(2, 2), 4)"),
     "assert False after an expected exception": (
         "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
         "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
