@@ -88,7 +88,7 @@ def reasoning_gym_reward(prompt: str, completion: str, entry: dict[str, Any] | N
 
 def code_reward(prompt: str, completion: str, tests: Any = None, *, all_or_nothing: bool = False,
                 timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 16, row_timeout_s: float = 60.0,
-                unsandboxed: bool = False, **_: Any) -> tuple[float, dict[str, Any]]:
+                unsandboxed: bool = False, trust_inside_checks: bool = False, **_: Any) -> tuple[float, dict[str, Any]]:
     """The fraction of ``tests`` the completion's last fenced Python block passes (or 1/0 with
     ``all_or_nothing``), run in the sandbox (``sandbox.run_tests``: a list of stdin/stdout pairs,
     assert code, or a list of assert code strings)."""
@@ -101,7 +101,8 @@ def code_reward(prompt: str, completion: str, tests: Any = None, *, all_or_nothi
         return 0.0, {"passed": 0, "total": _count(tests), "error": "no fenced code block"}
     passed, total, detail = run_tests(code, tests, timeout_s=timeout_s, memory_mb=memory_mb,
                                       max_processes=max_processes, row_timeout_s=row_timeout_s,
-                                      unsandboxed=unsandboxed, stop_at_first_failure=all_or_nothing)
+                                      unsandboxed=unsandboxed, stop_at_first_failure=all_or_nothing,
+                                      trust_inside_checks=trust_inside_checks)
     score = float(passed == total) if all_or_nothing else passed / max(total, 1)
     return score, {"passed": passed, "total": total, **detail}
 

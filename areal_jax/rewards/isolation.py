@@ -2,7 +2,8 @@
 
 The sandbox is bubblewrap (``bwrap``): a new user namespace in which the solution runs as uid
 65534, a mount namespace that shows only the interpreter's installation and the system
-libraries (read-only), ``/dev``'s null devices and an empty size-capped tmpfs work dir, new network
+libraries (read-only), ``/dev``'s null devices, an empty size-capped tmpfs work dir and ``/dev/shm``
+(nothing else is writable), new network
 (only a downed loopback: no TCP, no abstract or path unix sockets to the host), PID, IPC and UTS
 namespaces, no capabilities, no nested user namespaces, and death with its parent. None of this
 lives in the interpreter it guards, so nothing the solution does in Python or native code undoes it.
@@ -32,6 +33,9 @@ SANDBOX_UID = 65534
 
 TMPFS_BYTES = 64 << 20
 """Size of the sandbox's writable work dir (a tmpfs counts against memory)."""
+
+SHM_BYTES = 4 << 20
+"""Size of the sandbox's ``/dev/shm`` (``multiprocessing``'s locks live there)."""
 
 HOW_TO_GET_IT = (
     "Install bubblewrap (Debian/Ubuntu: apt-get install -y bubblewrap; Fedora: dnf install bubblewrap) and "
@@ -89,7 +93,10 @@ def _bwrap_args(bwrap: str, python: str, prefix: str, source: str, as_root: bool
     exe_dir = os.path.dirname(python)
     if not (exe_dir + os.sep).startswith(prefix + os.sep):
         args += ["--ro-bind", exe_dir, exe_dir]
-    args += ["--dev", "/dev", "--size", str(TMPFS_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp",
+    # every other writable place is read-only: bwrap's own root and /dev are tmpfs with no size
+    # cap (a solution wrote 120 MiB to each of /, /usr, /dev and /dev/shm), memory the host loses
+    args += ["--dev", "/dev", "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm", "--size", str(TMPFS_BYTES),
+             "--tmpfs", "/tmp", "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
              "--", python, "-I", "-S", "-B", "-c"]
     return args
 
@@ -139,7 +146,9 @@ def detect() -> Isolation:
                          problem="bubblewrap (`bwrap`) is not installed")
     errors = []
     # bubblewrap before 0.8 (Ubuntu 22.04 has 0.6) lacks --disable-userns and --size: try without them
-    older = [(label + ", older bubblewrap", _without(argv, {"--disable-userns": 0, "--size": 1}), binds)
+    # (and without a /dev/shm that would have no cap; the work dir then has none either: BUILD.md)
+    older = [(label + ", older bubblewrap (no size cap on the work dir)",
+              _without(argv, {"--disable-userns": 0, "--size": 1, "/dev/shm": -1}), binds)
              for label, argv, binds in candidates]
     for label, argv, nproc_binds in candidates + older:
         try:
@@ -163,11 +172,16 @@ def detect() -> Isolation:
 
 
 def _without(argv: list[str], options: dict[str, int]) -> list[str]:
-    """``argv`` less each of ``options`` and its following ``n`` arguments (up to ``--``)."""
+    """``argv`` less each of ``options`` and its following ``n`` arguments (up to ``--``); ``n =
+    -1``: the argument and the option before it."""
     out, i = [], 0
     while i < len(argv):
         if argv[i] == "--":
             return out + argv[i:]
+        if argv[i] in options and options[argv[i]] < 0:
+            out.pop()
+            i += 1
+            continue
         if argv[i] in options:
             i += 1 + options[argv[i]]
             continue

@@ -56,6 +56,11 @@ class RewardConfig:
     code_row_timeout_s: float = 60.0
     """``code``: most wall-clock time for all of one answer's tests (each gets ``code_timeout_s``);
     the pool's limit for a code call grows to fit it."""
+    code_trust_inside_checks: bool = False
+    """``code``: run assert tests that would be judged inside the solution's process (an assertion
+    that cannot be split, such as ``assert f(1) == 2 or g()``, a test's own reference function, a
+    ``raise``) there, where a hostile solution can forge their pass, instead of failing them
+    (see BUILD.md, "Code rewards")."""
     unsandboxed: bool = False
     """``code``: where no OS-level isolation works (bubblewrap, see BUILD.md), run model-written code
     without it instead of refusing to start (logged loudly). Never on hardware you share."""
@@ -73,7 +78,7 @@ class RewardConfig:
         if self.name == "code":
             return {"all_or_nothing": self.code_all_or_nothing, "timeout_s": self.code_timeout_s,
                     "memory_mb": self.code_memory_mb, "max_processes": self.code_max_processes,
-                    "row_timeout_s": self.code_row_timeout_s,
+                    "row_timeout_s": self.code_row_timeout_s, "trust_inside_checks": self.code_trust_inside_checks,
                     "unsandboxed": self.unsandboxed}
         return {}
 

@@ -12,9 +12,11 @@
   harness, after the test's last statement, sends the run's random nonce, and every assertion
   judged here held and ran. ``SystemExit``, ``os._exit``, a signal, an ``atexit`` hook, a closed
   or hijacked fd, a replaced ``print``, an object equal to everything all leave the test
-  unpassed. What remains: an assertion ``asserts.py`` cannot split (``assert check(f)``, ``and``,
-  ``type(...)``) is judged inside the solution's process, so an object equal to everything, or a
-  solution that reads the harness's memory (its frames, ``gc``) for the nonce, could pass it.
+  unpassed. A test with an *inside check* (``asserts.py``: an assertion that cannot be split, a
+  ``raise``, no split assertion at all) would be judged in the solution's process, which the
+  solution owns (it can read the nonce from the harness's memory, or return an object equal to
+  everything): such a test fails closed, unrun, and its code (which may hold the answers of the
+  row's other tests) never enters the sandbox, unless ``trust_inside_checks`` says otherwise.
 * **Bounded**: output is read incrementally and capped (``max_output`` bytes, then the program is
   stopped: it cannot match any more), each test has its own timeout and the row a budget of
   ``timeout_s`` per test (at most ``row_timeout_s``); on any timeout the sandbox's process group
@@ -57,12 +59,15 @@ _MAX_LINE = 4 << 20
 
 def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int = 512, max_processes: int = 16,
               row_timeout_s: float = 60.0, max_output: int = MAX_OUTPUT, unsandboxed: bool = False,
-              stop_at_first_failure: bool = False) -> tuple[int, int, dict[str, Any]]:
+              stop_at_first_failure: bool = False,
+              trust_inside_checks: bool = False) -> tuple[int, int, dict[str, Any]]:
     """``(passed, total, detail)`` of ``code`` on ``tests``: a list of ``{"input", "output"}``
     pairs (stdin to stdout, compared line by line with trailing spaces stripped), a string of
     ``assert`` code (one test), or a list of such strings (one test each). ``timeout_s`` bounds
     each test, ``timeout_s * len(tests)`` (at most ``row_timeout_s``) the whole row.
-    ``stop_at_first_failure``: the rest fail unrun (an all-or-nothing reward needs no more)."""
+    ``stop_at_first_failure``: the rest fail unrun (an all-or-nothing reward needs no more).
+    ``trust_inside_checks``: run assert tests with inside checks (see the module docstring) in the
+    solution's process, where a hostile solution can forge their pass, instead of failing them."""
     iso = isolation.require(unsandboxed)
     if isinstance(tests, str):
         tests = [tests]
@@ -87,7 +92,13 @@ def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int =
         payload_tests, expected = [str(t["input"]) for t in tests], [str(t["output"]) for t in tests]
     else:
         split = [asserts.split_asserts(t) for t in tests]
-        payload_tests, expected = [s for s, _ in split], [table for _, table in split]
+        payload_tests, expected = [s for s, _, _ in split], [table for _, table, _ in split]
+        if not trust_inside_checks:
+            for i, (_, _, inside) in enumerate(split):
+                if inside:
+                    fail(i, f"refused: {inside[0]}: {INSIDE_CHECK}")
+                    payload_tests[i] = ""  # its code never enters the sandbox: it may hold other tests' answers
+                    _warn_once(inside[0])
     while len(verdicts) < n:
         if stop_at_first_failure and not all(verdicts.values()):
             for i in range(n):
@@ -122,6 +133,20 @@ def run_tests(code: str, tests: Any, *, timeout_s: float = 5.0, memory_mb: int =
         fail(culprit, ended.get("why") or "the sandbox ended during this test")
     passed = sum(verdicts.get(i, False) for i in range(n))
     return passed, n, {"error": first_error[0]} if first_error and passed < n else {}
+
+
+INSIDE_CHECK = ("this test would be judged inside the solution's process, where a solution can forge its pass, so it "
+                "fails closed; write its assertions as calls into the solution compared with literals (`assert "
+                "f(1) == 2`), or set reward.code_trust_inside_checks: true (forgeable; see BUILD.md, 'Code rewards')")
+_warned: set[str] = set()
+
+
+def _warn_once(what: str) -> None:
+    """Log the first refused test of each kind (a dataset repeats its style in every row)."""
+    kind = what.split(": ", 1)[-1][:40]
+    if kind not in _warned and len(_warned) < 20:
+        _warned.add(kind)
+        log.warning("code reward: a test refused (%s): %s", what, INSIDE_CHECK)
 
 
 class _Judge:
@@ -173,6 +198,8 @@ class _Judge:
             if i is None or not isinstance(k, int) or k not in self.expected[i]:
                 return
             self.seen.setdefault(i, set()).add(k)
+            if i in self.wrong or i in self.verdicts:
+                return  # decided: a flood of reports costs no more judging
             try:
                 ok, why = asserts.judge(self.expected[i][k], enc), "it does not hold for the values reported"
             except Exception as e:  # noqa: BLE001 - values from the solution: any failure to judge them is a fail
@@ -183,7 +210,7 @@ class _Judge:
             i = self._index(msg["pass"])
             if i is None or i in self.verdicts:
                 return
-            if not secrets.compare_digest(str(msg.get("nonce", "")), self.nonce):
+            if not secrets.compare_digest(str(msg.get("nonce", "")).encode(), self.nonce.encode()):
                 self.fail(i, "the pass did not carry the run's nonce")
             elif i in self.wrong:
                 self.fail(i, self.wrong[i])
@@ -289,7 +316,12 @@ def _pump(proc: subprocess.Popen, res_r: int, on_message: Callable[[dict[str, An
                             return
                         if "start" in msg:
                             test_deadline = time.monotonic() + per_test_s
-                        if on_message(msg):
+                        try:
+                            stop = on_message(msg)
+                        except Exception as e:  # noqa: BLE001 - fields the solution wrote (bad base64, a non-ASCII nonce)
+                            result["why"] = f"the sandbox sent a message that cannot be judged ({type(e).__name__})"
+                            return
+                        if stop:
                             return
                     if len(line) > _MAX_LINE:
                         result["why"] = "the sandbox's harness sent an oversized message"

@@ -196,6 +196,11 @@ CHEATS = {
         "import os, json\ndef add(a, b):\n    for fd in range(1, 64):\n        try:\n"
         "            os.write(fd, b'{\"pass\": 0, \"nonce\": \"\"}\\n' + b'{\"val\": [0, 0, 3]}\\n')\n"
         "        except OSError:\n            pass\n    os._exit(0)\n"),
+    "a non-ASCII nonce (it made the scorer raise)": (
+        "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
+        "            os.write(o['result_fd'], json.dumps({'pass': 0, 'nonce': 'é'}).encode() + b'\\n')\n"
+        "            os._exit(0)\n"),
     "patched print and stdout": (
         "import sys, builtins\nbuiltins.print = lambda *a, **k: None\nsys.stdout = None\n" + WRONG),
     "always-equal object": (
@@ -206,19 +211,92 @@ CHEATS = {
 
 
 INSIDE = "def check(f):\n    return f(1, 2) == 3 and f(2, 2) == 4\nassert check(add)\n"
-"""A test judged inside the solution's process (it cannot be split): only the nonce guards it."""
+"""A test judged inside the solution's process (it cannot be split): refused unless trusted."""
 
 
 @needs_sandbox
 def test_wrong_solutions_that_cheat_score_zero() -> None:
     right = WRONG.replace("a - b", "a + b")
-    assert run_tests(right, TESTS) == (1, 1, {}) and run_tests(right, INSIDE) == (1, 1, {})
+    assert run_tests(right, TESTS) == (1, 1, {}) and run_tests(right, INSIDE, trust_inside_checks=True) == (1, 1, {})
     assert asserts.split_asserts(INSIDE)[1] == {} and len(asserts.split_asserts(TESTS)[1]) == 3
     for name, code in CHEATS.items():
         passed, total, detail = run_tests(code, TESTS, timeout_s=5)
         assert (passed, total) == (0, 1) and detail.get("error"), (name, detail)
         if name != "always-equal object":  # inside the process an object equal to everything wins: see BUILD.md
-            assert run_tests(code, INSIDE, timeout_s=5)[0] == 0, name
+            assert run_tests(code, INSIDE, timeout_s=5, trust_inside_checks=True)[0] == 0, name
+
+
+FORGERS = {
+    # the harness's payload (its nonce and report fd) found with gc, and a pass sent for test 0
+    "nonce read from memory": (
+        "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
+        "            os.write(o['result_fd'], json.dumps({'pass': 0, 'nonce': o['nonce']}).encode() + b'\\n')\n"
+        "            os._exit(0)\n", INSIDE),
+    "object equal to everything, in an `or`": (
+        "class E:\n    def __eq__(s, o):\n        return True\ndef add(a, b):\n    return E()\n",
+        "assert add(1, 2) == 3 or add(2, 2) == 4"),
+    # the test's own reference, replaced from the solution's frame before the test calls it
+    "reference function replaced": (
+        "import sys\ndef add(a, b):\n    sys._getframe(1).f_globals['ref'] = lambda a, b: 0\n    return 0\n",
+        "def ref(a, b):\n    return a + b\nassert add(1, 2) == ref(1, 2)"),
+    "reference bound with functools.partial": (
+        "import gc\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'ref' in o and '__areal_check__' in o:\n"
+        "            o['ref'] = lambda a, b: 0\n    return 0\n",
+        "import functools\ndef _add(a, b):\n    return a + b\nref = functools.partial(_add)\n"
+        "assert add(1, 2) == ref(1, 2)"),
+    "reference as a method of the test's class": (
+        "import gc\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, type) and o.__name__ == 'Ref':\n"
+        "            o.add = lambda s, a, b: 0\n    return 0\n",
+        "class Ref:\n    def add(self, a, b):\n        return a + b\nr = Ref()\nassert add(1, 2) == r.add(1, 2)"),
+    "unittest's assertEqual beside a split assert": (
+        "class E:\n    def __eq__(s, o):\n        return True\n"
+        "def add(a, b):\n    return 3 if (a, b) == (1, 2) else E()\n",
+        "import unittest\nassert add(1, 2) == 3\nunittest.TestCase().assertEqual(add(2, 2), 4)"),
+    "assert False after an expected exception": (
+        "import gc, json, os\ndef add(a, b):\n    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o and 'result_fd' in o:\n"
+        "            os.write(o['result_fd'], json.dumps({'pass': 0, 'nonce': o['nonce']}).encode() + b'\\n')\n"
+        "            os._exit(0)\n", "try:\n    add('x', 1)\n    assert False\nexcept TypeError:\n    pass"),
+}
+
+
+@needs_sandbox
+def test_a_solution_that_owns_its_process_cannot_pass_a_check_made_there() -> None:
+    """Tests that would be judged inside the solution's process fail closed, unrun: each of these
+    wrong solutions passes its test when such checks are trusted (which is why they are not)."""
+    for name, (code, test) in FORGERS.items():
+        assert run_tests(code, test, timeout_s=5, trust_inside_checks=True)[0] == 1, name
+        passed, total, detail = run_tests(code, test, timeout_s=5)
+        assert (passed, total) == (0, 1) and detail["error"].startswith("refused: line"), (name, detail)
+    # a refused test's code never enters the sandbox: here it holds the answer of the split test 0
+    leak = ("import gc, re\ndef secret():\n    for o in gc.get_objects():\n"
+            "        if isinstance(o, dict) and 'tests' in o and 'nonce' in o:\n"
+            "            found = re.findall('W[0-9]+', ' '.join(o['tests']))\n            if found:\n"
+            "                return found[0]\n")
+    tests = ["assert secret() == 'W4711'", "assert secret() == 'W4711' or False"]
+    assert run_tests(leak, tests, trust_inside_checks=True)[0] == 2  # trusted, the answer leaks to test 0
+    assert run_tests(leak, tests)[0] == 0
+    passed, total, detail = run_tests("def secret():\n    return 'W4711'\n", tests)
+    assert (passed, total) == (1, 2) and detail["error"].startswith("test 1: refused: line 1"), detail
+    assert asserts.split_asserts("x = f(1)\nassert True")[2] == ["no assertion in it can be judged outside the sandbox"]
+
+
+@needs_sandbox
+def test_common_test_styles_are_judged_outside_and_pass_right_answers() -> None:
+    """Truth of a call (a match object), a method of the solution's class, names bound to its
+    results, HumanEval's ``check(candidate)``: all split, none refused, and right answers pass."""
+    code = ("import re\ndef m(s):\n    return re.search('a', s)\nclass Solution:\n    def two(self, x):\n"
+            "        return 2 * x\ndef pair(x):\n    return x, -x\n")
+    tests = ["assert m('ab')", "assert not m('b') and m('a')", "s = Solution()\nassert s.two(2) == 4",
+             "x = m('xa')\nassert x.start() == 1", "a, b = pair(3)\nassert (a, b) == (3, -3)",
+             "def check(candidate):\n    assert candidate(5) == 10\ncheck(Solution().two)"]
+    assert all(asserts.split_asserts(t)[1] and not asserts.split_asserts(t)[2] for t in tests)
+    assert run_tests(code, tests) == (len(tests), len(tests), {})
+    wrong = code.replace("2 * x", "x").replace("re.search('a', s)", "None").replace("x, -x", "x, x")
+    assert run_tests(wrong, tests)[0] == 0
 
 
 @needs_sandbox
@@ -240,29 +318,44 @@ def test_asserts_judged_outside_match_the_same_asserts_run_plainly() -> None:
              "sorted(f('s'), reverse=True) == [2, 1]", "len(f('c')) == 2", "f('n') is None", "f('tf') is True",
              "2 in f('s')", "not f('n')", "f('i') // 10 ** 29 == 10", "round(f('x').real) == 1 == f('t')[0]",
              "sorted(f('d'), key=len) == ['a']", "f('x') ** 2 == -3 + 4j", "{**f('d')} == {'a': (1,)}",
-             "type(f('t')) == tuple", "f('t') and f('s')", "f('big') == math.factorial(3000)"]
+             "type(f('t')) == tuple", "f('t') and f('s')", "f('big') == math.factorial(3000)",
+             "isinstance(f('i'), int) and not isinstance(f('l'), (tuple, set))", "f('tf')", "f('n')",
+             "f('tf') and f('nan') == 0"]
     tests = [f"assert {case}" for case in cases]
-    outside = sum(len(asserts.split_asserts(t)[1]) for t in tests)
-    assert outside == len(cases) - 4  # all but `**`, `type(...)`, `and`, `math.factorial`: those run inside
+    inside = [t for t in tests if asserts.split_asserts(t)[2]]
+    assert inside == ["assert {**f('d')} == {'a': (1,)}", "assert f('big') == math.factorial(3000)"]  # run inside
     ns: dict = {}
     exec(code, ns)
     plain = [bool(eval(case, ns)) for case in cases]
-    got = run_tests(code, tests)
+    got = run_tests(code, tests, trust_inside_checks=True)
     assert got[:2] == (sum(plain), len(cases)), (got, [c for c, p in zip(cases, plain, strict=True) if not p])
     failing = [t for t, p in zip(tests, plain, strict=True) if not p]
-    assert len(failing) == 5 and run_tests(code, failing)[0] == 0  # and it is those that fail
+    assert len(failing) == 7 and run_tests(code, failing)[0] == 0  # and it is those that fail
+    assert run_tests(code, tests)[0] == sum(plain) - 2  # by default the two judged inside fail closed
 
 
 def test_values_from_the_solution_cannot_make_the_judge_work_without_bound() -> None:
     """The judge rebuilds reported values from builtin types only and refuses what would blow up."""
-    src = "assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]\nassert f(4) == 2 ** 20000"
-    _, table = asserts.split_asserts(src)
+    src = ("assert 2 ** f(1) == 4\nassert f(2) * 10 ** 4 == ''\nassert f(3) == [1]\nassert f(4) == 2 ** 20000\n"
+           "assert f(5) % 7 == ''")
+    _, table, _ = asserts.split_asserts(src)
     assert asserts.judge(table[0], {"t": [2]}) and not asserts.judge(table[1], {"t": ["x"]})
     assert asserts.judge(table[3], {"t": [{"i": format(2 ** 20000, "x")}]})  # past JSON's 4300 digits
     with pytest.raises(ValueError, match="size limit"):
         asserts.judge(table[0], {"t": [10 ** 7]})
     with pytest.raises(ValueError, match="size limit"):
         asserts.judge(table[1], {"t": ["x" * 1000]})
+    assert not asserts.judge(table[4], {"t": ["%5d"]})
+    _, more, _ = asserts.split_asserts("assert round(f(1), f(2)) == 0\nassert f(3) % f(4) == 0\n"
+                                       "assert sum(f(5), []) == [0]")
+    assert asserts.judge(more[0], {"t": [34, -2]}) and asserts.judge(more[2], {"t": [[[0], []]]})
+    for k, values in ((0, [5, -10 ** 9]), (1, [{"i": "f" * 300000}, {"i": "f" * 100000}])):  # 10**10**9; quadratic
+        with pytest.raises(ValueError, match="size limit"):
+            asserts.judge(more[k], {"t": values})
+    assert not asserts.judge(more[2], {"t": [[[0]] * 300000]})  # linear: Python's sum() copies 45e9 items
+    for bomb in ("%999999999d", "%.999999999f", "%*d", b"%(a)1000000000s"):  # a 1 GB string, built here
+        with pytest.raises(ValueError, match="size limit"):
+            asserts.judge(table[4], {"t": [bomb if isinstance(bomb, str) else {"b": bomb.hex()}]})
     for bad in ({"t": [{"q": 1}]}, {"t": [{"f": 1}]}, [1], {"t": [{"x": "TypeError: a Foo"}]},
                 {"t": [{"d": [[[1], 2]]}]}):  # unknown tag, bad float, not a tuple, unencodable, unhashable key
         with pytest.raises((ValueError, TypeError)):
@@ -296,7 +389,7 @@ def test_a_hung_solution_or_a_first_failure_ends_the_row_early(monkeypatch: pyte
         return real(iso, payload, lambda m: seen.append(m) or on_message(m), **kw)
 
     monkeypatch.setattr(sandbox, "_run_sandbox", recording)
-    passed, total, detail = run_tests("while True:\n    pass\n", ["assert True"] * 5, timeout_s=1)
+    passed, total, detail = run_tests("while True:\n    pass\n", ["assert f() == 1"] * 5, timeout_s=1)
     assert (passed, total) == (0, 5) and "the solution's own code: timed out" in detail["error"] and len(runs) == 1
     runs.clear()
     tests = [{"input": "1", "output": "wrong"}] + [{"input": "slow", "output": ""}] * 4
@@ -339,6 +432,11 @@ def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside)
                  "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    except OSError:\n"
                  "        break\nprint(n)")
         assert run_program(forks, max_processes=8)["stdout"] == "5\n"
+    fill = ("import os\nn = 0\nfor d in ('/', '/usr', '/dev', '/dev/shm', '/tmp'):\n    for i in range(8):\n"
+            "        try:\n            open(f'{d}/f{i}', 'wb').write(b'x' * (15 << 20))\n            n += 15\n"
+            "        except OSError:\n            break\nopen('/dev/null', 'w').write('x')\nprint(n)")
+    cap = (isolation.TMPFS_BYTES + isolation.SHM_BYTES) >> 20  # files are memory: only the capped tmpfs take them
+    assert 45 <= int(run_program(fill)["stdout"]) <= cap  # 540 MiB before: bwrap's root and /dev had no cap
     alloc = run_program("x = bytearray(2 << 30)\nprint('allocated')", memory_mb=512)
     assert alloc["returncode"] != 0 and "allocated" not in alloc["stdout"] and "MemoryError" in alloc["stderr"]
     t0 = time.monotonic()
@@ -347,7 +445,7 @@ def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside)
     flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
     passed, _, detail = run_tests(flood, [{"input": "", "output": "x"}], timeout_s=10)
     assert passed == 0 and "MiB of output" in detail["error"]
-    assert run_tests(flood, "assert True", timeout_s=1)[0] == 0  # a flood to the harness's own stdout
+    assert run_tests(flood, "assert f() == 1", timeout_s=1)[0] == 0  # a flood to the harness's own stdout
     assert _rss_mib() - rss0 < 64  # the output was never held whole here
     assert set(Path(tempfile.gettempdir()).glob("areal-sandbox-*")) == before_tmp
 
@@ -457,6 +555,17 @@ def test_training_with_code_rewards_and_no_isolation_stops_first_saying_how_to_g
     message = str(e.value.code)
     assert message.startswith("areal-jax train: code rewards refuse") and "apt-get install -y bubblewrap" in message
     assert not (tmp_path / "base").exists() and not (tmp_path / "logs").exists()  # before any model or server
+
+
+def test_the_only_writable_places_are_capped_and_older_bubblewrap_drops_what_it_lacks() -> None:
+    argv = isolation._bwrap_args("bwrap", "/py/bin/python", "/py", "/py", False)
+    writable = [argv[i + 1] for i, a in enumerate(argv) if a == "--tmpfs"]
+    assert writable == ["/dev/shm", "/tmp"] and all(argv[argv.index(d) - 3] == "--size" for d in ("/dev/shm", "/tmp"))
+    assert argv[argv.index("--") - 4:argv.index("--")] == ["--remount-ro", "/", "--chdir", "/tmp"]
+    older = isolation._without(argv, {"--disable-userns": 0, "--size": 1, "/dev/shm": -1})
+    assert "--size" not in older and "/dev/shm" not in older and "--disable-userns" not in older
+    assert older[older.index("--dev"):older.index("--")] == ["--dev", "/dev", "--tmpfs", "/tmp", "--remount-ro", "/dev",
+                                                             "--remount-ro", "/", "--chdir", "/tmp"]
 
 
 def test_the_sandbox_refuses_a_mix_of_test_kinds() -> None:
