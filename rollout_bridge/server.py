@@ -29,7 +29,13 @@ from typing import Any
 
 from aiohttp import web
 
-from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
+from areal_jax.inference.types import (
+    DuplicateRequestError,
+    EngineDeadError,
+    GenerateOutput,
+    GenerateRequest,
+    QueueFullError,
+)
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import protocol as P
 
@@ -138,6 +144,8 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         return _error(503, str(e), {"Retry-After": str(RETRY_AFTER_S)})
     except EngineFailed as e:
         return _error(e.status, str(e))
+    except EngineDeadError as e:  # /health says 503 and the server exits: a supervisor restarts it
+        return _error(500, str(e))
     except web.HTTPException:
         raise
     except ConnectionResetError:  # the client went away; its request was aborted
@@ -369,18 +377,26 @@ def _not_ready(st: ServerState) -> str:
     return "warming up: compiling the engine's steps"
 
 
-async def health(request: web.Request) -> web.Response:
-    st = request.app[STATE]
+def _unhealthy(st: ServerState) -> web.Response | None:
+    """A 503 when the server cannot generate: still compiling, or its engine is dead or stopped."""
     if not st.ready:
         return _error(503, _not_ready(st))
-    return web.Response(text="")
+    if not st.engine.alive:
+        error = st.engine.error
+        return _error(503, "engine stopped" if error is None else f"engine dead: {error!r}")
+    return None
+
+
+async def health(request: web.Request) -> web.Response:
+    """Healthy when the engine can generate: compiled, started, and no lane dead."""
+    return _unhealthy(request.app[STATE]) or web.Response(text="")
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Healthy when the engine produces one token within the timeout (or is paused on purpose)."""
     st = request.app[STATE]
-    if not st.ready:
-        return _error(503, _not_ready(st))
+    if (bad := _unhealthy(st)) is not None:
+        return bad
     if st.paused:
         return web.Response(text="")
     probe = GenerateRequest(input_ids=[0], sampling=EngineSamplingParams(max_new_tokens=1, temperature=0.0),
