@@ -11,12 +11,14 @@ error (another 5xx, or an abort with a 5xx status) is re-sent at most ``max_erro
 with a doubling wait, and leaves the server in rotation.
 
 Versions: the client keeps its own record of which policy version each server holds, because it
-pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``), and
-stamps each answer segment's tokens from that record. A server's ``weight_version`` is an opaque
-label (stock SGLang says "default"): it is only compared with the labels this client pushed, to
-notice a server that went back to older weights (a restart). Such a server is kept out of rotation
-until it holds the current version again: re-loaded at once from the last disk checkpoint when
-there is one, else at the next push.
+pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``). A
+server's ``weight_version`` is an opaque label (stock SGLang says "default"): it is only compared
+with the labels this client gave that server. Each answer segment's tokens are stamped with the
+version their reply's labels prove, where the server keeps labels, else from the record; a reply
+proving older weights than the record (a restart) has that server's version checked at once.
+A server that went back to older weights is kept out of rotation until it holds the current
+version again: re-loaded at once from the last disk checkpoint when there is one, else at the
+next push.
 """
 
 from __future__ import annotations
@@ -222,15 +224,24 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         return errors
 
     def _stamp(self, server: _Server, sent_version: int, meta: dict[str, Any], n: int) -> list[int]:
-        """Per-token versions of one reply: the version the server held when the segment was sent,
-        by the client's record. If the record moved meanwhile (a push without an abort), the
-        reply's own spans are used where their labels are ones this client gave that server."""
-        if server.version == sent_version:
-            return [sent_version] * n
+        """Per-token versions of one reply. The reply's own labels (its ``weight_versions``
+        spans, else its ``weight_version``) decide where they stand for a version this client
+        knows and the server keeps labels: a token sampled by weights older than the record (a
+        restart not noticed yet) is never stamped newer, and one sampled after a push that landed
+        mid-answer gets that push's version. Elsewhere (a server that ignores labels, a label
+        this client never gave), the version the server held when the segment was sent, by the
+        client's record. A reply whose label proves older weights than the record has the
+        server's version checked at once (``check_versions``)."""
         labels = P.span_labels(meta, n)
-        if labels is None:
+        label = meta.get("weight_version")
+        if labels is None and label is not None:
+            labels = [str(label)] * n
+        if labels is None or not server.keeps_labels:
             return [sent_version] * n
-        return [server.labels.get(lab, sent_version) if lab is not None else sent_version for lab in labels]
+        now = server.labels.get(str(label)) if label is not None else None
+        if now is not None and now < server.version:
+            self._recheck(server)
+        return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in labels]
 
     async def abort(self, rid: str) -> None:
         """Stop one request for good: it returns what it has with an abort finish reason."""

@@ -119,6 +119,8 @@ class ServerPool:
         self._last_disk: tuple[str, int] | None = None
         self._paused = False
         """This client paused the fleet and has not continued it yet."""
+        self._rechecks: dict[str, asyncio.Task] = {}
+        """Version checks a reply asked for (``_recheck``), by server URL."""
 
     # -- versions --
 
@@ -184,6 +186,14 @@ class ServerPool:
         s.version = held
         await self._reload(s)
         return True
+
+    def _recheck(self, s: _Server) -> None:
+        """Check ``s``'s version in the background (one check per server at a time): a reply
+        said that it serves weights older than the client's record."""
+        if s.url not in self._rechecks:
+            task = asyncio.create_task(self._check_version(s), name=f"version-check {s.url}")
+            self._rechecks[s.url] = task
+            task.add_done_callback(lambda t: self._rechecks.pop(s.url, None) and (t.cancelled() or t.exception()))
 
     async def _reload(self, s: _Server) -> None:
         """Load the last disk checkpoint into ``s`` if it is the current version."""
@@ -276,6 +286,10 @@ class ServerPool:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
+        rechecks = list(self._rechecks.values())
+        for task in rechecks:
+            task.cancel()
+        await asyncio.gather(*rechecks, return_exceptions=True)
         for session in (self._session, self._gen_session):
             if session is not None:
                 await session.close()
