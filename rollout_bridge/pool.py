@@ -454,13 +454,16 @@ class ServerPool:
 
     async def push_tensor_bucket(self, payload: bytes | Sequence[bytes | memoryview], *, version: int,
                                  transfer_id: str, bucket: int, last: bool, flush_cache: bool = True,
-                                 skip: Any = (), layout: str = "hf", hold: bool = False) -> list[dict[str, Any]]:
+                                 skip: Any = (), layout: str = "hf", hold: bool = False,
+                                 partial: bool = False) -> list[dict[str, Any]]:
         """One safetensors bucket of a version (its bytes, or the pieces of them in order, as
         ``protocol.tensor_bucket_parts`` makes them) to every embedded server but those in
         ``skip`` (URLs that failed an earlier bucket of this transfer, see ``HttpBucketSink``);
         after the ``last`` one, the servers that applied it are recorded as holding ``version``.
         ``layout``: ``hf``, or ``native`` for kernels in our own layout (``protocol``). ``hold``
-        (with ``last``): the servers build the version but serve it only at ``commit_weights``."""
+        (with ``last``): the servers build the version but serve it only at ``commit_weights``.
+        ``partial`` (with ``last``): the transfer leaves some of the model's tensors out on
+        purpose; without it, a server refuses a version that lacks any."""
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
         size = sum(memoryview(p).nbytes for p in parts)
         params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
@@ -469,6 +472,8 @@ class ServerPool:
             params["layout"] = layout
         if hold:
             params["hold"] = "true"
+        if partial:
+            params["partial"] = "true"
         targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/update_weights_from_tensor: no healthy server")

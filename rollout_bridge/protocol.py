@@ -222,6 +222,10 @@ class TensorBucketParams(msgspec.Struct, kw_only=True):
     layout: Literal["hf", "native"] = "hf"
     """``hf``: HF tensors (``[out, in]`` weights); ``native``: the same names with our own
     ``[in, out]`` kernels, which neither side transposes. One transfer keeps one layout."""
+    partial: bool = False
+    """With ``last``: the transfer sends only some of the model's tensors on purpose (the others
+    keep their served values). Without it, a transfer whose tensors do not cover the whole model
+    is refused at its last bucket, by the names missing, and nothing changes."""
 
 
 class CommitWeightsReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
