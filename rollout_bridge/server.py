@@ -67,7 +67,6 @@ class ServerState:
     host: str = "127.0.0.1"
     port: int = 0
     health_timeout_s: float = 30.0
-    paused: bool = False
     staged: Any = None
     """The weight transfer being received (``weights_api``)."""
     held: Any = None
@@ -98,6 +97,12 @@ class ServerState:
     """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
     ``--incremental-streaming-output``); without it every event repeats the answer so far, as
     stock SGLang does by default."""
+
+    @property
+    def paused(self) -> bool:
+        """The engine is paused (by ``/pause_generation``, or for a commit's swap): the engine's
+        own state, so that it cannot disagree with what the engine does."""
+        return self.engine.paused is not None
 
     def label_of(self, version: int) -> str:
         return self.labels.get(version, self.weight_version)
@@ -499,14 +504,12 @@ async def pause_generation(request: web.Request) -> web.Response:
     st = request.app[STATE]
     req = P.decode(await request.read(), P.PauseGenerationReqInput)
     await st.engine.pause(req.mode)
-    st.paused = True
     return json_response({"success": True, "message": f"Generation paused ({req.mode})."})
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     st = request.app[STATE]
     await st.engine.resume()
-    st.paused = False
     return json_response({"success": True, "message": "Generation continued."})
 
 

@@ -163,6 +163,9 @@ class Engine:
         self._error: BaseException | None = None
         self._dead_waiters: list[asyncio.Future] = []
         self._update_lock: asyncio.Lock | None = None
+        self._pause_lock: asyncio.Lock | None = None
+        """Held by ``pause`` (while it waits for the steps in flight) and ``resume``: the two
+        run in the order they were called, so a resume is never undone by the pause before it."""
         self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
                       "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0,
@@ -245,7 +248,7 @@ class Engine:
         if self._running:
             return
         self._running = True
-        self._update_lock = asyncio.Lock()
+        self._update_lock, self._pause_lock = asyncio.Lock(), asyncio.Lock()
         for lane in self._lanes:
             lane.lock, lane.wake = asyncio.Lock(), asyncio.Event()
             lane.task = asyncio.create_task(self._loop(lane), name=f"engine-lane-{lane.index}")
@@ -347,6 +350,10 @@ class Engine:
         recompute their KV and continue; ``in_place``: slots and KV stay as they are."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        async with self._pause_lock or contextlib.nullcontext():
+            await self._pause(mode)
+
+    async def _pause(self, mode: str) -> None:
         if self._paused is None:
             self._paused_at = time.perf_counter()
         self._paused = mode
@@ -361,10 +368,12 @@ class Engine:
                     self._waiting.move_to_end(seq.stream_id, last=False)
 
     async def resume(self) -> None:
-        if self._paused is not None:
-            self.stats["paused_seconds"] += time.perf_counter() - self._paused_at
-        self._paused = None
-        self._wake_all()
+        """Step again; a ``pause`` still waiting for the steps in flight finishes first."""
+        async with self._pause_lock or contextlib.nullcontext():
+            if self._paused is not None:
+                self.stats["paused_seconds"] += time.perf_counter() - self._paused_at
+            self._paused = None
+            self._wake_all()
 
     async def update_weights(self, tensors: dict[str, np.ndarray] | None = None, *, model_dir: str | None = None,
                              stage: WeightStage | None = None, version: int) -> None:
