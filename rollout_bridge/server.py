@@ -397,20 +397,48 @@ async def health(request: web.Request) -> web.Response:
     return _unhealthy(request.app[STATE]) or web.Response(text="")
 
 
+HEALTH_POLL_S = 0.05
+"""How often ``/health_generate`` looks at the engine's generated-token count while its probe waits."""
+
+
 async def health_generate(request: web.Request) -> web.Response:
-    """Healthy when the engine produces one token within the timeout (or is paused on purpose)."""
+    """Healthy when the engine generates within the timeout: its probe's token, or any token
+    (SGLang counts any progress, so a busy server whose probe waits behind the load, or is
+    refused by a full queue, is not evicted); or when it is paused on purpose."""
     st = request.app[STATE]
     if (bad := _unhealthy(st)) is not None:
         return bad
     if st.paused:
         return web.Response(text="")
+    e = st.engine
     probe = GenerateRequest(input_ids=[0], sampling=EngineSamplingParams(max_new_tokens=1, temperature=0.0),
                             rid=f"health-{uuid.uuid4().hex}", return_logprob=False)
+    start, deadline = e.stats["generated_tokens"], time.monotonic() + st.health_timeout_s
+    task = asyncio.ensure_future(e.generate(probe))  # cancelling it aborts the probe
+    refused = False
     try:
-        await asyncio.wait_for(st.engine.generate(probe), st.health_timeout_s)
-    except Exception as e:
-        return _error(503, f"engine did not generate: {type(e).__name__}: {e}")
-    return web.Response(text="")
+        while True:
+            if task.done() and not refused:
+                try:
+                    checked(task.result())
+                    return web.Response(text="")
+                except QueueFullError:  # busy: progress decides
+                    refused = True
+                except Exception as err:  # the engine failed the probe
+                    return _error(503, f"engine did not generate: {type(err).__name__}: {err}")
+            if e.stats["generated_tokens"] > start:
+                return web.Response(text="")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = "its probe was refused (full queue)" if refused else "its probe waits"
+                return _error(503, f"engine generated nothing in {st.health_timeout_s:g}s ({why})")
+            if refused:
+                await asyncio.sleep(min(HEALTH_POLL_S, left))
+            else:
+                await asyncio.wait({task}, timeout=min(HEALTH_POLL_S, left))
+    finally:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no warning
 
 
 async def get_model_info(request: web.Request) -> web.Response:
