@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -591,17 +592,19 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     app.on_cleanup.append(weights_api.drop_staged)
     if manage_engine:
         tasks: list[asyncio.Task] = []
+        stopping = threading.Event()
 
         async def _start(app: web.Application) -> None:
             if warmup:
                 st.ready = False
-                tasks.append(asyncio.create_task(_warm_then_start(st), name="engine-warmup"))
+                tasks.append(asyncio.create_task(_warm_then_start(st, stopping), name="engine-warmup"))
             else:
                 await engine.start()
 
         async def _stop(app: web.Application) -> None:
-            for task in tasks:
-                task.cancel()
+            # The compile runs in a thread, which a cancel would not stop (and the process could
+            # not exit before it ended): it stops after the shape in hand, and is waited for.
+            stopping.set()
             await asyncio.gather(*tasks, return_exceptions=True)
             await engine.stop()
 
@@ -610,15 +613,19 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
     return app
 
 
-async def _warm_then_start(st: ServerState) -> None:
+async def _warm_then_start(st: ServerState, stopping: threading.Event) -> None:
     t0 = time.perf_counter()
     try:
-        shapes = await asyncio.to_thread(st.engine.warmup)
+        shapes = await asyncio.to_thread(st.engine.warmup, stopping)
     except Exception as e:
         log.exception("start-up compilation failed")
         st.warmup = {"error": f"{type(e).__name__}: {e}"}
         return
     st.warmup = {"shapes": shapes, "seconds": round(time.perf_counter() - t0, 2)}
+    if stopping.is_set():
+        st.warmup["stopped"] = True
+        log.info("stopped compiling after %d of %d step shapes: shutting down", shapes, len(st.engine.step_shapes()))
+        return
     await st.engine.start()
     st.ready = True
     log.info("compiled %d step shapes in %.1f s: ready", shapes, st.warmup["seconds"])

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -469,14 +470,17 @@ class Engine:
         """Every compiled-step shape the scheduler can ask for (``steps.step_shapes``)."""
         return step_shapes(self.cfg, self.lane_slots)
 
-    def warmup(self) -> int:
+    def warmup(self, stop: threading.Event | None = None) -> int:
         """Compile every step shape before serving, by running each once on padding (rows that
         write nowhere, or free slots); returns how many. Call before ``start()``: it uses the
-        first lane's cache, and the lanes share the compiled steps."""
+        first lane's cache, and the lanes share the compiled steps. Once ``stop`` is set (a
+        server shutting down), it returns after the shape in hand, with how many it compiled."""
         if self._running:
             raise RuntimeError("warmup() runs before start(): it steps the first lane's cache")
         lane = self._lanes[0]
-        for step, rows, length, kv_len in self.step_shapes():
+        for done, (step, rows, length, kv_len) in enumerate(self.step_shapes()):
+            if stop is not None and stop.is_set():
+                return done
             ids, zeros = np.zeros((rows, length), np.int32), np.zeros((rows,), np.int32)
             slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows: every write drops
             if step == "decode":
