@@ -202,6 +202,9 @@ class UpdateWeightsResult(msgspec.Struct, kw_only=True):
     success: bool
     message: str = ""
     weight_version: str | None = None
+    num_paused_requests: int = 0
+    """SGLang's field: requests held paused in place across the update (none here: the update
+    swaps the weights between steps, see ``weights_api``)."""
 
 
 class TensorBucketParams(msgspec.Struct, kw_only=True):

@@ -523,8 +523,9 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 async def abort_request(request: web.Request) -> web.Response:
     req = P.decode(await request.read(), P.AbortReqInput)
-    if not req.abort_all and not req.rid:
-        raise P.ProtocolError("rid", "give the rid to abort, or abort_all: true")
+    if not req.abort_all and not req.rid:  # as SGLang: nothing to abort, said in the log, not an error
+        log.warning("/abort_request without a rid nor abort_all: nothing aborted")
+        return json_response({"success": True, "num_aborted": 0})
     n = await request.app[STATE].engine.abort(req.rid or None, abort_all=req.abort_all)
     return json_response({"success": True, "num_aborted": n})
 
