@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from rollout_bridge import protocol as P
 
@@ -313,8 +313,8 @@ class ServerPool:
             if reply_headers is not None:
                 reply_headers.update(resp.headers)
         try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
+            body: Any = msgspec.json.decode(raw) if raw else None
+        except msgspec.DecodeError:  # not JSON: an error page, plain text
             body = raw.decode(errors="replace")
         return resp.status, body
 

@@ -1,6 +1,12 @@
 """The embedded server's weight endpoints: ``/update_weights_from_disk``, ``/update_weight_version``
 and our bucketed ``/update_weights_from_tensor`` with its ``/commit_weights`` (see ``protocol``).
 
+Unlike SGLang, whose update endpoints take its model-update lock and so first drain the requests
+in flight, an update here does not wait for them: they go on under the new weights from the next
+step, and their replies say which tokens each version sampled (``meta_info.weight_versions``).
+A caller that wants no answer to cross versions pauses first (``/pause_generation``, or
+``/commit_weights`` with ``pause_mode``).
+
 A new version is read and converted while the engine keeps generating and swapped in between
 steps (a bucketed transfer only once every tensor of the model arrived, unless it says
 ``partial``); it is served under the label the request names (any string, as in SGLang; none keeps the
@@ -30,7 +36,7 @@ from aiohttp import web
 
 from areal_jax.models.hf_io import CheckpointError
 from rollout_bridge import protocol as P
-from rollout_bridge.server import STATE, ServerState, json_response
+from rollout_bridge.state import STATE, ServerState, json_response
 
 log = logging.getLogger("rollout_bridge.server")
 
