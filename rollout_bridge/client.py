@@ -11,18 +11,21 @@ error (another 5xx, or an abort with a 5xx status) is re-sent at most ``max_erro
 with a doubling wait, and leaves the server in rotation.
 
 Versions: the client keeps its own record of which policy version each server holds, because it
-pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``), and
-stamps each answer segment's tokens from that record. A server's ``weight_version`` is an opaque
-label (stock SGLang says "default"): it is only compared with the labels this client pushed, to
-notice a server that went back to older weights (a restart). Such a server is kept out of rotation
-until it holds the current version again: re-loaded at once from the last disk checkpoint when
-there is one, else at the next push.
+pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``). A
+server's ``weight_version`` is an opaque label (stock SGLang says "default"): it is only compared
+with the labels this client gave that server. Each answer segment's tokens are stamped with the
+version their reply's labels prove, where the server keeps labels, else from the record; a reply
+proving older weights than the record (a restart) has that server's version checked at once.
+A server that went back to older weights is kept out of rotation until it holds the current
+version again: re-loaded at once from the last disk checkpoint when there is one, else at the
+next push.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -101,7 +104,8 @@ class HttpRolloutClient(ServerPool, RolloutClient):
 
     def __init__(self, addresses: list[str], *, api_key: str | None = None, config: ClientConfig | None = None):
         super().__init__(addresses, api_key=api_key, config=config)
-        self._cancelled: set[str] = set()
+        self._answers: dict[str, _Answer] = {}
+        """Answers being generated, by rid: what ``abort`` may stop."""
 
     async def __aenter__(self) -> HttpRolloutClient:
         await self.start()
@@ -135,18 +139,34 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         SGLang's batch form when ``batch``, else the single form for the one answer)."""
         key = answers[0].rid
         busy = errors = 0
+        taken = [a.rid for a in answers if a.rid in self._answers]
+        if taken:
+            raise RolloutError(f"request {taken[0]} is already being generated; give each request its own rid")
+        wake = asyncio.Event()  # set by ``abort``: a back-off ends early
+        for a in answers:
+            a.wake = wake
+            self._answers[a.rid] = a
         try:
-            while live := [a for a in answers if not a.done]:
+            while live := self._unfinished(answers, wake):
                 for a in live:
                     if a.attempt > self.cfg.max_resends:
                         raise RolloutError(f"request {a.rid}: gave up after {self.cfg.max_resends} re-sends")
                 # Not while this client has the servers paused: an answer sent now would run under
-                # the weights pushed before the continue, stamped with the version before them.
-                while True:
-                    await self._continued.wait()
-                    server = await self._pick(key)
-                    if self._continued.is_set():
-                        break
+                # the weights pushed before the continue, stamped with the version before them. An
+                # abort ends the wait too.
+                server = None
+                while live and server is None:
+                    if not self._continued.is_set():
+                        await _first_of(self._continued, wake)
+                    else:
+                        server = await self._pick(key)
+                        if not self._continued.is_set():
+                            server = None
+                    # aborted while paused or routing? From here to the send there is no await, so an
+                    # abort either sees the request in flight (and stops it there) or is seen here.
+                    live = self._unfinished(answers, wake)
+                if not live:
+                    break
                 parts = [a.next_part() for a in live]
                 subs = [p["rid"] for p in parts]
                 payload = parts[0] if not batch else {
@@ -171,7 +191,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     server.inflight.difference_update(subs)
                 if status == 503:  # full queue: wait and re-send, the server is fine
                     busy += 1
-                    await asyncio.sleep(_retry_after(headers, self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3)))
+                    await _sleep(wake, _retry_after(headers, self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3)))
                     self._sticky.pop(key, None)
                     continue
                 busy = 0
@@ -182,7 +202,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                 if replies is None:
                     what = (f"answered {status}: {reply_message(body)}" if status != 200 else
                             f"answered a batch of {len(subs)} with {reply_message(body)[:200]}")
-                    errors = await self._after_error(key, server, errors, what)
+                    errors = await self._after_error(key, server, errors, what, wake)
                     continue
                 failed, idle = None, 0
                 for a, reply in zip(live, replies, strict=True):
@@ -193,7 +213,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                         a.done = True
                         continue
                     code = finish.get("status_code")
-                    if a.rid in self._cancelled or (a.budget and len(a.out) >= a.budget):
+                    if a.cancelled or (a.budget and len(a.out) >= a.budget):
                         a.done = True
                     elif code is not None and 400 <= int(code) < 500:
                         raise RolloutError(f"{server.url} aborted request {a.rid}: {finish.get('message')}")
@@ -205,16 +225,27 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                         a.idle = 0 if ids else a.idle + 1
                         idle = max(idle, a.idle)
                 if failed is not None:
-                    errors = await self._after_error(key, server, errors, failed)
+                    errors = await self._after_error(key, server, errors, failed, wake)
                 elif wait := abort_backoff_s(idle):
-                    await asyncio.sleep(wait)
+                    await _sleep(wake, wait)
         finally:
             for a in answers:
                 self._sticky.pop(a.rid, None)
-                self._cancelled.discard(a.rid)
+                if self._answers.get(a.rid) is a:
+                    del self._answers[a.rid]
         return [a.result() for a in answers]
 
-    async def _after_error(self, rid: str, server: _Server, errors: int, what: str) -> int:
+    @staticmethod
+    def _unfinished(answers: list[_Answer], wake: asyncio.Event) -> list[_Answer]:
+        """The answers still to generate; those the caller aborted are finished as aborted."""
+        for a in answers:
+            if not a.done and a.cancelled:
+                a.done = True
+                a.finish = {"type": "abort", "message": "aborted by the client"}
+        wake.clear()
+        return [a for a in answers if not a.done]
+
+    async def _after_error(self, rid: str, server: _Server, errors: int, what: str, wake: asyncio.Event) -> int:
         """A server failed this request (5xx, or an abort with a 5xx status): count it, give up
         past ``max_error_resends``, else wait (doubling) and let the next attempt go round-robin.
         The server stays in rotation: one failed request does not make it dead."""
@@ -224,23 +255,38 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         log.warning("request %s: %s/generate %s; re-sending (error %d of at most %d)", rid, server.url, what,
                     errors, self.cfg.max_error_resends + 1)
         self._sticky.pop(rid, None)
-        await asyncio.sleep(min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
+        await _sleep(wake, min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
         return errors
 
     def _stamp(self, server: _Server, sent_version: int, meta: dict[str, Any], n: int) -> list[int]:
-        """Per-token versions of one reply: the version the server held when the segment was sent,
-        by the client's record. If the record moved meanwhile (a push without an abort), the
-        reply's own spans are used where their labels are ones this client gave that server."""
-        if server.version == sent_version:
-            return [sent_version] * n
+        """Per-token versions of one reply. The reply's own labels (its ``weight_versions``
+        spans, else its ``weight_version``) decide where they stand for a version this client
+        knows and the server keeps labels: a token sampled by weights older than the record (a
+        restart not noticed yet) is never stamped newer, and one sampled after a push that landed
+        mid-answer gets that push's version. Elsewhere (a server that ignores labels, a label
+        this client never gave), the version the server held when the segment was sent, by the
+        client's record. A reply whose label proves older weights than the record has the
+        server's version checked at once (``check_versions``)."""
         labels = P.span_labels(meta, n)
-        if labels is None:
+        label = meta.get("weight_version")
+        if labels is None and label is not None:
+            labels = [str(label)] * n
+        if labels is None or not server.keeps_labels:
             return [sent_version] * n
-        return [server.labels.get(lab, sent_version) if lab is not None else sent_version for lab in labels]
+        now = server.labels.get(str(label)) if label is not None else None
+        if now is not None and now < server.version:
+            self._recheck(server)
+        return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in labels]
 
     async def abort(self, rid: str) -> None:
-        """Stop one request for good: it returns what it has with an abort finish reason."""
-        self._cancelled.add(rid)
+        """Stop one request for good: it returns what it has with an abort finish reason, whether
+        it is on a server now or between two attempts (a back-off, routing). A rid not being
+        generated is ignored (nothing is kept for it)."""
+        a = self._answers.get(rid)
+        if a is None:
+            return
+        a.cancelled = True
+        a.wake.set()
         for s in self.servers:
             for sub in [r for r in s.inflight if r == rid or r.startswith(f"{rid}-r")]:
                 await self._call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
@@ -260,6 +306,22 @@ def abort_backoff_s(idle: int) -> float:
     if idle <= IMMEDIATE_IDLE_RESENDS:
         return 0.0
     return min(0.05 * 2 ** min(idle - IMMEDIATE_IDLE_RESENDS - 1, 5), 1.0)
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    """Wait until any of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+async def _sleep(wake: asyncio.Event, seconds: float) -> None:
+    """Wait ``seconds`` (a back-off), or less if ``abort`` stops an answer meanwhile."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(wake.wait(), seconds)
 
 
 def _rids_for(prompts: list[list[int]], rids: list[str] | None) -> list[str | None]:
@@ -285,7 +347,8 @@ class _Answer:
         self.text = ""
         self.finish: dict[str, Any] = {"type": "length", "length": self.budget}
         self.attempt = self.idle = 0
-        self.done = False
+        self.done = self.cancelled = False
+        self.wake: asyncio.Event | None = None
 
     def next_part(self) -> dict[str, Any]:
         """The next attempt's request: prompt + tokens so far, with the budget left."""

@@ -6,6 +6,9 @@ process and answers like ``HttpRolloutClient``: ``generate`` returns a ``Generat
 per-token versions and logprobs, an answer aborted by a pause or a weight update is re-submitted
 as prompt + tokens so far until it stops, and pause modes, continue and flush are the engine's.
 Requests are checked by the same protocol rules as over HTTP, and refused with ``RolloutError``.
+An engine error (an abort with a 5xx ``status_code``: a failed step) is not a pause: as over
+HTTP, it is re-submitted at most ``max_error_resends`` times with a doubling wait, then raises
+``RolloutError`` with the engine's message; a dead engine raises at once.
 
 Weights are handed over on device (``update_params``): the trainer's params are placed on the
 engine's shardings and cast to its dtypes, never through host memory. Two placements:
@@ -22,11 +25,13 @@ engine's shardings and cast to its dtypes, never through host memory. Two placem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from areal_jax.inference.engine import PAUSE_MODES, Engine
-from areal_jax.inference.types import GenerateRequest, QueueFullError
+from areal_jax.inference.types import EngineDeadError, GenerateRequest, QueueFullError
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import protocol as P
 from rollout_bridge.client import ClientConfig, GenerateResult, RolloutClient, RolloutError
@@ -45,6 +50,26 @@ __all__ = ["LOCAL", "HandoverMetrics", "LocalRolloutClient", "build_engine", "ha
 
 LOCAL = "local"
 """The name the in-process engine goes by where an HTTP client would give a server URL."""
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """An answer being generated: the engine rid of its current segment, and whether the caller
+    aborted it (checked before every re-submission, so an abort is never lost between them)."""
+
+    sub: str | None = None
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.aborted.is_set()
+
+    async def sleep(self, seconds: float) -> None:
+        """Wait ``seconds`` (a back-off), or less if the caller aborts the answer meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.aborted.wait(), seconds)
 
 
 @dataclass
@@ -208,8 +233,7 @@ class LocalRolloutClient(RolloutClient):
         self.cfg = config or ClientConfig()
         self.manage_engine = manage_engine
         self.last_handover: HandoverMetrics | None = None
-        self._inflight: dict[str, str] = {}  # rid -> the engine rid of its current segment
-        self._cancelled: set[str] = set()
+        self._live: dict[str, _Live] = {}  # rid -> the answer being generated
 
     async def start(self) -> None:
         if self.manage_engine:
@@ -245,13 +269,19 @@ class LocalRolloutClient(RolloutClient):
         sp = self._sampling(prompt, sampling_params)
         budget = sp.max_new_tokens
         rid = rid or uuid.uuid4().hex
+        if rid in self._live:
+            raise RolloutError(f"request {rid} is already being generated; give each request its own rid")
         out: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         finish: dict[str, Any] = {"type": "length", "length": budget}
-        attempt = busy = 0
+        attempt = busy = errors = 0
+        live = self._live[rid] = _Live()
         try:
             while len(out) < budget or budget == 0:
+                if live.cancelled:  # aborted between two segments
+                    finish = {"type": "abort", "message": "aborted by the client"}
+                    break
                 if attempt > self.cfg.max_resends:
                     raise RolloutError(f"request {rid}: gave up after {self.cfg.max_resends} re-sends")
                 sub_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
@@ -261,39 +291,53 @@ class LocalRolloutClient(RolloutClient):
                     stop_token_ids=list(sp.stop_token_ids) if sp.stop_token_ids else None,
                     ignore_eos=sp.ignore_eos, seed=sp.sampling_seed), rid=sub_rid, return_logprob=True)
                 attempt += 1
-                self._inflight[rid] = sub_rid
+                live.sub = sub_rid  # admitted before the first await: an abort from now reaches it
                 try:
                     res = await self.engine.generate(req)
                 except QueueFullError:  # as a 503 over HTTP: wait and re-submit
                     busy += 1
-                    await asyncio.sleep(self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3))
+                    await live.sleep(self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3))
                     continue
+                except EngineDeadError as e:
+                    raise RolloutError(f"request {rid}: {e}") from None
                 finally:
-                    self._inflight.pop(rid, None)
+                    live.sub = None
                 busy = 0
                 out += res.output_ids
                 logprobs += res.output_logprobs
                 versions += res.output_versions
                 finish = res.finish_reason
-                # Aborted by a pause or a weight update: re-submit what we have; it waits in the
-                # engine's queue until generation continues.
-                if finish.get("type") != "abort" or rid in self._cancelled or budget == 0:
+                if finish.get("type") != "abort" or live.cancelled or budget == 0:
                     break
+                code = int(finish.get("status_code") or 0)
+                if code >= 500:  # the engine failed it: not a pause
+                    errors += 1
+                    if errors > self.cfg.max_error_resends:
+                        raise RolloutError(f"request {rid}: the local engine failed it: {finish.get('message')} "
+                                           f"(gave up after {errors} engine errors)")
+                    log.warning("request %s: the local engine failed it (%s); re-submitting (error %d of at most "
+                                "%d)", rid, finish.get("message"), errors, self.cfg.max_error_resends + 1)
+                    await live.sleep(min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
+                # Else aborted by a pause or a weight update: re-submit what we have; it waits in
+                # the engine's queue until generation continues.
             if len(out) >= budget and finish.get("type") == "abort":
                 finish = {"type": "length", "length": budget}
         finally:
-            self._cancelled.discard(rid)
+            del self._live[rid]
         if finish.get("type") == "length":
             finish = {"type": "length", "length": len(out)}
         return GenerateResult(rid=rid, input_ids=prompt, output_ids=out, output_logprobs=logprobs,
                               output_versions=versions, finish_reason=finish, resends=attempt - 1)
 
     async def abort(self, rid: str) -> None:
-        """Stop one request for good: it returns what it has with an abort finish reason."""
-        self._cancelled.add(rid)
-        sub = self._inflight.get(rid)
-        if sub is not None:
-            await self.engine.abort(sub)
+        """Stop one request for good: it returns what it has with an abort finish reason. A rid
+        not being generated is ignored (nothing is kept for it)."""
+        live = self._live.get(rid)
+        if live is None:
+            return
+        live.aborted.set()
+        if live.sub is not None:
+            await self.engine.abort(live.sub)
 
     # -- control --
 

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from areal_jax.inference.types import GenerateOutput
 from rollout_bridge import protocol as P
-from rollout_bridge.server import STATE, ServerState, checked, engine_request, stream_events
+from rollout_bridge.generate_api import engine_request, stream_events
+from rollout_bridge.state import STATE, ServerState, checked
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from rollout_bridge import protocol as P
 
@@ -122,6 +122,8 @@ class ServerPool:
         self._continued = asyncio.Event()
         """Set while the fleet is not paused by this client: generation waits on it before sending."""
         self._continued.set()
+        self._rechecks: dict[str, asyncio.Task] = {}
+        """Version checks a reply asked for (``_recheck``), by server URL."""
 
     # -- versions --
 
@@ -187,6 +189,14 @@ class ServerPool:
         s.version = held
         await self._reload(s)
         return True
+
+    def _recheck(self, s: _Server) -> None:
+        """Check ``s``'s version in the background (one check per server at a time): a reply
+        said that it serves weights older than the client's record."""
+        if s.url not in self._rechecks:
+            task = asyncio.create_task(self._check_version(s), name=f"version-check {s.url}")
+            self._rechecks[s.url] = task
+            task.add_done_callback(lambda t: self._rechecks.pop(s.url, None) and (t.cancelled() or t.exception()))
 
     async def _reload(self, s: _Server) -> None:
         """Load the last disk checkpoint into ``s`` if it is the current version."""
@@ -279,6 +289,10 @@ class ServerPool:
             self._health_task.cancel()
             await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
+        rechecks = list(self._rechecks.values())
+        for task in rechecks:
+            task.cancel()
+        await asyncio.gather(*rechecks, return_exceptions=True)
         for session in (self._session, self._gen_session):
             if session is not None:
                 await session.close()
@@ -302,8 +316,8 @@ class ServerPool:
             if reply_headers is not None:
                 reply_headers.update(resp.headers)
         try:
-            body: Any = json.loads(raw) if raw else None
-        except ValueError:
+            body: Any = msgspec.json.decode(raw) if raw else None
+        except msgspec.DecodeError:  # not JSON: an error page, plain text
             body = raw.decode(errors="replace")
         return resp.status, body
 
@@ -449,13 +463,16 @@ class ServerPool:
 
     async def push_tensor_bucket(self, payload: bytes | Sequence[bytes | memoryview], *, version: int,
                                  transfer_id: str, bucket: int, last: bool, flush_cache: bool = True,
-                                 skip: Any = (), layout: str = "hf", hold: bool = False) -> list[dict[str, Any]]:
+                                 skip: Any = (), layout: str = "hf", hold: bool = False,
+                                 partial: bool = False) -> list[dict[str, Any]]:
         """One safetensors bucket of a version (its bytes, or the pieces of them in order, as
         ``protocol.tensor_bucket_parts`` makes them) to every embedded server but those in
         ``skip`` (URLs that failed an earlier bucket of this transfer, see ``HttpBucketSink``);
         after the ``last`` one, the servers that applied it are recorded as holding ``version``.
         ``layout``: ``hf``, or ``native`` for kernels in our own layout (``protocol``). ``hold``
-        (with ``last``): the servers build the version but serve it only at ``commit_weights``."""
+        (with ``last``): the servers build the version but serve it only at ``commit_weights``.
+        ``partial`` (with ``last``): the transfer leaves some of the model's tensors out on
+        purpose; without it, a server refuses a version that lacks any."""
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
         size = sum(memoryview(p).nbytes for p in parts)
         params = {"weight_version": str(version), "transfer_id": transfer_id, "bucket": str(bucket),
@@ -464,6 +481,8 @@ class ServerPool:
             params["layout"] = layout
         if hold:
             params["hold"] = "true"
+        if partial:
+            params["partial"] = "true"
         targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/update_weights_from_tensor: no healthy server")

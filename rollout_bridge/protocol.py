@@ -23,13 +23,20 @@ Validation raises ``ProtocolError`` whose message names the field; servers answe
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from typing import Any, Literal
 
-import ml_dtypes
 import msgspec
 import numpy as np
+
+from areal_jax.models.safetensors_codec import (  # noqa: F401 - the bucket codec, re-exported for both sides
+    ST_DTYPES,
+    encode_tensor_bucket,
+    layout_nbytes,
+    safetensors_header,
+    safetensors_views,
+    tensor_bucket_parts,
+    tensor_bytes,
+)
 
 CONTEXT_UNLIMITED_TOP_K = 1 << 30
 """SGLang's spelling of "top_k disabled" in its schema; -1 means the same."""
@@ -202,6 +209,9 @@ class UpdateWeightsResult(msgspec.Struct, kw_only=True):
     success: bool
     message: str = ""
     weight_version: str | None = None
+    num_paused_requests: int = 0
+    """SGLang's field: requests held paused in place across the update (none here: the update
+    swaps the weights between steps, see ``weights_api``)."""
 
 
 class TensorBucketParams(msgspec.Struct, kw_only=True):
@@ -222,6 +232,10 @@ class TensorBucketParams(msgspec.Struct, kw_only=True):
     layout: Literal["hf", "native"] = "hf"
     """``hf``: HF tensors (``[out, in]`` weights); ``native``: the same names with our own
     ``[in, out]`` kernels, which neither side transposes. One transfer keeps one layout."""
+    partial: bool = False
+    """With ``last``: the transfer sends only some of the model's tensors on purpose (the others
+    keep their served values). Without it, a transfer whose tensors do not cover the whole model
+    is refused at its last bucket, by the names missing, and nothing changes."""
 
 
 class CommitWeightsReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -433,92 +447,7 @@ def span_labels(meta: dict[str, Any], n_tokens: int) -> list[str | None] | None:
     return out
 
 
-# --- tensor buckets -------------------------------------------------------------------------------
-
-ST_DTYPES: dict[str, Any] = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-                             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-                             "BOOL": np.bool_}
-"""safetensors dtype tags -> NumPy dtypes (bfloat16 is ``ml_dtypes.bfloat16``)."""
-
-_ST_TAGS = {np.dtype(v): k for k, v in ST_DTYPES.items()}
-
-
-def layout_nbytes(entry: tuple[str, tuple[int, ...], Any]) -> int:
-    """Bytes of one ``(name, shape, dtype)`` layout entry (``HFTensorStream.layout``)."""
-    _, shape, dtype = entry
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-
-
-def safetensors_header(layout: Iterable[tuple[str, tuple[int, ...], Any]],
-                       metadata: dict[str, str] | None = None) -> bytes:
-    """The first bytes of a safetensors buffer holding tensors of ``layout`` (name, shape, NumPy
-    dtype; bfloat16 is ``ml_dtypes.bfloat16``) back to back in that order: the header's length,
-    then the JSON header, padded so that the data starts 8-byte aligned, as the format asks."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for name, shape, dtype in layout:
-        dtype = np.dtype(dtype)
-        tag = _ST_TAGS.get(dtype.newbyteorder("="))
-        if tag is None:
-            raise ValueError(f"tensor {name!r}: dtype {dtype} has no safetensors tag")
-        nbytes = layout_nbytes((name, shape, dtype))
-        header[name] = {"dtype": tag, "shape": [int(d) for d in shape], "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    return len(head).to_bytes(8, "little") + head
-
-
-def tensor_bytes(arr: np.ndarray) -> memoryview:
-    """A view of ``arr``'s bytes in C order (copied only if it is not C-contiguous)."""
-    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-
-
-def tensor_bucket_parts(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> list[bytes | memoryview]:
-    """One bucket in safetensors layout as the pieces to send one after another, copying nothing:
-    the header, then a view of every tensor's bytes (bfloat16 arrays are ``ml_dtypes.bfloat16``)."""
-    items = [(k, np.ascontiguousarray(v)) for k, v in (tensors.items() if isinstance(tensors, dict) else tensors)]
-    head = safetensors_header((name, arr.shape, arr.dtype) for name, arr in items)
-    return [head, *(tensor_bytes(arr) for _, arr in items)]
-
-
-def encode_tensor_bucket(tensors: dict[str, np.ndarray] | list[tuple[str, np.ndarray]]) -> bytes:
-    """One bucket as safetensors bytes, copied once (the library's ``save`` copies twice)."""
-    return b"".join(tensor_bucket_parts(tensors))
-
-
-def safetensors_views(buffer: Any) -> dict[str, np.ndarray]:
-    """The tensors of a buffer in safetensors layout (8-byte little-endian header length, JSON
-    header, raw little-endian data) as views into it: bytes, a memoryview or a memory-mapped file.
-    ``safetensors.numpy.load`` cannot read BF16, so the format is read here.
-
-    Raises ``ValueError`` naming what is wrong: too short, a bad header, a dtype not in
-    ``ST_DTYPES``, offsets that do not hold the tensor's shape."""
-    raw = buffer.view(np.uint8) if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, np.uint8)
-    if raw.size < 8:
-        raise ValueError(f"{raw.size} bytes is too short for a safetensors buffer")
-    n = int(raw[:8].view("<u8")[0])
-    if n > raw.size - 8:
-        raise ValueError(f"not a safetensors buffer: header of {n} bytes in {raw.size} bytes")
-    try:
-        header = json.loads(raw[8:8 + n].tobytes())
-    except ValueError as e:
-        raise ValueError(f"not a safetensors buffer: bad JSON header ({e})") from None
-    data, out = raw[8 + n:], {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise ValueError(f"tensor {name!r}: dtype {info.get('dtype')!r} is not supported; "
-                             f"use one of {sorted(ST_DTYPES)}")
-        start, end = info["data_offsets"]
-        shape = tuple(info["shape"])
-        if not 0 <= start <= end <= data.size or end - start != int(np.prod(shape)) * np.dtype(dtype).itemsize:
-            raise ValueError(f"tensor {name!r}: offsets {[start, end]} do not hold shape {list(shape)}")
-        out[name] = data[start:end].view(np.dtype(dtype).newbyteorder("<")).reshape(shape)
-    return out
-
+# --- tensor buckets (the codec itself: ``areal_jax.models.safetensors_codec``) ---------------------
 
 def decode_tensor_bucket(body: bytes) -> dict[str, np.ndarray]:
     """A pushed bucket's safetensors bytes -> arrays (views into ``body``)."""

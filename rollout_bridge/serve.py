@@ -12,8 +12,11 @@ the health checks; ``--weight-roots`` bounds where ``/update_weights_from_disk``
 ``--max-request-bytes`` / ``--max-weight-bucket-bytes`` bound request bodies (413 past them) and
 ``--weight-transfer-timeout`` drops a bucketed weight push that stops half-way.
 
-SIGTERM shuts it down cleanly (requests in flight are answered with what they have). Started by
-a ``ServerFleet`` (``AREAL_JAX_PARENT_PID`` set), it also shuts down so once its parent is gone.
+SIGTERM shuts it down cleanly (requests in flight are answered with what they have), in every
+phase, the start-up compilation included. Started by a ``ServerFleet`` (``AREAL_JAX_PARENT_PID``
+set), it also shuts down so once its parent is gone. If its engine dies (a lane whose KV cache
+cannot be re-allocated after a failed step), it answers 503 on ``/health``, fails its requests,
+and exits with status 1 so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -203,11 +207,20 @@ async def watch_parent(parent: int, stop: asyncio.Event, interval_s: float = 1.0
         await asyncio.sleep(interval_s)
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Load the model and serve it until SIGTERM, cancellation, or the death of the fleet that
-    started it."""
+DEAD_ENGINE_EXIT_CODE = 1
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Load the model and serve it until SIGTERM, cancellation, the death of the fleet that
+    started it, or the death of its engine; returns the exit status (0, or
+    ``DEAD_ENGINE_EXIT_CODE`` when the engine died)."""
     parent = parent_pid()
     app, engine = build(args)
+    return await serve_app(app, engine, args, parent)
+
+
+async def serve_app(app: Any, engine: Any, args: argparse.Namespace, parent: int | None = None) -> int:
+    """Serve ``app`` over ``engine`` (``build``) as ``serve`` does; returns the exit status."""
     cfg = engine.cfg
     runner, bound = await start_server(app, args.host, args.port)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -227,12 +240,21 @@ async def serve(args: argparse.Namespace) -> None:
     with contextlib.suppress(NotImplementedError):  # SIGTERM (a launcher stopping us) shuts down cleanly
         loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     watchdog = asyncio.create_task(watch_parent(parent, stop)) if parent is not None else None
+    dead = asyncio.create_task(engine.wait_dead())
+    dead.add_done_callback(lambda _: stop.set())
     try:
         await stop.wait()
     finally:
         if watchdog is not None:
             watchdog.cancel()
+        if not dead.done():
+            dead.cancel()
         await runner.cleanup()  # answers the requests in flight with their partial output first
+    if dead.done() and not dead.cancelled():
+        log.error("the engine is dead (%r): exiting with status %d so that it is restarted", dead.result(),
+                  DEAD_ENGINE_EXIT_CODE)
+        return DEAD_ENGINE_EXIT_CODE
+    return 0
 
 
 def run_server(argv: list[str] | argparse.Namespace | None = None) -> None:
@@ -240,9 +262,11 @@ def run_server(argv: list[str] | argparse.Namespace | None = None) -> None:
     args = argv if isinstance(argv, argparse.Namespace) else parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        asyncio.run(serve(args))
+        code = asyncio.run(serve(args))
     except KeyboardInterrupt:
-        pass
+        code = 0
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
 """The embedded server's weight endpoints: ``/update_weights_from_disk``, ``/update_weight_version``
 and our bucketed ``/update_weights_from_tensor`` with its ``/commit_weights`` (see ``protocol``).
 
+Unlike SGLang, whose update endpoints take its model-update lock and so first drain the requests
+in flight, an update here does not wait for them: they go on under the new weights from the next
+step, and their replies say which tokens each version sampled (``meta_info.weight_versions``).
+A caller that wants no answer to cross versions pauses first (``/pause_generation``, or
+``/commit_weights`` with ``pause_mode``).
+
 A new version is read and converted while the engine keeps generating and swapped in between
-steps; it is served under the label the request names (any string, as in SGLang; none keeps the
+steps (a bucketed transfer only once every tensor of the model arrived, unless it says
+``partial``); it is served under the label the request names (any string, as in SGLang; none keeps the
 current label) while the engine counts updates in its own integer version. A load that fails
 answers ``success: false`` with HTTP 400 and the old weights keep serving.
 
@@ -29,7 +36,7 @@ from aiohttp import web
 
 from areal_jax.models.hf_io import CheckpointError
 from rollout_bridge import protocol as P
-from rollout_bridge.server import STATE, ServerState, json_response
+from rollout_bridge.state import STATE, ServerState, json_response
 
 log = logging.getLogger("rollout_bridge.server")
 
@@ -248,6 +255,12 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             log.warning("weight update to %r failed: %s", label, e)
             return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
                                                        weight_version=st.weight_version), 400)
+        missing = staged.stage.missing()
+        if missing and not q.partial:  # a version is every tensor, or says it is not
+            return json_response(P.UpdateWeightsResult(
+                success=False, message=f"{len(missing)} tensors missing from transfer {q.transfer_id!r} (e.g. "
+                f"{missing[:3]}); send every tensor, or mark a partial update with partial=true; transfer dropped",
+                weight_version=st.weight_version), 400)
         if q.hold:
             try:
                 state = await st.engine.prepare_weights(stage=staged.stage)

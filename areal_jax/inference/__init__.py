@@ -3,11 +3,12 @@
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.types import (
     DuplicateRequestError,
+    EngineDeadError,
     GenerateOutput,
     GenerateRequest,
     QueueFullError,
     SamplingParams,
 )
 
-__all__ = ["DuplicateRequestError", "Engine", "EngineConfig", "GenerateOutput", "GenerateRequest", "QueueFullError",
-           "SamplingParams"]
+__all__ = ["DuplicateRequestError", "Engine", "EngineConfig", "EngineDeadError", "GenerateOutput", "GenerateRequest",
+           "QueueFullError", "SamplingParams"]

@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -36,7 +37,13 @@ from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps, share_rows, step_shapes
-from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest, QueueFullError
+from areal_jax.inference.types import (
+    DuplicateRequestError,
+    EngineDeadError,
+    GenerateOutput,
+    GenerateRequest,
+    QueueFullError,
+)
 from areal_jax.inference.weights import WeightStage, check_swappable, new_state
 from areal_jax.models.decoder import Decoder, KVCache
 from sharding import activate, logical_to_sharding
@@ -154,7 +161,12 @@ class Engine:
         self._counter = itertools.count(1)
         self._paused: str | None = None
         self._running = False
+        self._error: BaseException | None = None
+        self._dead_waiters: list[asyncio.Future] = []
         self._update_lock: asyncio.Lock | None = None
+        self._pause_lock: asyncio.Lock | None = None
+        """Held by ``pause`` (while it waits for the steps in flight) and ``resume``: the two
+        run in the order they were called, so a resume is never undone by the pause before it."""
         self.stats = {"prefill_calls": 0, "prefill_chunks": 0, "decode_calls": 0, "decode_steps": 0, "decode_tokens": 0,
                       "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0,
@@ -201,9 +213,30 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        """Started, not stopped, and every lane's loop still running (a failed step does not end
-        a loop; only a bug would)."""
-        return self._running and all(lane.task is not None and not lane.task.done() for lane in self._lanes)
+        """Started, not stopped, and able to generate: every lane's loop still running. A failed
+        step does not end a loop (its requests fail and the lane gets a fresh cache); a lane
+        whose fresh cache cannot be allocated either, or a bug, ends it and the engine is dead
+        (``error``)."""
+        return (self._running and self._error is None
+                and all(lane.task is not None and not lane.task.done() for lane in self._lanes))
+
+    @property
+    def error(self) -> BaseException | None:
+        """What killed the engine (see ``alive``); None while it can generate."""
+        return self._error
+
+    async def wait_dead(self) -> BaseException:
+        """Return once the engine is dead (a server exits then, so that it is restarted), with
+        what killed it."""
+        if self._error is None:  # a future, not an Event: it may be awaited before start()
+            waiter = asyncio.get_running_loop().create_future()
+            self._dead_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                self._dead_waiters.remove(waiter)
+        assert self._error is not None
+        return self._error
 
     @property
     def paused(self) -> str | None:
@@ -216,10 +249,11 @@ class Engine:
         if self._running:
             return
         self._running = True
-        self._update_lock = asyncio.Lock()
+        self._update_lock, self._pause_lock = asyncio.Lock(), asyncio.Lock()
         for lane in self._lanes:
             lane.lock, lane.wake = asyncio.Lock(), asyncio.Event()
             lane.task = asyncio.create_task(self._loop(lane), name=f"engine-lane-{lane.index}")
+            lane.task.add_done_callback(self._lane_ended)
 
     async def stop(self) -> None:
         """Finish the steps in flight, abort every request, and end the lane loops."""
@@ -231,9 +265,8 @@ class Engine:
             for task in tasks:
                 task.cancel()
             self._abort_where(lambda s: True, "engine stopped")
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # a lane that died has said so (``error``, the log): stopping is not the place to raise it
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @contextlib.asynccontextmanager
     async def _all_lanes(self) -> AsyncIterator[None]:
@@ -252,6 +285,8 @@ class Engine:
     def _admit(self, req: GenerateRequest, streaming: bool) -> _Seq:
         if not self._running:
             raise RuntimeError("Engine.start() has not been awaited")
+        if self._error is not None:
+            raise EngineDeadError(f"the engine is dead: {self._error!r}")
         if req.rid in self._live:
             raise DuplicateRequestError(f"rid {req.rid!r} is already waiting or running; give each request its own rid")
         cap = self.cfg.max_queued_requests
@@ -316,6 +351,10 @@ class Engine:
         recompute their KV and continue; ``in_place``: slots and KV stay as they are."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        async with self._pause_lock or contextlib.nullcontext():
+            await self._pause(mode)
+
+    async def _pause(self, mode: str) -> None:
         if self._paused is None:
             self._paused_at = time.perf_counter()
         self._paused = mode
@@ -330,10 +369,12 @@ class Engine:
                     self._waiting.move_to_end(seq.stream_id, last=False)
 
     async def resume(self) -> None:
-        if self._paused is not None:
-            self.stats["paused_seconds"] += time.perf_counter() - self._paused_at
-        self._paused = None
-        self._wake_all()
+        """Step again; a ``pause`` still waiting for the steps in flight finishes first."""
+        async with self._pause_lock or contextlib.nullcontext():
+            if self._paused is not None:
+                self.stats["paused_seconds"] += time.perf_counter() - self._paused_at
+            self._paused = None
+            self._wake_all()
 
     async def update_weights(self, tensors: dict[str, np.ndarray] | None = None, *, model_dir: str | None = None,
                              stage: WeightStage | None = None, version: int) -> None:
@@ -429,14 +470,17 @@ class Engine:
         """Every compiled-step shape the scheduler can ask for (``steps.step_shapes``)."""
         return step_shapes(self.cfg, self.lane_slots)
 
-    def warmup(self) -> int:
+    def warmup(self, stop: threading.Event | None = None) -> int:
         """Compile every step shape before serving, by running each once on padding (rows that
         write nowhere, or free slots); returns how many. Call before ``start()``: it uses the
-        first lane's cache, and the lanes share the compiled steps."""
+        first lane's cache, and the lanes share the compiled steps. Once ``stop`` is set (a
+        server shutting down), it returns after the shape in hand, with how many it compiled."""
         if self._running:
             raise RuntimeError("warmup() runs before start(): it steps the first lane's cache")
         lane = self._lanes[0]
-        for step, rows, length, kv_len in self.step_shapes():
+        for done, (step, rows, length, kv_len) in enumerate(self.step_shapes()):
+            if stop is not None and stop.is_set():
+                return done
             ids, zeros = np.zeros((rows, length), np.int32), np.zeros((rows,), np.int32)
             slots = np.full((rows,), self.lane_slots, np.int32)  # padding rows: every write drops
             if step == "decode":
@@ -565,7 +609,21 @@ class Engine:
                     log.exception("engine step failed (lane %d)", lane.index)
                     self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}", status_code=500)
                     lane.cache = lane.slot_state = None  # free the old cache before the new one
-                    lane.cache, lane.slot_state = self._fresh_cache()
+                    lane.cache, lane.slot_state = self._fresh_cache()  # raising here ends the lane
+
+    def _lane_ended(self, task: asyncio.Task) -> None:
+        """A lane's loop ends only when ``stop`` cancels it; anything else kills the engine: every
+        request fails now (HTTP 500 at a server) and new ones are refused, rather than waiting
+        for a lane that is gone."""
+        if task.cancelled() or not self._running or self._error is not None:
+            return
+        err = task.exception() or RuntimeError(f"{task.get_name()} ended")
+        log.critical("engine dead: %s: %r", task.get_name(), err, exc_info=err)
+        self._error = err
+        self._abort_where(lambda s: True, f"engine dead: {err!r}", status_code=500)
+        for waiter in self._dead_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _take_prefill_batch(self, lane: _Lane) -> list[_Seq]:
         """Waiting requests for one prefill: the oldest, then, in arrival order, those that fit

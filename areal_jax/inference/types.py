@@ -88,3 +88,9 @@ class QueueFullError(RuntimeError):
 
 class DuplicateRequestError(ValueError):
     """A request with this rid is already waiting or running (SGLang refuses it with a 400)."""
+
+
+class EngineDeadError(RuntimeError):
+    """A lane of the engine failed for good (say, its KV cache could not be re-allocated after a
+    failed step): it takes no more requests, and a server over it reports unhealthy and exits so
+    that a supervisor restarts it."""

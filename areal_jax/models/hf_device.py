@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
-from rollout_bridge.protocol import safetensors_views
+from areal_jax.models.safetensors_codec import safetensors_views
 
 
 def _swap_last_two(x: jax.Array) -> jax.Array:
@@ -105,7 +105,7 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as read-only views of the file mapped into memory.
 
     Raises ``ValueError``, naming the file, for one that is not a safetensors file (see
-    ``rollout_bridge.protocol.safetensors_views``)."""
+    ``safetensors_codec.safetensors_views``)."""
     try:
         return safetensors_views(np.memmap(path, dtype=np.uint8, mode="r"))
     except ValueError as e:

@@ -25,7 +25,7 @@ from safetensors.numpy import save_file
 
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import TOKENIZER_FILES, iter_hf_tensors
-from rollout_bridge.protocol import layout_nbytes, safetensors_header, tensor_bytes
+from areal_jax.models.safetensors_codec import layout_nbytes, safetensors_header, tensor_bytes
 
 
 def write_safetensors_shards(

@@ -124,7 +124,7 @@ def _stock_sglang(sgl: Any, abort_first: int, adopts_labels: bool = False) -> we
         reply = sgl.GenerateResponse(text="x" * n, output_ids=ids, meta_info=sgl.GenerateMetaInfo(
             id=req.rid, prompt_tokens=len(req.input_ids), completion_tokens=n, finish_reason=finish,
             output_token_logprobs=[sgl.LogprobEntry(logprob=-0.5, token_id=t) for t in ids],
-            e2e_latency=0.01, weight_version="default"))
+            e2e_latency=0.01, weight_version=server["label"]))  # SGLang: the label it serves now
         return web.json_response(reply.to_json_value())
 
     async def model_info(request: web.Request) -> web.Response:
