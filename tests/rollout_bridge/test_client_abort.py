@@ -40,7 +40,9 @@ def test_an_abort_of_a_rid_not_being_generated_is_not_kept(tiny_dir: Path) -> No
         async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
                 HttpRolloutClient([addr], config=ClientConfig(health_interval_s=3600)) as client:
             await client.abort("y")  # nothing to stop: ignored
-            await client.pause()
+            # The server paused by another hand (this client sends nothing while it has the
+            # servers paused itself): the request reaches it and waits there.
+            await engine.pause("in_place")
             task = asyncio.create_task(client.generate([3, 4], SP, rid="y"))
             while not engine.num_waiting:  # sent: it waits on the paused server
                 await asyncio.sleep(0.01)
