@@ -249,7 +249,7 @@ def _stock_sglang_app(sgl: Any, engine: Engine) -> web.Application:
         sp = req.sampling_params
         out = await engine.generate(GenerateRequest(list(req.input_ids), SamplingParams(
             max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, ignore_eos=sp.ignore_eos),
-            rid=req.rid, return_logprob=True))
+            rid=req.rid))
         finish = out.finish_reason
         reason = (sgl.FinishAbort(message=finish["message"]) if finish["type"] == "abort" else
                   sgl.FinishLength(length=finish["length"]))
