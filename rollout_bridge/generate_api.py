@@ -45,8 +45,7 @@ def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
         esp.validate(engine.vocab_size)
     except ValueError as e:
         raise P.ProtocolError("sampling_params", str(e)) from None
-    return GenerateRequest(input_ids=list(req.input_ids), sampling=esp, rid=req.rid or uuid.uuid4().hex,
-                           return_logprob=req.return_logprob)
+    return GenerateRequest(input_ids=list(req.input_ids), sampling=esp, rid=req.rid or uuid.uuid4().hex)
 
 
 def _token_text(st: ServerState, req: P.GenerateReqInput) -> Any:

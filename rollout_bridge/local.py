@@ -289,7 +289,7 @@ class LocalRolloutClient(RolloutClient):
                     max_new_tokens=budget - len(out), temperature=sp.temperature, top_p=sp.top_p,
                     top_k=-1 if sp.top_k >= P.CONTEXT_UNLIMITED_TOP_K else sp.top_k,
                     stop_token_ids=list(sp.stop_token_ids) if sp.stop_token_ids else None,
-                    ignore_eos=sp.ignore_eos, seed=sp.sampling_seed), rid=sub_rid, return_logprob=True)
+                    ignore_eos=sp.ignore_eos, seed=sp.sampling_seed), rid=sub_rid)
                 attempt += 1
                 live.sub = sub_rid  # admitted before the first await: an abort from now reaches it
                 try:

@@ -155,7 +155,7 @@ async def health_generate(request: web.Request) -> web.Response:
         return web.Response(text="")
     e = st.engine
     probe = GenerateRequest(input_ids=[0], sampling=EngineSamplingParams(max_new_tokens=1, temperature=0.0),
-                            rid=f"health-{uuid.uuid4().hex}", return_logprob=False)
+                            rid=f"health-{uuid.uuid4().hex}")
     start, deadline = e.stats["generated_tokens"], time.monotonic() + st.health_timeout_s
     task = asyncio.ensure_future(e.generate(probe))  # cancelling it aborts the probe
     refused = False

@@ -4,13 +4,11 @@ Arrays in, arrays and a stats dict out; no I/O and no globals, so everything her
 """
 
 from areal_jax.algo.advantages import (
-    broadcast_to_tokens,
     dr_grpo_advantages,
     gae_advantages,
     grpo_advantages,
     normalize_advantages,
     overlong_penalty,
-    reinforce_pp_advantages,
     rloo_advantages,
     shape_rewards,
     terminal_token_rewards,
@@ -24,7 +22,6 @@ __all__ = [
     "AlgoConfig",
     "OverlongPenalty",
     "approx_proximal_logprobs",
-    "broadcast_to_tokens",
     "clipped_value_loss",
     "compute_advantages",
     "decoupled_ppo_loss",
@@ -38,7 +35,6 @@ __all__ = [
     "normalize_advantages",
     "overlong_penalty",
     "ppo_loss_kwargs",
-    "reinforce_pp_advantages",
     "rloo_advantages",
     "shape_rewards",
     "terminal_token_rewards",

@@ -65,17 +65,6 @@ def rloo_advantages(rewards: jax.Array, group_size: int | None = None) -> jax.Ar
     return (g - baseline).reshape(jnp.shape(rewards))
 
 
-def reinforce_pp_advantages(
-    token_rewards: jax.Array, loss_mask: jax.Array, *, gamma: float = 1.0, eps: float = 1e-5,
-    unbiased: bool = True,
-) -> jax.Array:
-    """REINFORCE++: the (discounted) reward-to-go of each token, whitened over the batch's masked
-    tokens, ``(A - mean) / (std + eps)``, not over sequences: a long answer weighs by its tokens.
-    No group baseline: the batch statistics are the baseline."""
-    to_go, _ = gae_advantages(token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=gamma, gae_lambda=1.0)
-    return normalize_advantages(to_go, loss_mask, eps, unbiased=unbiased)
-
-
 def gae_advantages(
     token_rewards: jax.Array,
     values: jax.Array,
@@ -165,12 +154,6 @@ def normalize_advantages(
     sq = (jnp.square(advantages - mean) * mask).sum()
     var = sq / jnp.maximum(count - 1.0, 1.0) if unbiased else sq / count
     return (advantages - mean) / (jnp.sqrt(var) + eps) * mask
-
-
-def broadcast_to_tokens(seq_advantages: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    """``[batch]`` sequence advantages onto ``[batch, tokens]``, 0 off the mask."""
-    mask = jnp.asarray(loss_mask)
-    return jnp.reshape(seq_advantages, (-1, 1)).astype(jnp.float32) * mask.astype(jnp.float32)
 
 
 def terminal_token_rewards(seq_rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:

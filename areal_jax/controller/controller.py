@@ -41,9 +41,6 @@ class Group:
 
     row_id: str
     trajectories: list[Trajectory]
-    submit_version: int
-    seconds: float
-    """Wall time of the episode."""
     serial: int = -1
     """Submission order, unique within a run; pending prompts are tracked by it."""
 
@@ -210,7 +207,7 @@ class RolloutController:
                 self.rule.on_submit()
                 serial, self._serial = self._serial, self._serial + 1
                 self._pending[serial] = row
-                task = asyncio.create_task(self._run_episode(row, self.rule.version, serial))
+                task = asyncio.create_task(self._run_episode(row, serial))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
         except asyncio.CancelledError:
@@ -250,14 +247,13 @@ class RolloutController:
         self._resubmit = [rows_by_id[i] for i in state["pending"]]
         self.counters = ControllerCounters(**state["counters"])
 
-    async def _run_episode(self, row: Any, version: int, serial: int = -1) -> None:
-        t0 = time.perf_counter()
+    async def _run_episode(self, row: Any, serial: int = -1) -> None:
         accepted = False
         try:
             trajs = await self.workflow(self.client, row)
             if not isinstance(trajs, list) or not all(isinstance(t, Trajectory) for t in trajs):
                 raise WorkflowError(f"the workflow returned {type(trajs).__name__}, not a list of Trajectory")
-            group = Group(getattr(row, "id", "?"), trajs, version, time.perf_counter() - t0, serial)
+            group = Group(getattr(row, "id", "?"), trajs, serial)
             self.counters.generated_tokens += group.generated_tokens if trajs else 0
             if not trajs:
                 self._fail(row, "the episode produced no trajectory (every answer empty)")

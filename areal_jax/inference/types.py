@@ -54,8 +54,6 @@ class GenerateRequest:
     input_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    return_logprob: bool = False
-    """Kept for the server's reply format; the engine always computes logprobs."""
 
 
 @dataclass

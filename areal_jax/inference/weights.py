@@ -76,12 +76,9 @@ class WeightStage:
         """HF names not received yet."""
         return sorted(set(self._specs) - self.received)
 
-    def finish(self, *, complete: bool = False) -> nnx.State:
+    def finish(self) -> nnx.State:
         """The staged model's state: parameters only partly received keep the served values of the
-        layers not sent. With ``complete``, every tensor must have arrived."""
-        if complete and self.missing():
-            missing = self.missing()
-            raise CheckpointError(f"{len(missing)} tensors missing, e.g. {missing[:3]}")
+        layers not sent (callers that need every tensor check ``missing()`` first)."""
         rest = {name: arr for waiting in self._waiting.values() for name, arr in waiting.items()}
         self._waiting.clear()
         if rest:

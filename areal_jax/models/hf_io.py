@@ -118,10 +118,6 @@ def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]]) -> list[list[HFP
     return out
 
 
-def _param_paths(state: nnx.State) -> list[tuple[Any, ...]]:
-    return [tuple(p) for p, _ in nnx.to_flat_state(state)]
-
-
 # --- reading ----------------------------------------------------------------------------------
 
 def _weight_files(model_dir: Path) -> dict[str, Path]:

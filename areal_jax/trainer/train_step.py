@@ -211,8 +211,6 @@ class Trainer:
         writes the new params to new buffers, and these stay valid until the reader drops them."""
         return self.policy.lend()
 
-    params_for_streaming = model
-
     def critic(self) -> Critic | None:
         """The current critic (None without one); shares buffers like ``model()``."""
         return None if self.critic_learner is None else self.critic_learner.module()

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+
 from areal_jax.models import load_pretrained, load_tokenizer
 
 
@@ -27,5 +29,18 @@ async def running_server(model_dir: Path, *, api_key: str | None = None, num_slo
     runner, port = await start_server(app, "127.0.0.1", port, shutdown_timeout=shutdown_timeout)
     try:
         yield f"127.0.0.1:{port}", engine
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serving_app(app: web.Application) -> AsyncIterator[str]:
+    """``app`` on a free port of 127.0.0.1; yields its address."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
     finally:
         await runner.cleanup()

@@ -89,8 +89,7 @@ def test_bfloat16_engine_in_the_split_placement_samples_from_the_trainers_weight
         await engine.start()
         try:
             await engine.set_state(state, version=1)
-            res = await engine.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True),
-                                                        return_logprob=True))
+            res = await engine.generate(GenerateRequest(prompt, SamplingParams(max_new_tokens=12, ignore_eos=True)))
             return res.output_ids, res.output_logprobs
         finally:
             await engine.stop()

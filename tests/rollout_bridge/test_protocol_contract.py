@@ -8,11 +8,9 @@ these tests are skipped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from aiohttp import web
 
 from rollout_bridge import protocol as P
 from rollout_bridge.client import IMMEDIATE_IDLE_RESENDS, ClientConfig, HttpRolloutClient, abort_backoff_s
-from tests.rollout_bridge.bridge_helpers import running_server
+from tests.rollout_bridge.bridge_helpers import running_server, serving_app
 
 SCHEMA = Path(__file__).resolve().parents[2] / ".cache" / "sglang" / "api_types.py"
 
@@ -157,26 +155,13 @@ def _stock_sglang(sgl: Any, abort_first: int, adopts_labels: bool = False) -> we
     return app
 
 
-@contextlib.asynccontextmanager
-async def _serving(app: web.Application) -> AsyncIterator[str]:
-    """``app`` on a free port of 127.0.0.1; yields its address."""
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-    finally:
-        await runner.cleanup()
-
-
 def test_client_against_stock_sglang_replies(sgl: Any) -> None:
     """Label "default", no per-token versions, an aborted reply and its resume: the tokens carry
     the versions the client pushed, whatever the server calls them."""
     app = _stock_sglang(sgl, abort_first=3)
 
     async def main() -> None:
-        async with _serving(app) as addr:
+        async with serving_app(app) as addr:
             async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
                 r = await client.generate([5, 6, 7], {"max_new_tokens": 8, "temperature": 1.0})
                 assert r.output_ids == [8, 9, 10] + [11, 12, 13, 14, 15] and r.resends == 1
@@ -207,7 +192,7 @@ def test_stock_sglang_that_takes_labels_and_restarts_leaves_rotation(sgl: Any) -
     state, calls = app[SERVER], app[CALLS]
 
     async def main() -> None:
-        async with _serving(app) as addr:
+        async with serving_app(app) as addr:
             url = f"http://{addr}"
             async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10,
                                                                     health_interval_s=3600)) as client:
@@ -303,7 +288,7 @@ def test_client_batches_against_stock_sglang_replies(sgl: Any) -> None:
     app = _generate_only(generate)
 
     async def main() -> None:
-        async with _serving(app) as addr:
+        async with serving_app(app) as addr:
             async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
                 res = await client.generate_many([[5, 6, 7]] * 4, {"max_new_tokens": 6, "temperature": 1.0},
                                                  rids=["q0", "q1", "q2", "q3"])
@@ -347,7 +332,7 @@ def test_a_group_aborted_while_queued_is_resent_at_once_then_backed_off(sgl: Any
     app = _generate_only(generate)
 
     async def main() -> None:
-        async with _serving(app) as addr:
+        async with serving_app(app) as addr:
             async with HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=10)) as client:
                 res = await client.generate_many([[5, 6, 7]] * 4, {"max_new_tokens": 3}, rids=["a", "b", "c", "d"])
         assert [r.output_ids for r in res] == [[8, 9, 10]] * 4 and [r.resends for r in res] == [empty] * 4

@@ -124,7 +124,7 @@ def test_a_bfloat16_checkpoint_is_served_in_bfloat16_and_float16_on_request(tmp_
         assert {x.dtype for x in jax.tree.leaves(engine._lanes[0].cache)} == {jnp.dtype(dtype)}, flags
     prompt = [5, 17, 3, 42]
     out = generate_all(engine, [GenerateRequest(prompt, SamplingParams(max_new_tokens=6, temperature=0,
-                                                                       ignore_eos=True), return_logprob=True)])[0]
+                                                                       ignore_eos=True))])[0]
     want = reference_logprobs(load_pretrained(ckpt, dtype="float16"), prompt, out.output_ids, 0)
     np.testing.assert_allclose(out.output_logprobs, want, atol=1e-2)
 

@@ -22,9 +22,8 @@ seen), never on wall-clock windows.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from rollout_bridge.client import HttpRolloutClient
 from rollout_bridge.local import LocalRolloutClient, build_engine, split_devices
 from rollout_bridge.streamer import HttpBucketSink
 from sharding import MeshConfig, make_mesh
-from tests.rollout_bridge.bridge_helpers import running_server
+from tests.rollout_bridge.bridge_helpers import running_server, serving_app
 from tests.trainer.helpers import random_trajectories
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}
@@ -249,7 +248,7 @@ def _stock_sglang_app(sgl: Any, engine: Engine) -> web.Application:
         sp = req.sampling_params
         out = await engine.generate(GenerateRequest(list(req.input_ids), SamplingParams(
             max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, ignore_eos=sp.ignore_eos),
-            rid=req.rid, return_logprob=True))
+            rid=req.rid))
         finish = out.finish_reason
         reason = (sgl.FinishAbort(message=finish["message"]) if finish["type"] == "abort" else
                   sgl.FinishLength(length=finish["length"]))
@@ -292,18 +291,6 @@ def _stock_sglang_app(sgl: Any, engine: Engine) -> web.Application:
     return app
 
 
-@contextlib.asynccontextmanager
-async def _serving(app: web.Application) -> AsyncIterator[str]:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # noqa: SLF001
-    finally:
-        await runner.cleanup()
-
-
 @pytest.mark.slow
 def test_version_invariant_stock_sglang_stand_in(tiny_dir: Path, tmp_path: Path) -> None:
     """Stock SGLang reports no per-token versions: the client stamps each reply from the version
@@ -316,7 +303,7 @@ def test_version_invariant_stock_sglang_stand_in(tiny_dir: Path, tmp_path: Path)
     async def run() -> tuple[list[Served], dict[int, Any]]:
         await engine.start()
         try:
-            async with _serving(_stock_sglang_app(sgl, engine)) as addr, HttpRolloutClient([addr]) as client:
+            async with serving_app(_stock_sglang_app(sgl, engine)) as addr, HttpRolloutClient([addr]) as client:
                 async def push(trainer: Trainer, version: int) -> None:
                     path = await asyncio.to_thread(save_pretrained, trainer.model(), tmp_path / f"v{version}",
                                                    tokenizer_dir=tiny_dir)
@@ -346,7 +333,7 @@ def test_client_sends_nothing_while_it_has_stock_sglang_paused(tiny_dir: Path) -
     async def run() -> tuple[int, Any]:
         await engine.start()
         try:
-            async with _serving(_stock_sglang_app(sgl, engine)) as addr, HttpRolloutClient([addr]) as client:
+            async with serving_app(_stock_sglang_app(sgl, engine)) as addr, HttpRolloutClient([addr]) as client:
                 await client.pause("abort")
                 task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": 6, "ignore_eos": True}))
                 await asyncio.sleep(0.05)  # time enough to send it, had the client done so

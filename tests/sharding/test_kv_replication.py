@@ -69,7 +69,7 @@ def test_engine_greedy_on_a_wide_tensor_mesh(ckpt: Path) -> None:
     async def generate(engine):
         await engine.start()
         try:
-            outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, sp, return_logprob=True))
+            outs = await asyncio.gather(*(engine.generate(GenerateRequest(p, sp))
                                           for p in prompts))
         finally:
             await engine.stop()
