@@ -104,7 +104,7 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
                                           api_key=rollout.api_key)
             fleet = ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
                                 seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
-                                weight_roots=[Path(serve_dir).absolute().parent, Path(cfg.run_dir).absolute(),
+                                weight_roots=[Path(serve_dir).absolute().parent, _local_run_dir(cfg).absolute(),
                                               *([rollout.weights_dir] if rollout.weights_dir else [])],
                                 placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
             addresses = await asyncio.to_thread(fleet.start)
@@ -115,6 +115,13 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
     finally:
         if fleet is not None:
             fleet.stop()
+
+
+def _local_run_dir(cfg: RunConfig) -> Path:
+    """This process's own directory of the run (the run directory itself, unless it is a URL)."""
+    from areal_jax.trainer.run_dir import local_run_dir
+
+    return local_run_dir(cfg.run_dir, cfg.local_dir)
 
 
 def device_split(cfg: RunConfig) -> tuple[Any, list[Any]] | None:
@@ -145,7 +152,7 @@ def evaluate_checkpoint(cfg: RunConfig, model_path: str | Path) -> dict[str, Any
         raise ConfigError("the config's data section has no held-out split (set data.eval_path or data.eval_fraction)")
 
     async def run() -> dict[str, Any]:
-        async with open_rollout(cfg, model_path, Path(cfg.run_dir) / "logs-eval") as (client, _):
+        async with open_rollout(cfg, model_path, _local_run_dir(cfg) / "logs-eval") as (client, _):
             if cfg.rollout.backend == "servers":
                 await client.update_weights_from_disk(str(model_path), version=0)
             with RewardPool(cfg.reward) as pool:

@@ -40,7 +40,7 @@ import yaml
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
-from areal_jax.trainer.rl_steps import follow, push_weights, run_steps
+from areal_jax.trainer.rl_steps import describe_push, follow, push_weights, run_steps
 from areal_jax.trainer.run_config import RunConfig, load_run_config
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,15 @@ def check_imports(cfg: RunConfig) -> None:
 
 
 def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """The base model directory: ``model.path``, or a tiny model built in ``<run dir>/base`` (anew
-    each run, so a changed ``model`` section never meets a stale checkpoint; it takes a second)."""
+    """The base model directory: ``model.path`` (a URL is downloaded into ``<run dir>/base``), or
+    a tiny model built in ``<run dir>/base`` (anew each run, so a changed ``model`` section never
+    meets a stale checkpoint; it takes a second). ``run_dir`` is this process's own directory."""
+    from areal_jax.models.hf_write import is_url
+
+    if cfg.model.path is not None and is_url(cfg.model.path):
+        from areal_jax.trainer.run_dir import fetch_url
+
+        return fetch_url(cfg.model.path, run_dir / "base")
     if cfg.model.path is not None:
         path = Path(cfg.model.path)
         if not (path / "config.json").exists():
@@ -133,7 +140,9 @@ def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
 
 def _base_dir(cfg: RunConfig, run_dir: Path) -> Path:
     """Where ``prepare_model_dir`` puts (or finds) the base model, without building it."""
-    return Path(cfg.model.path) if cfg.model.path is not None else run_dir / "base"
+    from areal_jax.models.hf_write import is_url
+
+    return Path(cfg.model.path) if cfg.model.path is not None and not is_url(cfg.model.path) else run_dir / "base"
 
 
 def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any] | None]:
@@ -182,15 +191,18 @@ async def _train(cfg: RunConfig, resume: bool = False,
     from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.trainer import Trainer
     from areal_jax.trainer.multihost import StepHub
+    from areal_jax.trainer.run_dir import RunDir
     from sharding import initialize_distributed, make_mesh
 
     t_start = time.perf_counter()
     initialize_distributed(cfg.distributed)  # before this process uses any device
     hub = StepHub()
-    run_dir = Path(cfg.run_dir)
+    files = RunDir(cfg.run_dir, cfg.local_dir)
+    run_dir = files.local  # this process's own files; with a URL run_dir they are uploaded (files.publish)
     run_dir.mkdir(parents=True, exist_ok=True)
     if hub.leader:
         (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        files.publish("config.yaml")
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
@@ -213,14 +225,21 @@ async def _train(cfg: RunConfig, resume: bool = False,
     ckpts, meta = _open_checkpoints(cfg, resume)
     start = meta["step"] if meta is not None else 0
 
-    # A tiny model is built once, by process 0, where every process reads it (the run directory).
-    base = prepare_model_dir(cfg, run_dir) if hub.leader else _base_dir(cfg, run_dir)
+    # A tiny model is built once, by process 0, where every process reads it (the run directory);
+    # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
+    base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
     hub.barrier("base model ready")
     tokenizer = load_tokenizer(base)
     # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
     # them hold the same rows, which a warm start (trained by every process) needs.
     data = load_prompts(cfg.data if hub.processes == 1 else
                         dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
+    if meta is not None and files.remote:
+        if cfg.warm_start is not None:
+            files.fetch("warm_start")  # the KL reference, and what rollout served before the checkpoint's push
+        if hub.leader:  # the metrics go on from the checkpoint's step
+            files.fetch("metrics.jsonl")
+            files.fetch("tensorboard")
     serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
     model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
     logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
@@ -234,7 +253,9 @@ async def _train(cfg: RunConfig, resume: bool = False,
             t0 = time.perf_counter()
             sft_stats = await asyncio.to_thread(warm_start, model, cfg.warm_start, tokenizer, data.train_rows,
                                                   train=cfg.train, mesh=mesh)
-            serve_dir = save_pretrained(model, run_dir / "warm_start", tokenizer_dir=base)
+            serve_dir = save_pretrained(model, files.path("warm_start"), tokenizer_dir=base)
+            if files.remote:  # rollout serves it from this host's disk
+                serve_dir = files.fetch("warm_start") if hub.leader else run_dir / "warm_start"
             logger.write(f"warm start: {sft_stats.get('steps', '?')} supervised steps in "
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
@@ -260,7 +281,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if hub.leader:
             try:
                 await _lead(cfg, hub, trainer, serve_dir, base, mesh, tokenizer, data, workflow, logger, result,
-                            meta, start, ckpts, t_start, on_step)
+                            meta, start, ckpts, t_start, on_step, files)
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
                     log.error("process 0: the run failed (%s: %s); stopping the other processes", type(e).__name__, e)
@@ -275,7 +296,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             ckpts, closing = None, ckpts
             closing.close()
         if cfg.export:  # every process takes part in the gathers; process 0 writes
-            result.final_model = save_pretrained(trainer.model(), run_dir / "final", tokenizer_dir=base)
+            result.final_model = save_pretrained(trainer.model(), files.path("final"), tokenizer_dir=base)
         if logger.history:
             result.plot = plot_metrics(logger.history, run_dir / "curves.png", eval_before=result.eval_before)
     finally:
@@ -283,9 +304,15 @@ async def _train(cfg: RunConfig, resume: bool = False,
             with contextlib.suppress(Exception):
                 ckpts.close()
         logger.close()
-    result.outputs = {"run_dir": str(run_dir), "metrics": str(logger.path),
-                      "tensorboard": str(run_dir / "tensorboard"), "plot": str(result.plot),
-                      "final_model": str(result.final_model), "server_logs": str(run_dir / "logs")}
+        if hub.leader and files.remote:  # failed or not: the metrics and server logs go up
+            try:
+                files.publish()
+            except Exception as e:
+                log.error("could not upload the run's files to %s: %s: %s", files, type(e).__name__, e)
+    result.outputs = {"run_dir": str(files), "metrics": str(files.path("metrics.jsonl")),
+                      "tensorboard": str(files.path("tensorboard")),
+                      "plot": str(files.path("curves.png")) if result.plot else "None",
+                      "final_model": str(result.final_model), "server_logs": str(files.path("logs"))}
     if cfg.checkpoint.enabled:
         from areal_jax.trainer.checkpoint import checkpoint_dir
 
@@ -295,14 +322,16 @@ async def _train(cfg: RunConfig, resume: bool = False,
 
 async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: Path, mesh: Any, tokenizer: Any,
                 data: Any, workflow: Any, logger: MetricsLogger, result: RunResult, meta: dict[str, Any] | None,
-                start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None) -> None:
+                start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None,
+                files: Any = None) -> None:
     """Process 0's part of the run: rollout, rewards, evaluation and the controller, and the
     steps (each announced to the other processes of a multi-process run)."""
     from areal_jax.models import iter_hf_tensors
     from areal_jax.rewards import RewardPool
     from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
 
-    rollout, run_dir, local = cfg.rollout, Path(cfg.run_dir), cfg.rollout.backend == "local"
+    rollout, local = cfg.rollout, cfg.rollout.backend == "local"
+    run_dir = files.local if files is not None else Path(cfg.run_dir)
     async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
@@ -317,6 +346,7 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
         sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
                 DiskSink(rollout.weights_dir or run_dir / "weights", trainer.model().config.to_hf_dict(),
                          client=client, tokenizer_dir=base, server_root=rollout.servers_weights_dir))
+        logger.write(describe_push(cfg, sink, hub.processes))
         version = 0
         if meta is not None:  # rollout serves the restored policy from the start
             version = meta["version"]
@@ -342,7 +372,8 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
             controller.start()
             try:
                 await run_steps(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                                t_start, iter_hf_tensors, start=start, ckpts=ckpts, on_step=on_step, hub=hub)
+                                t_start, iter_hf_tensors, start=start, ckpts=ckpts, on_step=on_step, hub=hub,
+                                files=files)
                 if logger.history and logger.history[-1].get("eval_accuracy") is not None:
                     result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
             finally:

@@ -7,6 +7,15 @@ In async mode the push of a version overlaps the next batch's update
 ``start_push`` for why the staleness bound still holds), and the push streams from params the
 trainer lent, which that update leaves alone. A step that evaluates waits for its push, so
 held-out accuracy is always the version just trained.
+
+In a run of several processes every weight gather is a collective that all of them enter in
+the same order as the train steps around it, while only process 0 holds the rollout client. A
+plain push streams: each tensor is gathered (every process) and sent (process 0) in turn. An
+overlapped push cannot gather while the next update runs (the two would interleave differently
+on each process), so it gathers every tensor first, in the run's order, onto process 0's host
+(one copy of the model in the push dtype there), and only the sending, which is most of a
+push's time, overlaps the next update. A held push (``push_before_pause``) is the same push
+sent before the pause, so it works as either.
 """
 
 from __future__ import annotations
@@ -42,15 +51,52 @@ def flatten_groups(groups: list[Any]) -> list[Trajectory]:
     return out
 
 
+def describe_push(cfg: RunConfig, sink: Any, processes: int) -> str:
+    """The log line that says how this run pushes its weights."""
+    rollout = cfg.rollout
+    if rollout.mode != "async":
+        return "weight push: after each update, rollout idle (sync mode)"
+    parts = ["overlapped with the next update" if rollout.overlap_weight_push else "before the next update"]
+    if rollout.push_before_pause and getattr(sink, "can_hold", False) and not (
+            rollout.overlap_weight_push and rollout.effective_max_staleness == 0):
+        parts.append("held (sent while rollout generates, swapped in within one pause)")
+    else:
+        parts.append("between a pause and a continue")
+    if processes > 1 and rollout.overlap_weight_push and rollout.backend != "local":
+        parts.append(f"gathered across {processes} processes onto process 0's host before the next update")
+    return "weight push: " + ", ".join(parts)
+
+
+def multi_process(hub: Any) -> bool:
+    return hub is not None and hub.processes > 1
+
+
+async def gather_push(trainer: Any, sink: Any, version: int, iter_hf_tensors: Any, hub: Any) -> Any:
+    """A multi-process push's collective half, now: tell the other processes, gather every
+    tensor with them and keep the whole model on this host; returns the tensors (an
+    ``HFTensorStream`` over host arrays) for ``push_weights(..., tensors=)`` to send later,
+    while the next update runs."""
+    from areal_jax.models.hf_io import HFTensorStream
+
+    hf_layout = not getattr(sink, "native_layout", False)
+    await asyncio.to_thread(hub.announce, "push", version=version, hf_layout=hf_layout)
+    stream = iter_hf_tensors(trainer.model(), hf_layout=hf_layout)
+    host = await asyncio.to_thread(list, stream)
+    return HFTensorStream(iter(host), stream.layout, hf_layout=stream.hf_layout)
+
+
 async def push_weights(cfg: RunConfig, trainer: Any, sink: Any, version: int, iter_hf_tensors: Any,
-                       hub: Any = None, lent: Any = None, hold: bool = False) -> None:
+                       hub: Any = None, lent: Any = None, hold: bool = False, tensors: Any = None) -> None:
     """Push the trainer's params, or ``lent`` (from ``lend_params``: params that outlive the next
-    update, for a push that overlaps it), as ``version``; ``hold``: the servers serve it only at
-    ``sink.commit(version)``."""
+    update, for a push that overlaps it), or ``tensors`` already gathered (``gather_push``), as
+    ``version``; ``hold``: the servers serve it only at ``sink.commit(version)``."""
     if cfg.rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
         shared = cfg.rollout.local.placement == "shared"
         await sink.push_params(version, lent if lent is not None else
                                trainer.lend_params() if shared else trainer.params)
+        return
+    if tensors is not None:  # gathered already: only the sending is left
+        await (sink.push(version, tensors, hold=True) if hold else sink.push(version, tensors))
         return
     hf_layout = not getattr(sink, "native_layout", False)  # our own servers over HTTP take our kernels untransposed
     if hub is not None:
@@ -104,15 +150,17 @@ def follow(hub: Any, trainer: Any, ckpts: Any) -> None:
 async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController, client: Any, sink: Any,
                     episode_client: EpisodeClient, data: Any, logger: MetricsLogger, fleet: Any, t_start: float,
                     iter_hf_tensors: Any, *, start: int = 0, ckpts: Any = None,
-                    on_step: Callable[[dict[str, Any]], None] | None = None, hub: Any = None) -> None:
-    """Steps ``start + 1 .. cfg.steps`` of a run (process 0), each logged through ``logger``."""
+                    on_step: Callable[[dict[str, Any]], None] | None = None, hub: Any = None,
+                    files: Any = None) -> None:
+    """Steps ``start + 1 .. cfg.steps`` of a run (process 0), each logged through ``logger``;
+    ``files`` (a ``RunDir``): a URL run directory gets the metrics after every checkpoint."""
     rollout = cfg.rollout
     version = controller.version
     gen_tokens = controller.counters.generated_tokens
     t_last = time.perf_counter()
     save_s = None
     # Async mode: the push of a version runs while the next batch trains (overlap_weight_push).
-    overlap = rollout.mode == "async" and rollout.overlap_weight_push and (hub is None or hub.processes == 1)
+    overlap = rollout.mode == "async" and rollout.overlap_weight_push
     pushing: asyncio.Task | None = None
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -142,7 +190,8 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
                     await pushing
                     pushing = None
                 if overlap:
-                    pushing = await start_push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, step)
+                    pushing = await start_push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, step,
+                                               hub)
                 else:
                     await push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, hub)
             sync_s = time.perf_counter() - t2
@@ -202,6 +251,8 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
                 if hub is not None:
                     await asyncio.to_thread(hub.announce, "save", step=step, meta=meta)
                 save_s = await asyncio.to_thread(ckpts.save, step, trainer.checkpoint_state(), meta)
+                if files is not None and files.remote:  # never behind the checkpoint a resume starts from (log flushed)
+                    await asyncio.to_thread(files.publish, "metrics.jsonl", "tensorboard", "logs")
             if on_step is not None:
                 on_step(metrics)
         if pushing is not None:
@@ -214,19 +265,25 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
 
 
 async def start_push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any,
-                     controller: RolloutController, step: int) -> asyncio.Task:
-    """Start pushing ``version`` from lent params, so the next update may run meanwhile, and
-    return the push's task; the controller holds ``version`` from then on.
+                     controller: RolloutController, step: int, hub: Any = None) -> asyncio.Task:
+    """Start pushing ``version`` from lent params (several processes: from tensors gathered now,
+    see the module docstring), so the next update may run meanwhile, and return the push's
+    task; the controller holds ``version`` from then on.
 
     A sample's staleness is that of its oldest token, and each token carries the version that
     made it, so the tokens the servers still make under the version before, until their pause
     lands, count as that older version and the bound holds. Only with ``max_staleness`` 0 would
     they make their samples too stale to train: then this returns once the servers have paused,
     and the controller takes the version at that moment."""
-    lent = trainer.lend_params()
+    lent = tensors = None
+    if multi_process(hub):
+        tensors = await gather_push(trainer, sink, version, iter_hf_tensors, hub)
+    else:
+        lent = trainer.lend_params()
     if cfg.rollout.effective_max_staleness != 0:
         controller.set_version(version, step)
-        return asyncio.create_task(push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, lent=lent))
+        return asyncio.create_task(push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, lent=lent,
+                                        tensors=tensors))
     paused = asyncio.Event()
 
     def on_paused() -> None:
@@ -234,7 +291,7 @@ async def start_push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, versi
         paused.set()
 
     task = asyncio.create_task(push(cfg, client, sink, trainer, version, iter_hf_tensors, controller, lent=lent,
-                                    on_paused=on_paused))
+                                    tensors=tensors, on_paused=on_paused))
     waiting = asyncio.create_task(paused.wait())
     await asyncio.wait({task, waiting}, return_when=asyncio.FIRST_COMPLETED)
     if not paused.is_set():  # the push ended before the pause took: raise what it raised
@@ -244,7 +301,7 @@ async def start_push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, versi
 
 
 async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: int, iter_hf_tensors: Any,
-               controller: RolloutController, hub: Any = None, *, lent: Any = None,
+               controller: RolloutController, hub: Any = None, *, lent: Any = None, tensors: Any = None,
                on_paused: Callable[[], None] | None = None) -> None:
     """The new weights to rollout as ``version``; in async mode between a pause (with abort) and
     a continue, so answers in flight resume under them (with ``rollout.interruptible: false``,
@@ -252,19 +309,20 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
     a sink that can hold a version (HTTP buckets to our servers), the servers take it while they
     still generate, then each pauses, swaps it in and continues within one call
     (``sink.commit``); the tokens made meanwhile carry the version before. ``lent``: push these
-    params (see ``push_weights``); ``on_paused`` is called once the servers have paused."""
+    params, ``tensors``: send these, gathered already (see ``push_weights``); ``on_paused`` is
+    called once the servers have paused."""
     from rollout_bridge.client import WeightUpdateError
 
     rollout = cfg.rollout
     # Not when the caller waits for the pause (``max_staleness`` 0 overlapped): the pause comes
     # first there, so that the next update overlaps the transfer.
     hold = (rollout.mode == "async" and rollout.push_before_pause and getattr(sink, "can_hold", False)
-            and (hub is None or hub.processes == 1) and on_paused is None)
+            and on_paused is None)
     try:
         refused: WeightUpdateError | None = None
         if hold:
             try:
-                await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, hold=True)
+                await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, hold=True, tensors=tensors)
             except WeightUpdateError as e:  # those that refused keep their weights; the others serve it
                 refused = e
         if rollout.mode == "async" and not rollout.interruptible:
@@ -280,7 +338,7 @@ async def push(cfg: RunConfig, client: Any, sink: Any, trainer: Any, version: in
         if on_paused is not None:
             on_paused()
         try:
-            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent)
+            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub, lent, tensors=tensors)
         finally:
             if rollout.mode == "async":
                 await client.continue_generation()

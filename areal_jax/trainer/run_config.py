@@ -114,7 +114,13 @@ class RunConfig:
     """Everything one ``areal-jax train`` run needs."""
 
     run_dir: str = "runs/default"
-    """Metrics, TensorBoard events, plots, logs, weights and the exported policy go here."""
+    """Metrics, TensorBoard events, plots, logs, weights and the exported policy go here: a local
+    directory (shared by every host of a multi-host run) or a URL such as ``gs://bucket/runs/r1``
+    (any fsspec scheme; hosts need no shared filesystem: see ``trainer/run_dir.py``)."""
+    local_dir: str | None = None
+    """With a URL ``run_dir``: this host's working directory (server logs, the base model, disk
+    weight pushes, the files uploaded to ``run_dir``); None: ``~/.cache/areal-jax/runs/<name>``.
+    Ignored for a local ``run_dir``."""
     steps: int = 100
     """Training steps (policy versions) of RL."""
     seed: int = 0
@@ -132,7 +138,7 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Multi-host training: how this process joins the others (each host runs the same command).
     Process 0 owns rollout, the controller, evaluation and the metrics, and hands each step's
-    batch to the others; the run directory must be on storage every process reaches."""
+    batch to the others; the run directory is shared storage or a URL (``gs://``)."""
     warm_start: SFTConfig | None = None
     """A supervised warm start on the task's own examples before RL (None: none)."""
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -140,7 +146,8 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When the run saves itself for ``--resume`` (orbax), and where."""
     export: bool = True
-    """Save the final policy as a HF model directory in ``<run dir>/final``."""
+    """Save the final policy as a HF model directory in ``<run dir>/final`` (a URL run directory:
+    written there by every process, each its own shards)."""
 
     def __post_init__(self) -> None:
         self._check_combinations()

@@ -1,13 +1,17 @@
 """`areal-jax train` across two processes joined by jax.distributed (two fake CPU devices each, one
 global fsdp mesh of four): process 0 owns rollout, the controller, evaluation and the metrics and
-hands each step's batch to process 1; both train it, join the weight gathers, save the
-checkpoint and write the export together."""
+hands each step's batch to process 1; both train it, join the weight gathers (pushes overlapped
+with the next update and held, as on one host), save the checkpoint, are killed, resume from it
+and write the export together."""
 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -25,53 +29,121 @@ QUICK = ["log.progress=false", "data.size=300", "data.eval_size=8", "batch_size=
          "distributed.num_processes=2"]
 
 
-def _run_two(run_dir: Path, overrides: list[str], timeout: float) -> tuple[list[int], list[str]]:
+def _start_two(run_dir: Path, overrides: list[str], *extra: str) -> list[subprocess.Popen]:
     """``areal-jax train`` as processes 0 and 1 of one jax.distributed job (two CPU devices
-    each); returns their exit codes and output."""
+    each), their output in ``run_dir/../proc<i>.log``."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": xla_flags.devices(2)}  # three steps: the processes mostly compile
+           "XLA_FLAGS": xla_flags.devices(2),  # short runs, mostly compiling: a resumed run reuses the programs
+           "JAX_COMPILATION_CACHE_DIR": str(run_dir.parent / "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     args = ["--config", str(DEMO), "--log-level", "info", f"run_dir={run_dir}", *QUICK,
             f"distributed.coordinator_address=127.0.0.1:{port}", *overrides]
-    procs = [subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *args, f"distributed.process_id={i}"],
-                              env=env, cwd=run_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
-    logs = []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *args, f"distributed.process_id={i}",
+                              *extra], env=env, cwd=run_dir, stdout=(run_dir.parent / f"proc{i}.log").open("w"),
+                             stderr=subprocess.STDOUT) for i in range(2)]
+
+
+def _wait_two(procs: list[subprocess.Popen], run_dir: Path, timeout: float) -> tuple[list[int], list[str]]:
+    """Their exit codes and output; both killed, and the test failed, after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
     for p in procs:
         try:
-            logs.append(p.communicate(timeout=timeout)[0])
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail("two-process run timed out:\n" + "\n---\n".join(logs))
-    return [p.returncode for p in procs], logs
+            pytest.fail("two-process run timed out:\n" + "\n---\n".join(_logs(run_dir))[-6000:])
+    return [p.returncode for p in procs], _logs(run_dir)
+
+
+def _logs(run_dir: Path) -> list[str]:
+    return [(run_dir.parent / f"proc{i}.log").read_text() for i in range(2)]
+
+
+def _run_two(run_dir: Path, overrides: list[str], timeout: float) -> tuple[list[int], list[str]]:
+    return _wait_two(_start_two(run_dir, overrides), run_dir, timeout)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _complete(ckpt_dir: Path) -> list[int]:
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()) if ckpt_dir.exists() else []
+
+
+def _trained_by_process_1(log: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in
+            re.finditer(r"process 1: step (\d+) trained 8 trajectories of prompts (\[.*?\])", log)}
 
 
 @pytest.mark.slow
-def test_two_process_run_trains_process_zeros_batches_everywhere(tmp_path: Path) -> None:
-    codes, logs = _run_two(tmp_path, ["steps=3", "warm_start.steps=3", "checkpoint.every_steps=2"], timeout=420)
+def test_two_process_run_pushes_overlapped_is_killed_and_resumes(tmp_path: Path) -> None:
+    """Asynchronous, pushes overlapped with the next update and held (sent before the pause):
+    both processes train process 0's batches, the gathers of a push in flight never cross a
+    train step's collectives (a mismatch would hang or corrupt the run). SIGKILL both once step
+    3 is logged after the step-2 checkpoint; the resumed pair goes on from step 2 with the
+    prompts in flight there, trains no prompt twice, and ends with the export written by both."""
+    run_dir = tmp_path / "run"
+    steps = 4
+    overrides = [f"steps={steps}", "warm_start.steps=3", "checkpoint.every_steps=2", "eval.every=0"]
+    procs = _start_two(run_dir, overrides)
+    deadline = time.monotonic() + 480
+    while not (len(_metrics(run_dir)) >= 3 and 2 in _complete(run_dir / "checkpoints")):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            pytest.fail("the first run ended or stalled before the kill:\n" + "\n---\n".join(_logs(run_dir))[-6000:])
+        time.sleep(0.05)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+    killed, first_logs = _metrics(run_dir), _logs(run_dir)
+    assert 3 <= len(killed) < steps and _complete(run_dir / "checkpoints")[-1] == 2
+    # Process 0 said how it pushes; process 1 trained exactly its batches, step by step.
+    assert ("weight push: overlapped with the next update, held (sent while rollout generates, swapped in "
+            "within one pause), gathered across 2 processes onto process 0's host") in first_logs[0]
+    assert "warm start: 3 supervised steps" in first_logs[0] and "held-out accuracy before RL" in first_logs[0]
+    assert "rollout:" not in first_logs[1] and "held-out accuracy" not in first_logs[1]  # no rollout there
+    assert {k: v for k, v in _trained_by_process_1(first_logs[1]).items() if k <= len(killed)} == \
+        {m["step"]: str(m["prompt_ids"]) for m in killed}
+
+    from etils import epath
+
+    from areal_jax.trainer.checkpoint import CheckpointConfig, RunCheckpoints
+
+    ckpts = RunCheckpoints(CheckpointConfig(), epath.Path(run_dir / "checkpoints"))
+    pending = ckpts.read_meta(2)["controller"]["pending"]
+    ckpts.close()
+    codes, logs = _wait_two(_start_two(run_dir, overrides, "--resume"), run_dir, 480)
     assert codes == [0, 0], "\n---\n".join(logs)[-6000:]
+    assert "resuming from checkpoint step 2 " in logs[0]
+    lines = _metrics(run_dir)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert [m["version"] for m in lines] == list(range(1, steps + 1))
+    assert lines[:2] == killed[:2]  # the lines up to the checkpoint kept as they were
+    # Every push landed, the last before the run ended; a push in flight shows the version before.
+    assert lines[-1]["served_versions"] == [str(steps)]
+    # (the warm start, version 0, is served under the server's default label)
+    assert all(m["served_versions"] in ([str(m["step"])], [str(m["step"] - 1) if m["step"] > 1 else "default"])
+               for m in lines)
+    trained = Counter(p for m in lines for p in m["prompt_ids"])
+    assert max(trained.values()) == 1  # as one unbroken run: every prompt once
+    assert set(pending) <= {p for m in lines[2:] for p in m["prompt_ids"]}  # the prompts in flight went on
+    assert _trained_by_process_1(logs[1]) == {m["step"]: str(m["prompt_ids"]) for m in lines[2:]}
 
-    # Process 0 alone wrote the metrics: each step once, with the weights pushed to its server.
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert [m["served_versions"] for m in metrics] == [["1"], ["2"], ["3"]]
-    assert "warm start: 3 supervised steps" in logs[0] and "held-out accuracy before RL" in logs[0]
-    assert "rollout:" not in logs[1] and "held-out accuracy" not in logs[1]  # no rollout, no evaluation there
-
-    # Process 1 trained exactly process 0's batches, step by step.
-    trained = {int(m.group(1)): m.group(2) for m in
-               re.finditer(r"process 1: step (\d+) trained 8 trajectories of prompts (\[.*?\])", logs[1])}
-    assert trained == {m["step"]: str(m["prompt_ids"]) for m in metrics}
-
-    # The checkpoints (steps 2 and 3) and the export were written by both processes together.
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "3"]
+    # The checkpoints (steps 2 and 4) and the export were written by both processes together.
+    assert _complete(run_dir / "checkpoints") == [2, 4]
     writers = set()
-    for shard in (tmp_path / "final").glob("*.safetensors"):
+    for shard in (run_dir / "final").glob("*.safetensors"):
         with safe_open(shard, "np") as f:
             writers.add(f.metadata()["written_by_process"])
     assert writers == {"0", "1"}
-    index = json.loads((tmp_path / "final" / "model.safetensors.index.json").read_text())
+    index = json.loads((run_dir / "final" / "model.safetensors.index.json").read_text())
     assert "model.embed_tokens.weight" in index["weight_map"]
 
 
@@ -80,7 +152,7 @@ def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_pat
     """Every trajectory is longer than train.max_seq_len, so the first train step raises on both
     processes: both exit (non-zero) instead of one waiting for the other, and process 0 names
     the error."""
-    codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "train.max_seq_len=8"],
+    codes, logs = _run_two(tmp_path / "run", ["steps=2", "warm_start=null", "train.max_seq_len=8"],
                            timeout=240)
     assert codes[0] != 0 and codes[1] != 0, logs
     assert "more than TrainConfig.max_seq_len=8" in logs[0]
