@@ -19,10 +19,10 @@ class FakeGCS(LocalFileSystem):
         path = str(path)
         for prefix in ("gs://", "gcs://"):
             if path.startswith(prefix):
-                path = path[len(prefix):]
-        if path.startswith(cls.root):
-            return path.rstrip("/")
-        return f"{cls.root}/{path.lstrip('/')}".rstrip("/")
+                return f"{cls.root}/{path[len(prefix):].lstrip('/')}".rstrip("/")
+        if path.startswith(cls.root) or path.startswith("/"):  # a bucket path already, or a local file (put/get)
+            return path.rstrip("/") or "/"
+        return f"{cls.root}/{path}".rstrip("/")
 
     def unstrip_protocol(self, name: str) -> str:
         return "gs://" + name[len(self.root):].lstrip("/")

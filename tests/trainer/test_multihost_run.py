@@ -7,6 +7,7 @@ and write the export together."""
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,23 +30,26 @@ QUICK = ["log.progress=false", "data.size=300", "data.eval_size=8", "batch_size=
          "distributed.num_processes=2"]
 
 
-def _start_two(run_dir: Path, overrides: list[str], *extra: str) -> list[subprocess.Popen]:
+def _start_two(tmp: Path, run_dir: str | Path, overrides: list[str], *extra: str,
+               buckets: Path | None = None) -> list[subprocess.Popen]:
     """``areal-jax train`` as processes 0 and 1 of one jax.distributed job (two CPU devices
-    each), their output in ``run_dir/../proc<i>.log``."""
+    each), their output in ``tmp/proc<i>.log``; with ``buckets``, ``gs://`` is served from there
+    (``fake_gs.py``)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": xla_flags.devices(2),  # short runs, mostly compiling: a resumed run reuses the programs
-           "JAX_COMPILATION_CACHE_DIR": str(run_dir.parent / "jax-cache"),
+           "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     args = ["--config", str(DEMO), "--log-level", "info", f"run_dir={run_dir}", *QUICK,
             f"distributed.coordinator_address=127.0.0.1:{port}", *overrides]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return [subprocess.Popen([sys.executable, "-m", "areal_jax.cli", "train", *args, f"distributed.process_id={i}",
-                              *extra], env=env, cwd=run_dir, stdout=(run_dir.parent / f"proc{i}.log").open("w"),
+    cli = ["areal_jax.cli"] if buckets is None else ["tests.trainer.fake_gs", str(buckets)]
+    (tmp / "cwd").mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([sys.executable, "-m", *cli, "train", *args, f"distributed.process_id={i}", *extra],
+                             env=env, cwd=tmp / "cwd", stdout=(tmp / f"proc{i}.log").open("w"),
                              stderr=subprocess.STDOUT) for i in range(2)]
 
 
-def _wait_two(procs: list[subprocess.Popen], run_dir: Path, timeout: float) -> tuple[list[int], list[str]]:
+def _wait_two(procs: list[subprocess.Popen], tmp: Path, timeout: float) -> tuple[list[int], list[str]]:
     """Their exit codes and output; both killed, and the test failed, after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     for p in procs:
@@ -54,16 +58,16 @@ def _wait_two(procs: list[subprocess.Popen], run_dir: Path, timeout: float) -> t
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            pytest.fail("two-process run timed out:\n" + "\n---\n".join(_logs(run_dir))[-6000:])
-    return [p.returncode for p in procs], _logs(run_dir)
+            pytest.fail("two-process run timed out:\n" + "\n---\n".join(_logs(tmp))[-6000:])
+    return [p.returncode for p in procs], _logs(tmp)
 
 
-def _logs(run_dir: Path) -> list[str]:
-    return [(run_dir.parent / f"proc{i}.log").read_text() for i in range(2)]
+def _logs(tmp: Path) -> list[str]:
+    return [(tmp / f"proc{i}.log").read_text() for i in range(2)]
 
 
-def _run_two(run_dir: Path, overrides: list[str], timeout: float) -> tuple[list[int], list[str]]:
-    return _wait_two(_start_two(run_dir, overrides), run_dir, timeout)
+def _run_two(tmp: Path, overrides: list[str], timeout: float) -> tuple[list[int], list[str]]:
+    return _wait_two(_start_two(tmp, tmp / "run", overrides), tmp, timeout)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -82,28 +86,41 @@ def _trained_by_process_1(log: str) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_two_process_run_pushes_overlapped_is_killed_and_resumes(tmp_path: Path) -> None:
+def test_two_process_run_on_gs_pushes_overlapped_is_killed_and_resumes(tmp_path: Path) -> None:
     """Asynchronous, pushes overlapped with the next update and held (sent before the pause):
     both processes train process 0's batches, the gathers of a push in flight never cross a
-    train step's collectives (a mismatch would hang or corrupt the run). SIGKILL both once step
-    3 is logged after the step-2 checkpoint; the resumed pair goes on from step 2 with the
-    prompts in flight there, trains no prompt twice, and ends with the export written by both."""
-    run_dir = tmp_path / "run"
+    train step's collectives (a mismatch would hang or corrupt the run). The run directory is
+    ``gs://`` (a stand-in bucket) and each process has its own working directory: nothing is
+    shared but the bucket and the checkpoints (orbax's own storage). SIGKILL both once step 3 is
+    logged after the step-2 checkpoint and delete their working directories (fresh hosts); the
+    resumed pair goes on from step 2 with the prompts in flight there, trains no prompt twice,
+    and ends with the export written to the bucket by both."""
+    buckets, host = tmp_path / "buckets", tmp_path / "host"
+    bucket = buckets / "bkt" / "runs" / "r1"
+    ckpt_dir = tmp_path / "ckpt"
     steps = 4
-    overrides = [f"steps={steps}", "warm_start.steps=3", "checkpoint.every_steps=2", "eval.every=0"]
-    procs = _start_two(run_dir, overrides)
+    overrides = [f"steps={steps}", "warm_start.steps=3", "checkpoint.every_steps=2", "eval.every=0",
+                 f"local_dir={host}", f"checkpoint.dir={ckpt_dir}"]
+    procs = _start_two(tmp_path, "gs://bkt/runs/r1", overrides, buckets=buckets)
+    local_metrics = host / "process-0"
     deadline = time.monotonic() + 480
-    while not (len(_metrics(run_dir)) >= 3 and 2 in _complete(run_dir / "checkpoints")):
+    while not (len(_metrics(local_metrics)) >= 3 and 2 in _complete(ckpt_dir)):
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
             for p in procs:
                 p.kill()
-            pytest.fail("the first run ended or stalled before the kill:\n" + "\n---\n".join(_logs(run_dir))[-6000:])
+            pytest.fail("the first run ended or stalled before the kill:\n" + "\n---\n".join(_logs(tmp_path))[-6000:])
         time.sleep(0.05)
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)
         p.wait()
-    killed, first_logs = _metrics(run_dir), _logs(run_dir)
-    assert 3 <= len(killed) < steps and _complete(run_dir / "checkpoints")[-1] == 2
+    killed, first_logs = _metrics(local_metrics), _logs(tmp_path)
+    assert 3 <= len(killed) < steps and _complete(ckpt_dir)[-1] == 2
+    # Each process built its own base model and kept its files apart; the bucket got the config,
+    # the warm start (written by both) and the metrics up to the checkpoint.
+    assert all((host / f"process-{i}" / "base" / "config.json").exists() for i in range(2))
+    assert not (host / "process-1" / "metrics.jsonl").exists()
+    assert (bucket / "config.yaml").exists() and (bucket / "warm_start" / "config.json").exists()
+    assert [m["step"] for m in _metrics(bucket)] == [1, 2]
     # Process 0 said how it pushes; process 1 trained exactly its batches, step by step.
     assert ("weight push: overlapped with the next update, held (sent while rollout generates, swapped in "
             "within one pause), gathered across 2 processes onto process 0's host") in first_logs[0]
@@ -116,19 +133,21 @@ def test_two_process_run_pushes_overlapped_is_killed_and_resumes(tmp_path: Path)
 
     from areal_jax.trainer.checkpoint import CheckpointConfig, RunCheckpoints
 
-    ckpts = RunCheckpoints(CheckpointConfig(), epath.Path(run_dir / "checkpoints"))
+    ckpts = RunCheckpoints(CheckpointConfig(), epath.Path(ckpt_dir))
     pending = ckpts.read_meta(2)["controller"]["pending"]
     ckpts.close()
-    codes, logs = _wait_two(_start_two(run_dir, overrides, "--resume"), run_dir, 480)
+    shutil.rmtree(host)  # fresh hosts: the bucket and the checkpoints are all that is left
+    codes, logs = _wait_two(_start_two(tmp_path, "gs://bkt/runs/r1", overrides, "--resume", buckets=buckets),
+                            tmp_path, 480)
     assert codes == [0, 0], "\n---\n".join(logs)[-6000:]
     assert "resuming from checkpoint step 2 " in logs[0]
-    lines = _metrics(run_dir)
+    lines = _metrics(bucket)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     assert [m["version"] for m in lines] == list(range(1, steps + 1))
     assert lines[:2] == killed[:2]  # the lines up to the checkpoint kept as they were
-    # Every push landed, the last before the run ended; a push in flight shows the version before.
+    # Every push landed, the last before the run ended; a push in flight shows the version before
+    # (the warm start, version 0, is served under the server's default label).
     assert lines[-1]["served_versions"] == [str(steps)]
-    # (the warm start, version 0, is served under the server's default label)
     assert all(m["served_versions"] in ([str(m["step"])], [str(m["step"] - 1) if m["step"] > 1 else "default"])
                for m in lines)
     trained = Counter(p for m in lines for p in m["prompt_ids"])
@@ -137,14 +156,16 @@ def test_two_process_run_pushes_overlapped_is_killed_and_resumes(tmp_path: Path)
     assert _trained_by_process_1(logs[1]) == {m["step"]: str(m["prompt_ids"]) for m in lines[2:]}
 
     # The checkpoints (steps 2 and 4) and the export were written by both processes together.
-    assert _complete(run_dir / "checkpoints") == [2, 4]
+    assert _complete(ckpt_dir) == [2, 4]
     writers = set()
-    for shard in (run_dir / "final").glob("*.safetensors"):
+    for shard in (bucket / "final").glob("*.safetensors"):
         with safe_open(shard, "np") as f:
             writers.add(f.metadata()["written_by_process"])
     assert writers == {"0", "1"}
-    index = json.loads((run_dir / "final" / "model.safetensors.index.json").read_text())
+    index = json.loads((bucket / "final" / "model.safetensors.index.json").read_text())
     assert "model.embed_tokens.weight" in index["weight_map"]
+    assert (bucket / "tensorboard").is_dir() and (bucket / "curves.png").exists()
+    assert list((tmp_path / "cwd").iterdir()) == []  # nothing took the URL for a local path
 
 
 @pytest.mark.slow
@@ -152,7 +173,7 @@ def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_pat
     """Every trajectory is longer than train.max_seq_len, so the first train step raises on both
     processes: both exit (non-zero) instead of one waiting for the other, and process 0 names
     the error."""
-    codes, logs = _run_two(tmp_path / "run", ["steps=2", "warm_start=null", "train.max_seq_len=8"],
+    codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "train.max_seq_len=8"],
                            timeout=240)
     assert codes[0] != 0 and codes[1] != 0, logs
     assert "more than TrainConfig.max_seq_len=8" in logs[0]
