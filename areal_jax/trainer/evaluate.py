@@ -52,8 +52,11 @@ def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
     from rollout_bridge.local import split_devices
 
     if jax.process_count() > 1:
-        raise ValueError("rollout.backend=local runs in one process; for several hosts use embedded or external "
-                         "servers (rollout.backend=embedded or servers)")
+        from areal_jax.config import ConfigError
+
+        raise ConfigError(f"rollout.backend=local runs its engine inside one process, and this run has "
+                          f"{jax.process_count()} processes: on several hosts use rollout.backend=embedded or servers "
+                          "(an engine on every host's chips is not built yet; BUILD.md, 'A TPU pod')")
     devices = jax.local_devices()
     if cfg.rollout.local.placement == "split":
         return split_devices(devices, cfg.rollout.local.engine_devices)

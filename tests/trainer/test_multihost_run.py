@@ -36,10 +36,9 @@ def _start_two(tmp: Path, run_dir: str | Path, overrides: list[str], *extra: str
     each), their output in ``tmp/proc<i>.log``; with ``buckets``, ``gs://`` is served from there
     (``fake_gs.py``)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": xla_flags.devices(2),  # short runs, mostly compiling: a resumed run reuses the programs
-           "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    # Short runs, mostly compiling: the suite's compilation cache (tests/conftest.py, inherited)
+    # lets a resumed run reuse the first one's programs.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.devices(2)}
     args = ["--config", str(DEMO), "--log-level", "info", f"run_dir={run_dir}", *QUICK,
             f"distributed.coordinator_address=127.0.0.1:{port}", *overrides]
     cli = ["areal_jax.cli"] if buckets is None else ["tests.trainer.fake_gs", str(buckets)]
@@ -93,7 +92,7 @@ def test_two_process_run_on_gs_pushes_overlapped_is_killed_and_resumes(tmp_path:
     ``gs://`` (a stand-in bucket) and each process has its own working directory: nothing is
     shared but the bucket and the checkpoints (orbax's own storage). SIGKILL both once step 3 is
     logged after the step-2 checkpoint and delete their working directories (fresh hosts); the
-    resumed pair goes on from step 2 with the prompts in flight there, trains no prompt twice,
+    resumed pair goes on from step 2, the prompts in flight there first, trains no prompt twice,
     and ends with the export written to the bucket by both."""
     buckets, host = tmp_path / "buckets", tmp_path / "host"
     bucket = buckets / "bkt" / "runs" / "r1"
@@ -152,7 +151,9 @@ def test_two_process_run_on_gs_pushes_overlapped_is_killed_and_resumes(tmp_path:
                for m in lines)
     trained = Counter(p for m in lines for p in m["prompt_ids"])
     assert max(trained.values()) == 1  # as one unbroken run: every prompt once
-    assert set(pending) <= {p for m in lines[2:] for p in m["prompt_ids"]}  # the prompts in flight went on
+    # The prompts in flight at the checkpoint are submitted again first (two steps of two prompts
+    # may not reach all of them; the single-process resume test follows every one).
+    assert pending and set(pending) & {p for m in lines[2:] for p in m["prompt_ids"]}
     assert _trained_by_process_1(logs[1]) == {m["step"]: str(m["prompt_ids"]) for m in lines[2:]}
 
     # The checkpoints (steps 2 and 4) and the export were written by both processes together.
@@ -178,3 +179,15 @@ def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_pat
     assert codes[0] != 0 and codes[1] != 0, logs
     assert "more than TrainConfig.max_seq_len=8" in logs[0]
     assert "process 0 ended the run" in logs[1] and "train failed" in logs[1]
+
+
+@pytest.mark.slow
+def test_the_in_process_engine_on_two_processes_stops_at_start_saying_what_to_use(tmp_path: Path) -> None:
+    """``rollout.backend: local`` is one process's engine: a two-process run of it ends on both
+    processes before any model is built, naming the backends that work."""
+    codes, logs = _run_two(tmp_path, ["steps=1", "warm_start=null", "rollout.backend=local"], timeout=240)
+    assert codes[0] != 0 and codes[1] != 0, logs
+    for log in logs:
+        assert "rollout.backend=local runs its engine inside one process, and this run has 2 processes" in log
+        assert "Traceback" not in log  # a config error, told as one
+    assert not (tmp_path / "run" / "base").exists()
