@@ -221,7 +221,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
     try:
         mesh = make_mesh(cfg.mesh, devices)
     except ValueError as e:
-        raise ConfigError(f"mesh.data/fsdp/tensor/dcn_*: {e}") from None
+        raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from None
     ckpts, meta = _open_checkpoints(cfg, resume)
     start = meta["step"] if meta is not None else 0
 
