@@ -234,6 +234,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     # them hold the same rows, which a warm start (trained by every process) needs.
     data = load_prompts(cfg.data if hub.processes == 1 else
                         dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
+    if meta is None and files.remote and hub.leader:
+        files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
     if meta is not None and files.remote:
         if cfg.warm_start is not None:
             files.fetch("warm_start")  # the KL reference, and what rollout served before the checkpoint's push

@@ -94,6 +94,15 @@ class RunDir:
             done.append(name)
         return done
 
+    def remove(self, name: str) -> None:
+        """Delete ``name`` at the URL (a run that starts afresh drops an earlier run's events,
+        which uploads alone would never remove); nothing for a local run directory."""
+        if not self.remote:
+            return
+        fs, root = self._fs()
+        if fs.exists(f"{root}/{name}"):
+            fs.rm(f"{root}/{name}", recursive=True)
+
     def fetch(self, name: str) -> Path | None:
         """Download ``name`` (a file or a directory) from the URL into ``local`` (replacing what is
         there) and return its local path; None when the URL has no ``name``. With a local run

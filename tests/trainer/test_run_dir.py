@@ -38,6 +38,8 @@ def test_a_url_run_dir_uploads_and_downloads_files_and_trees(tmp_path: Path) -> 
     assert other.fetch("metrics.jsonl").read_text() == '{"step": 1}\n'
     assert (other.fetch("tensorboard") / "sub" / "events.1").read_bytes() == b"\x00ev"
     assert other.fetch("warm_start") is None
+    other.remove("tensorboard")
+    assert not fs.exists("/bucket/runs/r1/tensorboard") and fs.exists("/bucket/runs/r1/metrics.jsonl")
     assert local_run_dir("gs://b/runs/r 1").parts[-3:] == ("areal-jax", "runs", "b_runs_r_1")
 
 
