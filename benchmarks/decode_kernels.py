@@ -5,7 +5,9 @@ The decode step (``Decoder.decode``, one token for each of ``--rows`` rows again
 ``--kv-len`` positions) is lowered and compiled for the CPU; the decoder layers run as one scan,
 so its loop body is one layer. Counted there: the operations XLA launches per layer (fusions,
 matmuls, scatters, copies, ...: every instruction of the loop body but parameters, tuples,
-constants and bitcasts) and the matmuls among them (``dot`` ops, also those inside fusions).
+constants and bitcasts), the matmuls among them (``dot`` ops, also those inside fusions), and
+the slices XLA copies out before a matmul reads them (each layer's weights out of the stacked
+parameters, the cache's live positions).
 Then each variant's step is timed in alternating rounds in one process (the median of each;
 the two models share every weight but the fused ones), for the demo model ("tiny") and a
 random model with Qwen2.5-0.5B's shapes ("0.5b"), float32.
@@ -88,7 +90,11 @@ def layer_kernels(hlo: str) -> dict[str, Any]:
         op = _opcode(line)
         if op and op not in _SKIP:
             ops[op] = ops.get(op, 0) + 1
-    return {"launched": sum(ops.values()), "by_opcode": dict(sorted(ops.items())), "matmuls": dots(body, {body})}
+    # Slices of the stacked weights and of the cache that XLA materialises as copies (a fusion
+    # named after its dynamic-slice root) before the matmuls read them.
+    slices = sum(1 for line in comps[body] if re.match(r"\s*%dynamic-slice[\w.\-]* = ", line))
+    return {"launched": sum(ops.values()), "by_opcode": dict(sorted(ops.items())), "matmuls": dots(body, {body}),
+            "slice_copies": slices}
 
 
 def step_fn() -> Any:
@@ -144,6 +150,7 @@ def main() -> None:
         for name in ("separate", "fused"):
             k = r[name]["per_layer"]
             print(f"{r['size']:>5} {name:>9}: {k['launched']:3d} ops/layer, {k['matmuls']:2d} matmuls/layer, "
+                  f"{k['slice_copies']:2d} slice copies/layer, "
                   f"step {r[name]['step_ms']:.3f} ms ({r['rows']} rows, kv {r['kv_len']})")
         print(f"{r['size']:>5} fused speed-up {r['fused_speedup']:.3f}x")
     if args.out:

@@ -269,9 +269,9 @@ def _read_block(slices: list[Any], transpose: bool, stacked: bool, np_dtype: Any
 
 
 def _read_fused(group: list[HFParam], slices: list[Any], np_dtype: Any, index: tuple[slice, ...]) -> np.ndarray:
-    """A fused parameter's block at ``index`` from its parts' HF tensors: each layer's parts read
-    whole along the output axis (rows of the input axis as ``index`` says), joined, and the
-    block's fused columns picked out."""
+    """A fused parameter's block at ``index`` from its parts' HF tensors: of each layer's parts,
+    the span of output columns the block holds (rows of the input axis as ``index`` says) is read,
+    and the block's fused columns are picked out of them."""
     layout = group[0].fused
     assert layout is not None
     by_layer: dict[int | None, dict[tuple[int, int], tuple[HFParam, Any]]] = {}
@@ -280,14 +280,25 @@ def _read_fused(group: list[HFParam], slices: list[Any], np_dtype: Any, index: t
     stacked = group[0].layer is not None
     inner = index[1:] if stacked else index
     pick = layout.order_array()[inner[-1]]
-    whole = (*inner[:-1], slice(None))
+    # Of each part, only the span of output columns this block holds (a tensor shard's own).
+    spans = {}
+    for cols in sorted(by_layer[group[0].layer]):
+        mine = pick[(pick >= cols[0]) & (pick < cols[1])]
+        if len(mine):
+            spans[cols] = (int(mine.min()), int(mine.max()) + 1)
+    starts = np.cumsum([0] + [b - a for a, b in spans.values()])
+    where = np.empty_like(pick)  # each picked column's place among the spans read
+    for (lo, hi), start in zip(spans.values(), starts, strict=False):
+        sel = (pick >= lo) & (pick < hi)
+        where[sel] = start + pick[sel] - lo
 
     def one(parts: dict[tuple[int, int], tuple[HFParam, Any]]) -> np.ndarray:
         blocks = []
-        for cols in sorted(parts):
+        for cols, (lo, hi) in spans.items():
             p, sl = parts[cols]
-            blocks.append(sl[tuple(reversed(whole))].T if p.transpose else sl[whole])
-        return np.concatenate(blocks, axis=-1)[..., pick].astype(np_dtype, copy=False)
+            at = (*inner[:-1], slice(lo - cols[0], hi - cols[0]))
+            blocks.append(sl[tuple(reversed(at))].T if p.transpose else sl[at])
+        return np.concatenate(blocks, axis=-1)[..., where].astype(np_dtype, copy=False)
 
     if not stacked:
         return np.ascontiguousarray(one(by_layer[None]))
