@@ -39,7 +39,7 @@ def _models(model_type: str) -> tuple[Decoder, Decoder]:
     return model, fuse_projections(model)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])  # llama's attention is qwen2's without biases
 def test_fused_logits_equal_separate(model_type: str) -> None:
     """Training forward, KV-cache decode and paged decode: the same logits from one matmul as
     from three (qwen2: q/k/v biases; qwen3: q/k norms)."""

@@ -14,7 +14,7 @@ import pytest
 from areal_jax.models import load_pretrained
 from areal_jax.models.fused import fuse_projections, qkv_layout
 from areal_jax.models.tiny import make_tiny_checkpoint
-from sharding import MeshConfig, activate, logical_to_sharding, make_mesh
+from sharding import MeshConfig, activate, make_mesh
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +65,6 @@ def test_fused_shards_hold_their_own_heads(ckpt: Path, tensor: int) -> None:
     ref = step(single, single.init_cache(4, 16))
     hlo = {}
     with activate(mesh):
-        ids_on = jax.device_put(ids, logical_to_sharding(("batch", "length"), mesh))
-        np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(fused, ids_on)), np.asarray(single(ids)),
-                                   atol=1e-5)
         for name, model in (("separate", separate), ("fused", fused)):
             cache = model.init_cache(4, 16)
             fn = jax.jit(step)
