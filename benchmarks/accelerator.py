@@ -108,7 +108,8 @@ def attention_check(shape: dict[str, Any], rows: int, row_len: int) -> dict[str,
 
 def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_tokens: int, decode_steps: int,
            rounds: int, bandwidth: float, unroll: int = 1) -> list[dict[str, Any]]:
-    cfg = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", decode_unroll=unroll)
+    cfg = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", decode_unroll=unroll,
+                      fuse_projections=True)  # the serving layout (models.fused)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     weight_bytes = 2 * cfg.num_params()
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k and v, bfloat16

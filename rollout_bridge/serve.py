@@ -169,7 +169,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=max_seq_len, seed=args.random_seed,
                        lanes=args.lanes, max_queued_requests=args.max_queued_requests,
                        chunked_prefill_size=args.chunked_prefill_size, share_prompts=not args.disable_radix_cache)
-    model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh)
+    # q/k/v and gate/up as one matmul each (models.fused): HF tensors in and out keep their names.
+    model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh, fuse_projections=True)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
     engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,

@@ -5,6 +5,7 @@ tokenizer loading."""
 from areal_jax.models.config import FAMILIES, ModelConfig
 from areal_jax.models.critic import Critic
 from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.fused import fuse_projections, fuse_state
 from areal_jax.models.hf_io import (
     CheckpointError,
     HFTensorStream,
@@ -29,6 +30,8 @@ __all__ = [
     "chunked_logprobs",
     "encode_chat",
     "entropy_from_logits",
+    "fuse_projections",
+    "fuse_state",
     "hf_tensor_specs",
     "iter_hf_tensors",
     "load_pretrained",

@@ -134,6 +134,10 @@ class ModelConfig:
     model trained 1.17x faster unrolled, and compiled faster; benchmarks/README.md); 1 on GPU
     and TPU. 1 compiles one layer whatever the depth; unrolled layers compile in time growing
     with depth (28 layers: 5.9 s against 2.3 s on CPU). Not a HF config key."""
+    fuse_projections: bool = False
+    """Hold q/k/v as one ``qkv_proj`` kernel and gate/up as one ``gate_up_proj`` (three fewer
+    matmuls a layer; ``models.fused``): for serving. HF tensors in and out keep their unfused
+    names either way. Not a HF config key: the engine's loaders set it."""
     extra_hf: dict[str, Any] = field(default_factory=dict, compare=False)
     """Keys of the source config.json we do not interpret, written back unchanged on save."""
 

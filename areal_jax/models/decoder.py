@@ -25,18 +25,21 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.models import paged
 from areal_jax.models.attention import (
     PagedWork,
     attend_cached,
     attend_packed,
     attend_packed_local,
     attend_packed_pairs,
-    attend_ragged,
     dot_product_attention_packed,
     resolve_attention_impl,
     splash_attention_packed,
 )
 from areal_jax.models.config import ModelConfig, jnp_dtype
+from areal_jax.models.fused import FusedLayout, mlp_shards, qkv_layout, qkv_shards
+from areal_jax.models.fused import layouts as fused_layouts
+from areal_jax.models.paged import K_PAGE_AXES, V_PAGE_AXES, PagedKVCache  # noqa: F401 (re-exported)
 from sharding import constrain, logical_axis_size
 
 
@@ -70,30 +73,6 @@ class KVCache(NamedTuple):
 
 K_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "head_dim", "cache_length")
 V_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim")
-
-
-class PagedKVCache(NamedTuple):
-    """Every layer's page pool, stacked on a leading ``layers`` axis: keys ``[layers, pages,
-    kv_heads, head_dim, page_size]``, values ``[layers, pages, kv_heads, page_size, head_dim]``;
-    the per-slot cache's layout with a page in place of a slot. Physical page 0 is the sink that
-    padding writes go to (``inference.pages``): a pool for ``n`` usable pages has ``n + 1``."""
-
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def page_size(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def num_pages(self) -> int:
-        """Usable pages (the sink not counted)."""
-        return self.k.shape[1] - 1
-
-
-# Pages are not split over devices: a request's pages may lie anywhere in the pool.
-K_PAGE_AXES = ("layers", None, "cache_kv_heads", "head_dim", None)
-V_PAGE_AXES = ("layers", None, "cache_kv_heads", None, "head_dim")
 
 
 # --- RoPE -------------------------------------------------------------------------------------
@@ -208,17 +187,25 @@ def kv_head_replicas(num_kv_heads: int, logical_axis: str = "cache_kv_heads") ->
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fused_shards: int | None = None):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         bias = cfg.use_qkv_bias
-        # With more tensor shards than KV heads the k/v projections are replicated over the
-        # tensor axis (each shard computes all KV heads and keeps its own copy), never split
-        # inside a head.
-        kv_axis = "kv_heads" if kv_head_replicas(self.num_kv_heads, "kv_heads") == 1 else None
-        self.q_proj = _dense(cfg, h, self.num_heads * d, ("embed", "heads"), bias=bias, rngs=rngs)
-        self.k_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", kv_axis), bias=bias, rngs=rngs)
-        self.v_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", kv_axis), bias=bias, rngs=rngs)
+        self.qkv_shards = 0
+        """0: separate q/k/v projections; else the tensor shards of the fused ``qkv_proj``'s layout."""
+        if cfg.fuse_projections:
+            shards = logical_axis_size("heads") if fused_shards is None else fused_shards
+            self.qkv_shards = qkv_shards(self.num_heads, self.num_kv_heads, shards)
+            width = len(qkv_layout(self.num_heads, self.num_kv_heads, d, self.qkv_shards).order)
+            self.qkv_proj = _dense(cfg, h, width, ("embed", "heads"), bias=bias, rngs=rngs)
+        else:
+            # With more tensor shards than KV heads the k/v projections are replicated over the
+            # tensor axis (each shard computes all KV heads and keeps its own copy), never split
+            # inside a head.
+            kv_axis = "kv_heads" if kv_head_replicas(self.num_kv_heads, "kv_heads") == 1 else None
+            self.q_proj = _dense(cfg, h, self.num_heads * d, ("embed", "heads"), bias=bias, rngs=rngs)
+            self.k_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", kv_axis), bias=bias, rngs=rngs)
+            self.v_proj = _dense(cfg, h, self.num_kv_heads * d, ("embed", kv_axis), bias=bias, rngs=rngs)
         self.o_proj = _dense(cfg, self.num_heads * d, h, ("heads", "embed"), bias=False, rngs=rngs)
         if cfg.family.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype, axis="head_dim")
@@ -230,11 +217,29 @@ class Attention(nnx.Module):
         self.attention_impl = cfg.attention_impl
         self.compute_dtype = cfg.dtype
 
-    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q ``[b, t, heads, d]``, k and v ``[b, t, kv, d]`` before norms and RoPE; from the
+        fused kernel, ``kv`` is the KV heads with their per-shard copies (``models.fused``)."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        d = self.head_dim
+        if not self.qkv_shards:
+            q = self.q_proj(x).reshape(b, t, self.num_heads, d)
+            k = self.k_proj(x).reshape(b, t, self.num_kv_heads, d)
+            v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+            return q, k, v
+        # One matmul; each shard's columns are its queries, keys and values in turn, so the split
+        # below stays on the device under a tensor mesh.
+        s = self.qkv_shards
+        qs = self.num_heads // s * d
+        y = self.qkv_proj(x).reshape(b, t, s, -1)
+        ks = (y.shape[-1] - qs) // 2
+        q = y[..., :qs].reshape(b, t, self.num_heads, d)
+        k = y[..., qs:qs + ks].reshape(b, t, -1, d)
+        v = y[..., qs + ks:].reshape(b, t, -1, d)
+        return q, k, v
+
+    def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = self._project(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.rope_cfg)  # trace-time NumPy, free at run time
@@ -243,14 +248,20 @@ class Attention(nnx.Module):
         return q, k, v
 
     def _replicate_kv(self, k: jax.Array, v: jax.Array, replicas: int) -> tuple[jax.Array, jax.Array]:
-        """``[b, t, kvh, d]`` -> ``[b, t, kvh * replicas, d]``, each head repeated in place, so
-        query head ``j`` still meets KV head ``j // (num_heads / num_kv_heads)``."""
-        if replicas == 1:
+        """``[b, t, kv, d]`` -> ``[b, t, kvh * replicas, d]``, each head repeated in place, so
+        query head ``j`` still meets KV head ``j // (num_heads / num_kv_heads)``. ``kv`` may
+        already hold copies (a fused kernel's per-shard copies): they are kept or thinned out."""
+        heads = self.num_kv_heads * replicas
+        have = k.shape[2]
+        if have == heads:
             return k, v
-        if self.num_heads % (self.num_kv_heads * replicas):
+        if have > heads:  # copies each ``have // heads`` in a row: keep one of each run
+            step = have // heads
+            return k[:, :, ::step], v[:, :, ::step]
+        if self.num_heads % heads:
             raise ValueError(f"num_attention_heads={self.num_heads} must be a multiple of the tensor "
-                             f"shards ({self.num_kv_heads * replicas}) to replicate KV heads over them")
-        k, v = jnp.repeat(k, replicas, axis=2), jnp.repeat(v, replicas, axis=2)
+                             f"shards ({heads}) to replicate KV heads over them")
+        k, v = jnp.repeat(k, heads // have, axis=2), jnp.repeat(v, heads // have, axis=2)
         names = ("batch", "length", "act_kv_heads", None)
         return constrain(k, names), constrain(v, names)
 
@@ -296,45 +307,40 @@ class Attention(nnx.Module):
         out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self.precision)
         return self.o_proj(out.reshape(*x.shape[:2], -1)), KVCache(k_all, v_all)
 
-    def decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
-                     write_pages: jax.Array, write_offsets: jax.Array,
-                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-        """``decode`` against a page pool: the new keys and values of ``x [b, t, hidden]`` go to
-        page ``write_pages[b, t]`` at ``write_offsets[b, t]`` (padding: the sink page), then each
-        row attends to its own pages through the work list."""
-        q, k, v = self._qkv(x, positions)
-        k, v = self._replicate_kv(k, v, cache.k.shape[2] // self.num_kv_heads)
-        at = jnp.full_like(write_pages, layer)
-        # As in decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
-        k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
-        v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
-        # One gather per pool of exactly the pages read (the layer and page indices together, so no
-        # copy of the layer's whole pool is made first).
-        at = jnp.full_like(work.pages, layer)
-        keys, values = k_all[at, work.pages], v_all[at, work.pages]
-        out = attend_ragged(q, keys.astype(q.dtype), values.astype(q.dtype), positions, work, self.precision)
-        return self.o_proj(out.reshape(*x.shape[:2], -1)), PagedKVCache(k_all, v_all)
-
-
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fused_shards: int | None = None):
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _dense(cfg, h, i, ("embed", "mlp"), bias=False, rngs=rngs)
-        self.up_proj = _dense(cfg, h, i, ("embed", "mlp"), bias=False, rngs=rngs)
+        self.gate_up_shards = 0
+        """0: separate gate/up projections; else the tensor shards of the fused ``gate_up_proj``'s layout."""
+        if cfg.fuse_projections:
+            shards = logical_axis_size("mlp") if fused_shards is None else fused_shards
+            self.gate_up_shards = mlp_shards(i, shards)
+            self.gate_up_proj = _dense(cfg, h, 2 * i, ("embed", "mlp"), bias=False, rngs=rngs)
+        else:
+            self.gate_proj = _dense(cfg, h, i, ("embed", "mlp"), bias=False, rngs=rngs)
+            self.up_proj = _dense(cfg, h, i, ("embed", "mlp"), bias=False, rngs=rngs)
         self.down_proj = _dense(cfg, i, h, ("mlp", "embed"), bias=False, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
+        if self.gate_up_shards:
+            # One matmul; each shard's columns are its gate then its up (``models.fused``).
+            y = self.gate_up_proj(x)
+            y = y.reshape(*y.shape[:-1], self.gate_up_shards, 2, -1)
+            gate, up = y[..., 0, :].reshape(*x.shape[:-1], -1), y[..., 1, :].reshape(*x.shape[:-1], -1)
+            hidden = jax.nn.silu(gate) * up
+        else:
+            hidden = jax.nn.silu(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(constrain(hidden, ("batch", "length", "act_mlp")))
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fused_shards: tuple[int, int] | None = None):
         norm = partial(RMSNorm, cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
+        attn_shards, mlp_shards_ = (None, None) if fused_shards is None else fused_shards
         self.input_layernorm = norm()
-        self.self_attn = Attention(cfg, rngs)
+        self.self_attn = Attention(cfg, rngs, attn_shards)
         self.post_attention_layernorm = norm()
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, mlp_shards_)
 
     def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                  window: int | None = None, pairs: jax.Array | None = None, block: int = 64) -> jax.Array:
@@ -349,16 +355,6 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, cache
 
-    def decode_paged(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
-                     write_pages: jax.Array, write_offsets: jax.Array,
-                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-        attn, cache = self.self_attn.decode_paged(self.input_layernorm(x), positions, cache, layer, write_pages,
-                                                  write_offsets, work)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
-
-
 REMAT_POLICIES: dict[str, Any] = {
     "full": None,  # jax.checkpoint's default: keep nothing but the layer's input
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -367,14 +363,14 @@ REMAT_POLICIES: dict[str, Any] = {
 _LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}  # the stacked axis' logical name, for sharding rules
 
 
-def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs, fused_shards: tuple[int, int] | None = None) -> DecoderLayer:
     """``num_hidden_layers`` decoder layers as one module whose parameters have a leading
     ``layers`` axis, each layer initialised from its own split of ``rngs``."""
 
     @nnx.split_rngs(splits=cfg.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=_LAYERS_AXIS)
     def make(rngs: nnx.Rngs) -> DecoderLayer:
-        return DecoderLayer(cfg, rngs)
+        return DecoderLayer(cfg, rngs, fused_shards)
 
     return make(rngs)
 
@@ -382,20 +378,23 @@ def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
 class Decoder(nnx.Module):
     """A causal language model of the Qwen2 / Qwen3 / Llama 3 family."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, fused_shards: tuple[int, int] | None = None):
+        """``fused_shards`` (attention, MLP): with ``cfg.fuse_projections``, the tensor shards the
+        fused layouts are built for (``models.fused``); None: the current mesh's split of the
+        ``heads`` and ``mlp`` axes."""
         # Logical annotations are always recorded; they shard at creation only under a mesh
         # (see sharding.activate), so the same code builds a single-device model.
         with nnx.use_eager_sharding(not jax.sharding.get_abstract_mesh().empty):
-            self._build(cfg, rngs)
+            self._build(cfg, rngs, fused_shards)
 
-    def _build(self, cfg: ModelConfig, rngs: nnx.Rngs) -> None:
+    def _build(self, cfg: ModelConfig, rngs: nnx.Rngs, fused_shards: tuple[int, int] | None) -> None:
         self.config = cfg
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
             embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
             rngs=rngs,
         )
-        self.layers = stacked_layers(cfg, rngs)
+        self.layers = stacked_layers(cfg, rngs, fused_shards)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=cfg.jnp_param_dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _dense(
             cfg, cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), bias=False, rngs=rngs)
@@ -429,6 +428,13 @@ class Decoder(nnx.Module):
         run = nnx.scan(layer_fn, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS,
                        unroll=self.train_unroll())
         return self.norm(run(x, self.layers))
+
+    def fused_layouts(self) -> dict[str, FusedLayout]:
+        """The fused parameters' layouts by module name (``qkv_proj``, ``gate_up_proj``); empty
+        for a model with separate projections."""
+        if not self.config.fuse_projections:
+            return {}
+        return fused_layouts(self.config, (self.layers.self_attn.qkv_shards, self.layers.mlp.gate_up_shards))
 
     def train_unroll(self) -> int:
         """Layers per iteration of ``hidden_states``' scan: ``ModelConfig.train_unroll``, or by backend."""
@@ -509,44 +515,24 @@ class Decoder(nnx.Module):
         (x, cache), _ = jax.lax.scan(body, (x, cache), (params, jnp.arange(layers)), unroll=unroll)
         return x, cache
 
-    # -- generation path over a paged KV pool --
+    # -- generation path over a paged KV pool (models.paged) --
 
     def init_paged_cache(self, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
         """A zero pool of ``num_pages`` usable pages of ``page_size`` tokens (plus the sink page);
         ``dtype`` and KV-head replication as ``init_cache``."""
-        cfg = self.config
-        heads = cfg.num_key_value_heads * kv_head_replicas(cfg.num_key_value_heads)
-        layers, d = cfg.num_hidden_layers, cfg.head_dim
-        dtype = cfg.jnp_dtype if dtype is None else jnp_dtype(dtype, "cache dtype")
-        return PagedKVCache(k=jnp.zeros((layers, num_pages + 1, heads, d, page_size), dtype),
-                            v=jnp.zeros((layers, num_pages + 1, heads, page_size, d), dtype))
+        return paged.init_paged_cache(self, num_pages, page_size, dtype)
 
     def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
                      write_pages: jax.Array, write_offsets: jax.Array,
                      work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-        """``decode`` against a page pool: ``input_ids [b, t]`` at ``positions [b, t]`` (-1 for
-        padding) write their keys and values at ``(write_pages, write_offsets) [b, t]`` (the sink
-        page for padding) and attend through ``work``, the ragged list of the pages each row reads
-        (``inference.pages.paged_work``; it must cover every row's tokens up to its last
-        position). Returns float32 logits ``[b, t, vocab]`` and the updated pool."""
-        x, cache = self.decode_paged_layers(self.embed_tokens(input_ids), positions, cache,
-                                            write_pages=write_pages, write_offsets=write_offsets, work=work)
-        return self.logits_from_hidden(self.norm(x)), cache
+        """``decode`` against a page pool (``models.paged.decode_paged``): float32 logits
+        ``[b, t, vocab]`` and the updated pool."""
+        return paged.decode_paged(self, input_ids, positions, cache, write_pages=write_pages,
+                                  write_offsets=write_offsets, work=work)
 
     def decode_paged_layers(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
                             write_pages: jax.Array, write_offsets: jax.Array,
                             work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-        """The decoder layers of ``decode_paged`` (a scan carrying the pool, as ``decode_layers``)."""
-        graphdef, params = nnx.split(self.layers)
-        layers = self.config.num_hidden_layers
-
-        def body(carry: tuple[jax.Array, PagedKVCache], xs: tuple[nnx.State, jax.Array]) -> tuple:
-            x, cache = carry
-            layer_params, index = xs
-            x, cache = nnx.merge(graphdef, layer_params).decode_paged(x, positions, cache, index, write_pages,
-                                                                      write_offsets, work)
-            return (x, PagedKVCache(constrain(cache.k, K_PAGE_AXES), constrain(cache.v, V_PAGE_AXES))), None
-
-        unroll = min(self.config.decode_unroll, layers)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params, jnp.arange(layers)), unroll=unroll)
-        return x, cache
+        """The decoder layers of ``decode_paged`` (``models.paged.decode_paged_layers``)."""
+        return paged.decode_paged_layers(self, x, positions, cache, write_pages=write_pages,
+                                         write_offsets=write_offsets, work=work)

@@ -32,18 +32,23 @@ def _swap_last_two(x: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def _to_hf_fn(stacked: bool, transpose: bool, dtype: Any) -> Any:
-    def convert(value: jax.Array, layer: jax.Array) -> jax.Array:
+def _to_hf_fn(stacked: bool, transpose: bool, dtype: Any, columns: bool) -> Any:
+    def convert(value: jax.Array, layer: jax.Array, cols: jax.Array | None) -> jax.Array:
         x = value[layer] if stacked else value
+        if columns:
+            x = jnp.take(x, cols, axis=-1)
         return (_swap_last_two(x) if transpose else x).astype(dtype)
 
     return jax.jit(convert)
 
 
-def to_hf(value: jax.Array, layer: int | None, transpose: bool, dtype: Any) -> jax.Array:
+def to_hf(value: jax.Array, layer: int | None, transpose: bool, dtype: Any,
+          cols: np.ndarray | None = None) -> jax.Array:
     """One HF tensor of a parameter, on the device: layer ``layer`` of a stacked parameter (the
-    whole parameter for None), transposed to ``[out, in]`` if ``transpose``, cast to ``dtype``."""
-    return _to_hf_fn(layer is not None, transpose, np.dtype(dtype))(value, np.int32(layer or 0))
+    whole parameter for None), only output columns ``cols`` (a fused parameter's part; None: all),
+    transposed to ``[out, in]`` if ``transpose``, cast to ``dtype``."""
+    fn = _to_hf_fn(layer is not None, transpose, np.dtype(dtype), cols is not None)
+    return fn(value, np.int32(layer or 0), None if cols is None else np.asarray(cols, np.int32))
 
 
 def hf_sharding(sharding: Sharding, ndim: int, transpose: bool) -> Sharding | None:
@@ -85,6 +90,46 @@ def from_hf(old: jax.Array, blocks: Sequence[np.ndarray], layers: Sequence[int] 
     if layers is None or list(layers) == list(range(old.shape[0])):
         return _from_hf_fn(transpose, old.dtype, old.sharding, False)(device)
     return _from_hf_fn(transpose, old.dtype, old.sharding, True)(old, device, np.asarray(layers, np.int32))
+
+
+@functools.cache
+def _from_hf_fused_fn(transpose: bool, sharding: Sharding, spans: tuple[tuple[int, int], ...], complete: bool,
+                      order: tuple[int, ...], inverse: tuple[int, ...]) -> Any:
+    order_a, inverse_a = np.asarray(order, np.int32), np.asarray(inverse, np.int32)
+
+    def fused(old: jax.Array, blocks: tuple[jax.Array, ...], layers: tuple[jax.Array | None, ...]) -> jax.Array:
+        parts = [(_swap_last_two(x) if transpose else x).astype(old.dtype) for x in blocks]
+        if complete:  # every part of every layer: no need to read the old values
+            unfused = jnp.concatenate(parts, axis=-1)
+        else:
+            unfused = jnp.take(old, inverse_a, axis=-1)
+            for (a, b), x, at in zip(spans, parts, layers, strict=True):
+                unfused = unfused.at[..., a:b].set(x) if at is None else unfused.at[at, ..., a:b].set(x)
+        return jnp.take(unfused, order_a, axis=-1)
+
+    return jax.jit(fused, out_shardings=sharding)
+
+
+def from_hf_fused(old: jax.Array, parts: Sequence[tuple[tuple[int, int], Sequence[np.ndarray], Sequence[int] | None]],
+                  transpose: bool, order: np.ndarray, inverse: np.ndarray) -> jax.Array:
+    """A new value of the fused parameter ``old`` (``models.fused``) from some of its parts' HF
+    tensors, with ``old``'s dtype and sharding: ``parts`` holds, per part given, its column span in
+    the unfused concatenation, its blocks and their layer indices (as ``from_hf``'s). Parts and
+    layers not given keep ``old``'s values."""
+    spans, blocks, layers = [], [], []
+    stacked = False
+    total = len(inverse)
+    for span, part_blocks, part_layers in sorted(parts, key=lambda p: p[0]):
+        stacked = part_layers is not None
+        host = _aligned(part_blocks, stack=stacked)
+        spans.append(tuple(span))
+        blocks.append(jax.device_put(host, may_alias=True))
+        every = not stacked or list(part_layers) == list(range(old.shape[0]))
+        layers.append(None if every else np.asarray(part_layers, np.int32))
+    covered = sum(b - a for a, b in spans) == total and all(at is None for at in layers)
+    fn = _from_hf_fused_fn(transpose, old.sharding, tuple(spans), covered, tuple(int(x) for x in order),
+                           tuple(int(x) for x in inverse))
+    return fn(old, tuple(blocks), tuple(layers))
 
 
 def _aligned(blocks: Sequence[np.ndarray], *, stack: bool, align: int = 64) -> np.ndarray:

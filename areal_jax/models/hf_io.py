@@ -18,7 +18,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,8 @@ from safetensors import safe_open
 
 from areal_jax.models.config import ModelConfig, dtype_name
 from areal_jax.models.decoder import Decoder
-from areal_jax.models.hf_device import from_hf, read_safetensors, to_hf
+from areal_jax.models.fused import FusedLayout
+from areal_jax.models.hf_device import from_hf, from_hf_fused, read_safetensors, to_hf
 from sharding import DEFAULT_RULES, activate, gather_to_host
 from sharding.rules import Rules
 
@@ -80,6 +81,11 @@ class HFParam:
     transpose: bool
     layer: int | None = None
     """Index into the parameter's leading ``layers`` axis; None for an unstacked parameter."""
+    cols: tuple[int, int] | None = None
+    """For a part of a fused parameter (``models.fused``): its column span in the unfused
+    concatenation; None for a whole parameter."""
+    fused: FusedLayout | None = field(default=None, compare=False, repr=False)
+    """The fused parameter's layout, with ``cols``."""
 
     def transposed(self, hf_layout: bool = True) -> bool:
         """Whether the tensor is our parameter transposed: in HF's layout, for a kernel."""
@@ -89,6 +95,8 @@ class HFParam:
         """The HF tensor's shape, from our whole parameter's shape (in our own layout, not
         transposed, with ``hf_layout=False``)."""
         shape = tuple(shape[1:]) if self.layer is not None else tuple(shape)
+        if self.cols is not None:
+            shape = (*shape[:-1], self.cols[1] - self.cols[0])
         return tuple(reversed(shape)) if self.transposed(hf_layout) else shape
 
 
@@ -96,26 +104,34 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
-def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]]) -> list[list[HFParam]]:
+def hf_name_map(cfg: ModelConfig, paths: list[tuple[Any, ...]],
+                fused: Mapping[str, FusedLayout] | None = None) -> list[list[HFParam]]:
     """For each of our parameter paths, its HF tensors (one per layer for a stacked parameter)
-    through the family's table."""
-    table = NAME_TABLES[cfg.model_type]
+    through the family's table. A fused parameter (its module named in ``fused``, the model's
+    ``fused_layouts()``) has the HF tensors of each of its parts, each with its columns."""
     out = []
     for path in paths:
-        dotted = _dotted(path)
-        for pattern, template, transpose in table:
-            m = re.fullmatch(pattern, dotted)
-            if m:
-                name = m.expand(template)
-                if "{layer}" in name:
-                    out.append([HFParam(path, name.replace("{layer}", str(i)), transpose, i)
-                                for i in range(cfg.num_hidden_layers)])
-                else:
-                    out.append([HFParam(path, name, transpose)])
-                break
-        else:
-            raise KeyError(f"parameter {dotted!r} has no entry in the {cfg.model_type} name table")
+        layout = (fused or {}).get(str(getattr(path[-2], "key", path[-2]))) if len(path) >= 2 else None
+        if layout is None:
+            out.append(_hf_tensors(cfg, path, path))
+        else:  # the parts' names through the table, as if unfused
+            out.append([HFParam(path, p.hf_name, p.transpose, p.layer, layout.columns(part), layout)
+                        for part in layout.parts for p in _hf_tensors(cfg, path, (*path[:-2], part, path[-1]))])
     return out
+
+
+def _hf_tensors(cfg: ModelConfig, path: tuple[Any, ...], named: tuple[Any, ...]) -> list[HFParam]:
+    """The HF tensors of our parameter at ``path``, named as the table names ``named``."""
+    dotted = _dotted(named)
+    for pattern, template, transpose in NAME_TABLES[cfg.model_type]:
+        m = re.fullmatch(pattern, dotted)
+        if m:
+            name = m.expand(template)
+            if "{layer}" in name:
+                return [HFParam(path, name.replace("{layer}", str(i)), transpose, i)
+                        for i in range(cfg.num_hidden_layers)]
+            return [HFParam(path, name, transpose)]
+    raise KeyError(f"parameter {dotted!r} has no entry in the {cfg.model_type} name table")
 
 
 # --- reading ----------------------------------------------------------------------------------
@@ -190,7 +206,7 @@ def load_pretrained(
         abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
     graphdef, abs_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abs_state)
-    groups = hf_name_map(cfg, [tuple(p) for p, _ in flat])
+    groups = hf_name_map(cfg, [tuple(p) for p, _ in flat], abstract.fused_layouts())
     expected = {p.hf_name for group in groups for p in group}
     extra = sorted(n for n in files if n not in expected and not _IGNORED_HF.fullmatch(n))
     if extra:
@@ -204,7 +220,10 @@ def load_pretrained(
     for group, (_, var) in zip(groups, flat, strict=True):
         spec = var.get_value()
         slices = [_checked_slice(reader, files, model_dir, cfg, p, spec.shape) for p in group]
-        read = partial(_read_block, slices, group[0].transpose, group[0].layer is not None, np.dtype(spec.dtype))
+        if group[0].fused is not None:
+            read = partial(_read_fused, group, slices, np.dtype(spec.dtype))
+        else:
+            read = partial(_read_block, slices, group[0].transpose, group[0].layer is not None, np.dtype(spec.dtype))
         if mesh is not None:
             values.append(jax.make_array_from_callback(spec.shape, NamedSharding(mesh, spec.sharding.spec), read))
         else:
@@ -249,10 +268,48 @@ def _read_block(slices: list[Any], transpose: bool, stacked: bool, np_dtype: Any
     return np.ascontiguousarray(np.stack([one(slices[i], index[1:]) for i in layers]))
 
 
+def _read_fused(group: list[HFParam], slices: list[Any], np_dtype: Any, index: tuple[slice, ...]) -> np.ndarray:
+    """A fused parameter's block at ``index`` from its parts' HF tensors: of each layer's parts,
+    the span of output columns the block holds (rows of the input axis as ``index`` says) is read,
+    and the block's fused columns are picked out of them."""
+    layout = group[0].fused
+    assert layout is not None
+    by_layer: dict[int | None, dict[tuple[int, int], tuple[HFParam, Any]]] = {}
+    for p, sl in zip(group, slices, strict=True):
+        by_layer.setdefault(p.layer, {})[p.cols] = (p, sl)
+    stacked = group[0].layer is not None
+    inner = index[1:] if stacked else index
+    pick = layout.order_array()[inner[-1]]
+    # Of each part, only the span of output columns this block holds (a tensor shard's own).
+    spans = {}
+    for cols in sorted(by_layer[group[0].layer]):
+        mine = pick[(pick >= cols[0]) & (pick < cols[1])]
+        if len(mine):
+            spans[cols] = (int(mine.min()), int(mine.max()) + 1)
+    starts = np.cumsum([0] + [b - a for a, b in spans.values()])
+    where = np.empty_like(pick)  # each picked column's place among the spans read
+    for (lo, hi), start in zip(spans.values(), starts, strict=False):
+        sel = (pick >= lo) & (pick < hi)
+        where[sel] = start + pick[sel] - lo
+
+    def one(parts: dict[tuple[int, int], tuple[HFParam, Any]]) -> np.ndarray:
+        blocks = []
+        for cols, (lo, hi) in spans.items():
+            p, sl = parts[cols]
+            at = (*inner[:-1], slice(lo - cols[0], hi - cols[0]))
+            blocks.append(sl[tuple(reversed(at))].T if p.transpose else sl[at])
+        return np.concatenate(blocks, axis=-1)[..., where].astype(np_dtype, copy=False)
+
+    if not stacked:
+        return np.ascontiguousarray(one(by_layer[None]))
+    layers = range(len(by_layer))[index[0]]
+    return np.ascontiguousarray(np.stack([one(by_layer[i]) for i in layers]))
+
+
 def _hf_params(model: Decoder) -> list[tuple[list[HFParam], nnx.Variable]]:
     """Each of the model's parameters with its HF tensors."""
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    groups = hf_name_map(model.config, [tuple(p) for p, _ in flat])
+    groups = hf_name_map(model.config, [tuple(p) for p, _ in flat], model.fused_layouts())
     return [(group, var) for group, (_, var) in zip(groups, flat, strict=True)]
 
 
@@ -303,7 +360,8 @@ def iter_hf_tensors(model: Decoder, dtype: Any = None, owned: Callable[[str], bo
                 fetch = owned is None or owned(param.hf_name)
                 # Sliced (one layer of a stacked parameter), transposed and cast on the device, so
                 # the host receives one finished tensor at a time.
-                arr = gather_to_host(to_hf(value, param.layer, param.transposed(hf_layout), np_dtype), fetch)
+                cols = None if param.fused is None else param.fused.inverse()[slice(*param.cols)]
+                arr = gather_to_host(to_hf(value, param.layer, param.transposed(hf_layout), np_dtype, cols), fetch)
                 if arr is not None:
                     yield param.hf_name, arr
 
@@ -345,8 +403,19 @@ def assign_hf_tensors(model: Decoder, tensors: dict[str, np.ndarray], *, hf_layo
     new_flat = []
     for path, (var, items) in per_param.items():
         items.sort(key=lambda item: item[0].layer or 0)
-        layers = None if items[0][0].layer is None else [p.layer for p, _ in items]
-        value = from_hf(var.get_value(), [arr for _, arr in items], layers, items[0][0].transposed(hf_layout))
+        first = items[0][0]
+        if first.fused is not None:  # per part: its blocks and layers, into the fused columns
+            parts: dict[tuple[int, int], list[tuple[HFParam, np.ndarray]]] = {}
+            for p, arr in items:
+                parts.setdefault(p.cols, []).append((p, arr))
+            value = from_hf_fused(
+                var.get_value(),
+                [(cols, [a for _, a in part], None if first.layer is None else [p.layer for p, _ in part])
+                 for cols, part in parts.items()],
+                first.transposed(hf_layout), first.fused.order_array(), first.fused.inverse())
+        else:
+            layers = None if first.layer is None else [p.layer for p, _ in items]
+            value = from_hf(var.get_value(), [arr for _, arr in items], layers, first.transposed(hf_layout))
         new_flat.append((path, value))
     nnx.update(model, nnx.from_flat_state(new_flat))
     return list(tensors)

@@ -1,4 +1,5 @@
-"""Tensor-parallel serving: on 8 fake CPU devices, a tensor=2 mesh gives the single-device output.
+"""Tensor-parallel serving: on 8 fake CPU devices, a tensor=2 mesh with fused projections (as the
+server loads them) gives the single-device output of separate ones.
 
 Runs in a subprocess because the device count is fixed when JAX starts, and this pytest process
 may already have started it with one device.
@@ -37,10 +38,10 @@ async def generate(engine):
 
 single = asyncio.run(generate(Engine(load_pretrained(ckpt), cfg)))
 mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=2))
-model = load_pretrained(ckpt, mesh=mesh)
+model = load_pretrained(ckpt, mesh=mesh, fuse_projections=True)
 engine = Engine(model, cfg, mesh=mesh)
 sharded = asyncio.run(generate(engine))
-specs = {str(engine._lanes[0].cache.k.sharding.spec), str(model.layers.mlp.up_proj.kernel[...].sharding.spec)}
+specs = {str(engine._lanes[0].cache.k.sharding.spec), str(model.layers.mlp.gate_up_proj.kernel[...].sharding.spec)}
 print(json.dumps({"single": single, "sharded": sharded, "specs": sorted(specs)}))
 """
 

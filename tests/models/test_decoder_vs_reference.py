@@ -54,11 +54,15 @@ def check_packed(model, seqs, ref_packed) -> float:
     return float(np.abs(out[0, :n] - ref_packed).max())
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_vs_reference_fixture(family: str) -> None:
+def test_logits_vs_reference_fixture(family: str, fused: bool) -> None:
+    """Both layouts of the projections (``models.fused``, read straight from the HF tensors) give
+    transformers' logits."""
     ref = np.load(FIXTURES / f"hf_{family}" / "reference.npz")
     seqs = _split(ref["tokens"], ref["lengths"])
-    model = load_pretrained(FIXTURES / f"hf_{family}")
+    model = load_pretrained(FIXTURES / f"hf_{family}", fuse_projections=fused)
+    assert model.config.fuse_projections == fused
     assert check_padded(model, seqs, ref["padded"]) < TOL
     assert check_packed(model, seqs, ref["packed"]) < TOL
 

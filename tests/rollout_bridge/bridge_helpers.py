@@ -22,7 +22,7 @@ async def running_server(model_dir: Path, *, api_key: str | None = None, num_slo
     from areal_jax.inference.engine import Engine, EngineConfig
     from rollout_bridge.server import build_app, start_server
 
-    model = load_pretrained(model_dir)
+    model = load_pretrained(model_dir, fuse_projections=True)  # as `areal-jax serve` loads it
     engine = Engine(model, EngineConfig(num_slots=num_slots, max_seq_len=max_seq_len, **engine_kw),
                     eos_token_ids=model.config.eos_token_ids, version=version)
     app = build_app(engine, load_tokenizer(model_dir), api_key, model_path=str(model_dir), **(app_kw or {}))

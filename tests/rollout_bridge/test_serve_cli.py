@@ -163,9 +163,10 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         hf = json.loads((tiny_dir / "config.json").read_text())
         placement = state["placement"]
         assert placement["mesh"] == {"data": 2, "fsdp": 1, "tensor": 2}
-        up = placement["params"]["layers.mlp.up_proj.kernel"]
+        # The server holds gate/up fused (models.fused), split so each shard has its own columns of both.
+        up = placement["params"]["layers.mlp.gate_up_proj.kernel"]
         assert up == {"spec": [None, "fsdp", "tensor"], "shard_shape": [hf["num_hidden_layers"], hf["hidden_size"],
-                                                                         hf["intermediate_size"] // 2]}
+                                                                         2 * hf["intermediate_size"] // 2]}
         assert placement["params"]["layers.self_attn.o_proj.kernel"]["spec"] == [None, "tensor", "fsdp"]
         for name, kv in placement["kv_cache"].items():  # [layers, slots, kv heads, ...]
             assert kv["spec"][:3] == [None, ["data", "fsdp"], "tensor"], name

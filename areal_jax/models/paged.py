@@ -1,0 +1,125 @@
+"""The decoder's path over a paged KV pool: the pool's layout, and a forward step that writes each
+token's keys and values into its page and attends, row by row, over only that row's pages.
+
+A pool is the per-slot cache's layout with a page in place of a slot (``PagedKVCache``); which
+pages a request owns, and the ragged work list a step reads through (``attention.PagedWork``),
+are the host's business (``inference.pages``). ``Decoder.init_paged_cache`` and
+``Decoder.decode_paged`` call through to the functions here; the layers run under the same scan
+over stacked parameters as ``Decoder.decode``, carrying the pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.models.attention import PagedWork, attend_ragged
+from areal_jax.models.config import jnp_dtype
+from sharding import constrain
+
+if TYPE_CHECKING:
+    from areal_jax.models.decoder import Attention, Decoder, DecoderLayer
+
+
+class PagedKVCache(NamedTuple):
+    """Every layer's page pool, stacked on a leading ``layers`` axis: keys ``[layers, pages,
+    kv_heads, head_dim, page_size]``, values ``[layers, pages, kv_heads, page_size, head_dim]``;
+    the per-slot cache's layout with a page in place of a slot. Physical page 0 is the sink that
+    padding writes go to (``inference.pages``): a pool for ``n`` usable pages has ``n + 1``."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        """Usable pages (the sink not counted)."""
+        return self.k.shape[1] - 1
+
+
+# Pages are not split over devices: a request's pages may lie anywhere in the pool.
+K_PAGE_AXES = ("layers", None, "cache_kv_heads", "head_dim", None)
+V_PAGE_AXES = ("layers", None, "cache_kv_heads", None, "head_dim")
+
+
+def init_paged_cache(model: Decoder, num_pages: int, page_size: int, dtype: Any = None) -> PagedKVCache:
+    """A zero pool of ``num_pages`` usable pages of ``page_size`` tokens (plus the sink page);
+    ``dtype`` (default: the compute dtype) and KV-head replication as ``Decoder.init_cache``."""
+    from areal_jax.models.decoder import kv_head_replicas
+
+    cfg = model.config
+    heads = cfg.num_key_value_heads * kv_head_replicas(cfg.num_key_value_heads)
+    layers, d = cfg.num_hidden_layers, cfg.head_dim
+    dtype = cfg.jnp_dtype if dtype is None else jnp_dtype(dtype, "cache dtype")
+    return PagedKVCache(k=jnp.zeros((layers, num_pages + 1, heads, d, page_size), dtype),
+                        v=jnp.zeros((layers, num_pages + 1, heads, page_size, d), dtype))
+
+
+def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                    write_pages: jax.Array, write_offsets: jax.Array,
+                    work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+    """One attention layer against the pool: the new keys and values of ``x [b, t, hidden]`` go to
+    page ``write_pages[b, t]`` at ``write_offsets[b, t]`` (padding: the sink page), then each
+    row attends to its own pages through the work list."""
+    q, k, v = attn._qkv(x, positions)
+    k, v = attn._replicate_kv(k, v, cache.k.shape[2] // attn.num_kv_heads)
+    at = jnp.full_like(write_pages, layer)
+    # As in Attention.decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
+    k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
+    v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
+    # One gather per pool of exactly the pages read (the layer and page indices together, so no
+    # copy of the layer's whole pool is made first).
+    at = jnp.full_like(work.pages, layer)
+    keys, values = k_all[at, work.pages], v_all[at, work.pages]
+    out = attend_ragged(q, keys.astype(q.dtype), values.astype(q.dtype), positions, work, attn.precision)
+    return attn.o_proj(out.reshape(*x.shape[:2], -1)), PagedKVCache(k_all, v_all)
+
+
+def layer_paged(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cache: PagedKVCache, index: jax.Array,
+                write_pages: jax.Array, write_offsets: jax.Array,
+                work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+    """One decoder layer against the pool (``index``: the layer's place in the stacked pool)."""
+    attn, cache = attention_paged(layer.self_attn, layer.input_layernorm(x), positions, cache, index, write_pages,
+                                  write_offsets, work)
+    x = x + attn
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x, cache
+
+
+def decode_paged(model: Decoder, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
+                 write_pages: jax.Array, write_offsets: jax.Array,
+                 work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+    """``Decoder.decode`` against a page pool: ``input_ids [b, t]`` at ``positions [b, t]`` (-1
+    for padding) write their keys and values at ``(write_pages, write_offsets) [b, t]`` (the sink
+    page for padding) and attend through ``work``, the ragged list of the pages each row reads
+    (``inference.pages.paged_work``; it must cover every row's tokens up to its last position).
+    Returns float32 logits ``[b, t, vocab]`` and the updated pool."""
+    x, cache = decode_paged_layers(model, model.embed_tokens(input_ids), positions, cache,
+                                   write_pages=write_pages, write_offsets=write_offsets, work=work)
+    return model.logits_from_hidden(model.norm(x)), cache
+
+
+def decode_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
+                        write_pages: jax.Array, write_offsets: jax.Array,
+                        work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+    """The decoder layers of ``decode_paged`` on embeddings ``x [b, t, hidden]``: a scan over the
+    stacked layer parameters carrying the pool, as ``Decoder.decode_layers`` carries the cache."""
+    graphdef, params = nnx.split(model.layers)
+    layers = model.config.num_hidden_layers
+
+    def body(carry: tuple[jax.Array, PagedKVCache], xs: tuple[nnx.State, jax.Array]) -> tuple:
+        x, cache = carry
+        layer_params, index = xs
+        x, cache = layer_paged(nnx.merge(graphdef, layer_params), x, positions, cache, index, write_pages,
+                               write_offsets, work)
+        return (x, PagedKVCache(constrain(cache.k, K_PAGE_AXES), constrain(cache.v, V_PAGE_AXES))), None
+
+    unroll = min(model.config.decode_unroll, layers)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (params, jnp.arange(layers)), unroll=unroll)
+    return x, cache
