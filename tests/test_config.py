@@ -160,8 +160,8 @@ def test_run_config_says_tiny_options_do_nothing_beside_a_model_path(tmp_path: P
     # combinations that cannot work
     (["rollout.filter_uniform_reward=true", "rollout.group_size=1"],
      r"rollout\.filter_uniform_reward.*group_size 1.*every group"),
-    (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"],
-     r"trajectory: per_turn.*uneven groups.*algo\.adv_estimator='grpo'"),
+    (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', group_stats: runs}"],
+     r"'rollout\.workflow_options\.group_stats': 'runs' is not one of \['run', 'turn'\]"),
     (["data.apply_chat_template=false", "rollout.workflow=multi_turn"],
      r"rollout\.workflow=multi_turn renders its conversation with the chat template"),
 ])
@@ -189,3 +189,6 @@ def test_good_values_of_those_keys_load() -> None:
     load_run_config(None, ["rollout.workflow=my_pkg.flows:episode", "rollout.workflow_options.anything=1"])
     load_run_config(None, ["rollout.workflow=agentic", "algo.adv_estimator=reinforce_pp",
                            "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"])
+    # per-turn trajectories normalise over a group's runs, so GRPO takes them (refused before)
+    load_run_config(None, ["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', "
+                           "trajectory: per_turn, group_stats: run}"])

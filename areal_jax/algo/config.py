@@ -195,12 +195,15 @@ def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, tok
 
 
 def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
-    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos):
+    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, runs):
         # AReaL: normalise the task reward in its group, then add the per-token KL reward, then
         # take GAE with zero values (the reward-to-go); the KL is never divided by a group's std.
         # Without a critic every value is 0, a truncated answer's bootstrap included.
         norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
-        scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
+        if runs is None:
+            scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
+        else:  # groups of agent runs, a run's per-turn trajectories counted once
+            scores = adv_lib.run_group_scores(name, seq_rewards, *runs, **norm)
         token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl, no_eos)
         advantages, _ = adv_lib.gae_advantages(
             token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
@@ -212,7 +215,7 @@ def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | No
     return estimate
 
 
-def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos):
+def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, runs):
     if values is None:
         raise ValueError("adv_estimator='gae' needs values from the critic")
     token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl, no_eos)
@@ -238,6 +241,9 @@ def compute_advantages(
     response_lengths: jax.Array | None = None,
     truncated: jax.Array | None = None,
     last_values: jax.Array | None = None,
+    group_ids: jax.Array | None = None,
+    run_ids: jax.Array | None = None,
+    discounts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
 
@@ -256,6 +262,12 @@ def compute_advantages(
     after the answer's last token (AReaL's ``values[:, -1] * no_eos``), while a finished answer's
     value after its last token is 0. None: every answer finished. (AReaL calls an answer
     "no EOS" when it fills the padded batch's width; we use the rollout's own finish reason.)
+
+    ``group_ids`` and ``run_ids [batch]`` (both or neither; from ``advantages.dense_run_ids``)
+    replace ``group_size`` for groups of agent runs that left several trajectories each
+    (``agentic`` with ``trajectory: per_turn``): the group statistics count each run once and
+    each turn gets its run's score times its ``discounts`` entry (default 1), see
+    ``advantages.run_group_scores``. Groups may then differ in size.
     """
     rewards = jnp.reshape(rewards, -1).astype(jnp.float32)
     loss_mask = jnp.asarray(loss_mask).astype(jnp.float32)
@@ -282,8 +294,11 @@ def compute_advantages(
             raise ValueError("truncated answers need last_values (the critic's value after each answer's last "
                              "token) for GAE to bootstrap from")
         bootstrap = jnp.where(truncated, jnp.reshape(jnp.asarray(last_values, jnp.float32), -1), 0.0)
+    if (group_ids is None) != (run_ids is None):
+        raise ValueError("group_ids and run_ids go together (advantages.dense_run_ids gives both)")
+    runs = None if run_ids is None else (group_ids, run_ids, discounts)
     advantages, returns = ESTIMATORS[cfg.adv_estimator](
-        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated)
+        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated, runs)
     if cfg.adv_norm:
         advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
     return advantages, returns

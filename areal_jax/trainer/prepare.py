@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
+from areal_jax.algo.advantages import dense_run_ids
 from areal_jax.algo.kl import kl_penalty_estimate
 from areal_jax.data.packing import attention_block_pairs, bucket_length, build_packed_batch, pair_budget
 from areal_jax.data.trajectory import Trajectory
@@ -342,7 +343,14 @@ class BatchPreparer:
         for t in trajectories:
             sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
         group_size = next(iter(sizes.values()))
-        if len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
+        # Groups of agent runs with per-turn trajectories: statistics per run, any group sizes.
+        runs = dense_run_ids([trajectories[i].group_id for i in order], [trajectories[i].run_id for i in order])
+        if runs is not None:
+            group_size, runs_kw = None, {"group_ids": np.array(runs[0]), "run_ids": np.array(runs[1]),
+                                         "discounts": np.array([trajectories[i].discount for i in order])}
+        else:
+            runs_kw = {}
+        if runs is None and len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
             raise ValueError(f"groups must all have the same size for adv_estimator={self.algo.adv_estimator!r}; "
                              f"got sizes by group_id {sizes}")
         width = bucket_length(max(len(t) for t in trajectories), self.train.length_buckets)
@@ -356,7 +364,7 @@ class BatchPreparer:
         truncated = np.array([trajectories[i].truncated for i in order])
         boot = {} if last_values is None else {"last_values": np.array([last_values[i] for i in order], np.float32)}
         adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
-                                values=vals, truncated=truncated, **boot)
+                                values=vals, truncated=truncated, **boot, **runs_kw)
         stats: dict[str, float] = {}
         if ret is not None:
             count = max(float(mask.sum()), 1.0)

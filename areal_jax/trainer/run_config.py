@@ -166,13 +166,6 @@ class RunConfig:
             raise ValueError(f"rollout.workflow={self.rollout.workflow} renders its conversation with the chat "
                              "template; data.apply_chat_template=false gives raw prompts without one. Use "
                              "single_turn (or your own workflow) for raw prompts")
-        opts = self.rollout.workflow_options
-        if (self.rollout.workflow == "agentic" and opts.get("trajectory") == "per_turn"
-                and self.algo.adv_estimator not in ("reinforce_pp", "gae")):
-            raise ValueError(
-                "rollout.workflow_options.trajectory: per_turn makes a trajectory per completion, so agent runs of "
-                f"different lengths give uneven groups, which algo.adv_estimator={self.algo.adv_estimator!r} cannot "
-                "normalise: use trajectory: concat (one trajectory per run) or adv_estimator reinforce_pp or gae")
 
     def advisories(self) -> list[str]:
         """Settings that are valid but known to train badly, or that have no effect, each with
