@@ -192,3 +192,20 @@ def test_good_values_of_those_keys_load() -> None:
     # per-turn trajectories normalise over a group's runs, so GRPO takes them (refused before)
     load_run_config(None, ["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', "
                            "trajectory: per_turn, group_stats: run}"])
+
+
+def test_micro_batch_tokens_auto_resolves_by_backend() -> None:
+    """``train.micro_batch_tokens`` defaults to ``auto``: 1024 on a CPU (where a small model's
+    step at 8192 was slower), 8192 on GPU and TPU, made a number only when the trainer starts."""
+    from areal_jax.trainer.config import TrainConfig
+    from areal_jax.trainer.run_config import load_run_config
+
+    t = load_run_config(None, []).train
+    assert t.micro_batch_tokens == "auto"
+    assert (t.resolved("cpu").micro_batch_tokens, t.resolved("gpu").micro_batch_tokens,
+            t.resolved("tpu").micro_batch_tokens) == (1024, 8192, 8192)
+    assert load_run_config(None, ["train.micro_batch_tokens=2048"]).train.resolved("cpu").micro_batch_tokens == 2048
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens"):
+        load_run_config(None, ["train.micro_batch_tokens=big"])
+    with pytest.raises(ValueError, match="micro_batch_tokens must be a positive int or 'auto'"):
+        TrainConfig(micro_batch_tokens="big")

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.algo import advantages as adv_lib
-from areal_jax.algo.kl import KL_ESTIMATORS
+from areal_jax.algo.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
 from areal_jax.algo.ppo import AGGREGATIONS, RATIO_LEVELS
 
 PROXIMAL_LOGPROBS_METHODS = ("recompute", "loglinear")
@@ -77,11 +77,25 @@ class AlgoConfig:
     (Dr.GRPO), whatever its packing into micro-batches: typically sequences per minibatch times
     max new tokens."""
     kl_coef: float = 0.0
-    """Weight of the KL-to-reference penalty, a per-token reward ``-kl_coef * kl`` added after the
-    group normalisation of the task reward (AReaL's ``kl_ctl``). 0 means no reference model is
-    built at all."""
+    """Weight of the KL-to-reference *reward* penalty, AReaL's form (its ``kl_ctl``; verl's
+    ``use_kl_in_reward``): a per-token reward ``-kl_coef * kl`` on the behaviour logprobs, added
+    after the group normalisation of the task reward. It is not a loss term: it moves the policy
+    only through the advantages. For the loss form of GRPO, Tunix and verl's ``use_kl_loss``,
+    set ``kl_loss_coef``. With both 0 no reference model is built at all."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator for the penalty: ``k1``, ``k2`` or ``k3``."""
+    """Per-token KL estimator for the reward penalty: ``k1``, ``k2`` or ``k3`` (clamped to
+    +-10, AReaL's)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL-to-reference *loss* term (GRPO's beta; verl's ``kl_loss_coef`` with
+    ``use_kl_loss``, Tunix's ``beta``): ``kl_loss_coef * KL`` added to the policy loss, the KL
+    estimated per token on the logprobs being trained against the reference model's and
+    aggregated as the policy loss (``loss_aggregation``), so its gradient pulls the policy
+    towards the reference directly. The reference is the policy at the start of RL (after any
+    warm start). 0: no loss term."""
+    kl_loss_estimator: str = "low_var_kl"
+    """The loss term's per-token KL: ``k1`` (``logp - ref``), ``k2`` (``(logp - ref)^2 / 2``) or
+    ``k3``/``low_var_kl`` (``exp(ref - logp) - (ref - logp) - 1``, clamped as verl's), verl's
+    default for GRPO."""
     reward_scale: float = 1.0
     """Rewards become ``(r + reward_bias) * reward_scale`` before the estimator."""
     reward_bias: float = 0.0
@@ -131,6 +145,7 @@ class AlgoConfig:
             "ratio_level": RATIO_LEVELS,
             "loss_aggregation": AGGREGATIONS,
             "kl_estimator": tuple(KL_ESTIMATORS),
+            "kl_loss_estimator": KL_LOSS_ESTIMATORS,
             "proximal_logprobs": PROXIMAL_LOGPROBS_METHODS,
         }
         for name, allowed in choices.items():
@@ -163,6 +178,15 @@ class AlgoConfig:
             raise ValueError(f"value_eps_clip must be positive or None, got {self.value_eps_clip}")
         if self.ppo_n_minibatches < 1:
             raise ValueError("ppo_n_minibatches must be >= 1")
+        for name in ("kl_coef", "kl_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}: a negative weight would push the "
+                                 "policy away from the reference")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether training needs the reference model (a KL reward penalty or a KL loss term)."""
+        return self.kl_coef > 0 or self.kl_loss_coef > 0
 
 
 def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:

@@ -41,6 +41,9 @@ FORWARD_KEYS = ("input_ids", "positions", "segment_ids", "attention_pairs")
 LOGPROB_KEYS = (*FORWARD_KEYS, "targets")
 POLICY_KEYS = (*LOGPROB_KEYS, "loss_mask", "behavior_logprobs", "versions", "advantages")
 CRITIC_KEYS = (*FORWARD_KEYS, "loss_mask", "old_values", "returns")
+STEP_KEYS = (*POLICY_KEYS, "proximal_logprobs", "ref_logprobs")
+"""What the policy's gradient step reads: ``proximal_logprobs`` where they are recomputed,
+``ref_logprobs`` (the reference model's, position convention) with a KL loss term."""
 
 
 @dataclass
@@ -148,6 +151,14 @@ class BatchPreparer:
         policy is the policy being trained, and the loss takes its own logprobs."""
         a = self.algo
         return a.use_decoupled_loss and a.proximal_logprobs == "recompute" and a.ppo_n_minibatches > 1
+
+    @property
+    def step_extra_keys(self) -> tuple[str, ...]:
+        """The per-token fields a micro-batch carries for the step beyond the trajectories' own:
+        advantages, recomputed proximal logprobs, and the reference's logprobs for a KL loss term
+        (a field more or less is another compiled shape, so warm-up batches carry the same)."""
+        return ("advantages", *(("proximal_logprobs",) if self.recomputes_proximal else ()),
+                *(("ref_logprobs",) if self.algo.kl_loss_coef > 0 else ()))
 
     @property
     def first_minibatch_own_proximal(self) -> bool:
@@ -258,7 +269,7 @@ class BatchPreparer:
         plan = batching.MicroBatchPlan(tuple(tuple(range(len(trajectories))) for _ in range(self.dp_groups)), length)
         arrays = self.place(seqs, plan)
         # The fields of a real micro-batch and no others: a field more or less is another shape.
-        for key in ("advantages", "proximal_logprobs") if self.recomputes_proximal else ("advantages",):
+        for key in self.step_extra_keys:
             arrays[key] = self._put(np.zeros((len(plan.rows), length), np.float32))
         budgets = self.budget_ladder(length)
         if not budgets:
@@ -301,8 +312,14 @@ class BatchPreparer:
             for m in micro[len(minibatches[0]):]:
                 m.arrays["proximal_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS))
         token_kl = None
-        if reference is not None:
-            ref = self.logprobs(policy, micro, lengths, reference)
+        if reference is not None and self.algo.kl_loss_coef > 0:  # the loss term reads them packed
+            for m in micro:
+                m.arrays["ref_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS), reference)
+        if reference is not None and self.algo.kl_coef > 0:
+            if self.algo.kl_loss_coef > 0:
+                ref = unpack(micro, fetch([m.arrays["ref_logprobs"] for m in micro]), lengths)
+            else:
+                ref = self.logprobs(policy, micro, lengths, reference)
             # Against the behaviour (inference) logprobs even when proximal ones were recomputed,
             # as AReaL's PPOActor.compute_advantages: it takes recomputed logprobs only for naive
             # PPO with recompute_logprob, a mode this trainer does not have (its naive PPO is

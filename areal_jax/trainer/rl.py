@@ -41,7 +41,7 @@ from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.rl_steps import follow, push_weights, run_steps
-from areal_jax.trainer.run_config import RunConfig, load_run_config
+from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
 
 log = logging.getLogger(__name__)
 
@@ -95,22 +95,6 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     if "error" in box:
         raise box["error"]
     return box["result"]
-
-
-def check_imports(cfg: RunConfig) -> None:
-    """Import what the config names (the workflow, an agent, the reward function) now, so a
-    misspelt module fails before any server or model starts. Raises ``ConfigError``."""
-    from areal_jax.config import ConfigError
-    from areal_jax.controller.workflow import WorkflowError, resolve_callable
-    from areal_jax.rewards import get_reward_fn
-
-    try:
-        get_workflow(cfg.rollout.workflow)
-        if cfg.rollout.workflow == "agentic":
-            resolve_callable(str(cfg.rollout.workflow_options["agent"]), "rollout.workflow_options.agent")
-        get_reward_fn(cfg.reward.name)
-    except (WorkflowError, ValueError) as e:
-        raise ConfigError(str(e)) from None
 
 
 def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -169,9 +153,9 @@ def _resume_model_dir(cfg: RunConfig, run_dir: Path, base: Path) -> Path:
     warm = run_dir / "warm_start"
     if cfg.warm_start is None or (warm / "config.json").exists():
         return warm if cfg.warm_start is not None else base
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.uses_reference:
         raise FileNotFoundError(f"resuming needs {warm}, the warm-started policy that is the KL reference "
-                                "(algo.kl_coef > 0); it is gone")
+                                "(algo.kl_coef or algo.kl_loss_coef > 0); it is gone")
     return base
 
 
@@ -242,6 +226,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         from areal_jax.trainer.learner import describe_optimizer
 
         logger.write(describe_optimizer(cfg.train))
+        auto = " (auto: 1024 on CPU, 8192 on GPU and TPU)" if cfg.train.micro_batch_tokens == "auto" else ""
+        logger.write(f"train.micro_batch_tokens: {trainer.train.micro_batch_tokens}{auto}")
         if trainer.memory is not None:
             logger.write(trainer.memory.describe())
         if cfg.train.compile_warmup:

@@ -208,3 +208,19 @@ def load_run_config(path: str | Path | Sequence[str | Path] | None = None,
     under it), then ``key=value`` overrides; unknown keys and wrong types fail here, before
     anything starts."""
     return load_config(RunConfig, path, overrides)
+
+
+def check_imports(cfg: RunConfig) -> None:
+    """Import what the config names (the workflow, an agent, the reward function) now, so a
+    misspelt module fails before any server or model starts. Raises ``ConfigError``."""
+    from areal_jax.config import ConfigError
+    from areal_jax.controller.workflow import WorkflowError, get_workflow, resolve_callable
+    from areal_jax.rewards import get_reward_fn
+
+    try:
+        get_workflow(cfg.rollout.workflow)
+        if cfg.rollout.workflow == "agentic":
+            resolve_callable(str(cfg.rollout.workflow_options["agent"]), "rollout.workflow_options.agent")
+        get_reward_fn(cfg.reward.name)
+    except (WorkflowError, ValueError) as e:
+        raise ConfigError(str(e)) from None
