@@ -38,7 +38,7 @@ import numpy as np
 import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
-from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout
+from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout, start_fleet_early
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.rl_steps import follow, push_weights, run_steps
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
@@ -206,8 +206,17 @@ async def _train(cfg: RunConfig, resume: bool = False,
     data = load_prompts(cfg.data if hub.processes == 1 else
                         dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
     serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
-    model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
-    logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
+    # The rollout servers start now, in parallel with loading the model and building the trainer
+    # (a warm start serves its own weights, so it waits for them).
+    early = start_fleet_early(cfg, serve_dir, run_dir / "logs") if hub.leader and (
+        cfg.warm_start is None or meta is not None) else None
+    try:
+        model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
+        logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
     result = RunResult(run_dir=run_dir, metrics=logger.history)
     if sandbox_line is not None:
         logger.write(sandbox_line)
@@ -246,7 +255,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if hub.leader:
             try:
                 await _lead(cfg, hub, trainer, serve_dir, base, mesh, tokenizer, data, workflow, logger, result,
-                            meta, start, ckpts, t_start, on_step)
+                            meta, start, ckpts, t_start, on_step, early)
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
                     log.error("process 0: the run failed (%s: %s); stopping the other processes", type(e).__name__, e)
@@ -265,6 +274,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if logger.history:
             result.plot = plot_metrics(logger.history, run_dir / "curves.png", eval_before=result.eval_before)
     finally:
+        if early is not None and not early.taken:  # the run failed before its rollout opened
+            early.stop()
         if ckpts is not None:  # the run failed: let a save in progress finish, the first error stands
             with contextlib.suppress(Exception):
                 ckpts.close()
@@ -281,7 +292,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
 
 async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: Path, mesh: Any, tokenizer: Any,
                 data: Any, workflow: Any, logger: MetricsLogger, result: RunResult, meta: dict[str, Any] | None,
-                start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None) -> None:
+                start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None,
+                early: Any = None) -> None:
     """Process 0's part of the run: rollout, rewards, evaluation and the controller, and the
     steps (each announced to the other processes of a multi-process run)."""
     from areal_jax.models import iter_hf_tensors
@@ -289,7 +301,7 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
     from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
 
     rollout, run_dir, local = cfg.rollout, Path(cfg.run_dir), cfg.rollout.backend == "local"
-    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
+    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh, early=early) as (client, fleet):
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
         logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
