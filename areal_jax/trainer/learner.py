@@ -313,15 +313,17 @@ class Learner:
         """The current float32 params themselves (no copy), for a reader that keeps them past the
         next update; that update writes new buffers instead of donating these."""
         self._lent = True
-        if self._keep_compiled is None and not self.abstract:
-            self._compile_keep_apply()
+        self.compile_lent_update()
         return self.params
 
-    def _compile_keep_apply(self) -> None:
-        """Compile the update that keeps lent params in a background thread, now: the next
-        ``apply`` needs it, and it would otherwise compile inside that step (seconds on a CPU,
-        mid-run, with ``train.compile_warmup`` off). It overlaps the weight push and generation
-        that follow a lend."""
+    def compile_lent_update(self) -> None:
+        """Compile the update that keeps lent params (``lend``) in a background thread, once:
+        the ``apply`` after a lend needs it, and it would otherwise compile inside that step
+        (seconds on a CPU, mid-run, with ``train.compile_warmup`` off). ``lend`` starts it at the
+        latest; an RL run starts it when the trainer is built, so that it overlaps the servers'
+        start and the first batch's generation."""
+        if self._keep_compiled is not None or self.abstract:
+            return
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         args = (abstract(self.params), abstract(self.opt_state), abstract(self.params),

@@ -232,6 +232,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
         from areal_jax.trainer.learner import describe_optimizer
 
         logger.write(describe_optimizer(cfg.train))
