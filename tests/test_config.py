@@ -209,3 +209,8 @@ def test_micro_batch_tokens_auto_resolves_by_backend() -> None:
         load_run_config(None, ["train.micro_batch_tokens=big"])
     with pytest.raises(ValueError, match="micro_batch_tokens must be a positive int or 'auto'"):
         TrainConfig(micro_batch_tokens="big")
+    # buckets are checked against the number auto becomes on the backend at hand
+    small = TrainConfig(length_buckets=(256, 1024))
+    assert small.resolved("cpu").micro_batch_tokens == 1024
+    with pytest.raises(ValueError, match="auto is 8192 on gpu: the largest length bucket"):
+        small.resolved("gpu")

@@ -124,7 +124,8 @@ class TrainConfig:
         if self.micro_batch_tokens != "auto" and (isinstance(self.micro_batch_tokens, bool)
                                                   or not isinstance(self.micro_batch_tokens, int)):
             raise ValueError(f"micro_batch_tokens must be a positive int or 'auto', got {self.micro_batch_tokens!r}")
-        budget = max(AUTO_MICRO_BATCH_TOKENS.values()) if self.micro_batch_tokens == "auto" else self.micro_batch_tokens
+        # ``auto`` is checked against the buckets once ``resolved`` has made it a number.
+        budget = 1 if self.micro_batch_tokens == "auto" else self.micro_batch_tokens
         if not self.length_buckets or self.length_buckets[-1] < budget:
             raise ValueError(
                 f"the largest length bucket ({max(self.length_buckets, default=0)}) must hold "
@@ -132,9 +133,9 @@ class TrainConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
-        small = min(AUTO_MICRO_BATCH_TOKENS.values()) if self.micro_batch_tokens == "auto" else budget
-        if self.max_seq_len is not None and not 1 <= self.max_seq_len <= small:
-            raise ValueError(f"max_seq_len must be in 1..micro_batch_tokens ({small}), got {self.max_seq_len}")
+        auto = self.micro_batch_tokens == "auto"
+        if self.max_seq_len is not None and not (1 <= self.max_seq_len and (auto or self.max_seq_len <= budget)):
+            raise ValueError(f"max_seq_len must be in 1..micro_batch_tokens ({budget}), got {self.max_seq_len}")
         if self.min_micro_batches < 1 or budget < 1 or self.logprob_chunk_size < 1:
             raise ValueError("min_micro_batches, micro_batch_tokens and logprob_chunk_size must be >= 1")
 
@@ -145,7 +146,11 @@ class TrainConfig:
         if self.micro_batch_tokens != "auto":
             return self
         backend = backend or jax.default_backend()
-        return dataclasses.replace(self, micro_batch_tokens=AUTO_MICRO_BATCH_TOKENS.get(backend, 8192))
+        budget = AUTO_MICRO_BATCH_TOKENS.get(backend, 8192)
+        try:
+            return dataclasses.replace(self, micro_batch_tokens=budget)
+        except ValueError as e:
+            raise ValueError(f"train.micro_batch_tokens: auto is {budget} on {backend}: {e}") from None
 
     def resolved_compute_dtype(self, backend: str | None = None) -> str:
         """``compute_dtype``, or the default for ``backend`` (default: JAX's) when it is None."""
