@@ -165,8 +165,10 @@ def _load_checked(args: argparse.Namespace, prog: str) -> object:
     """The run config, every value checked and the modules it names imported, or exit with the
     message. The config file's folder and the working directory go on the import path first."""
     from areal_jax.config import ConfigError, add_config_folders_to_path
-    from areal_jax.trainer.rl import check_imports
-    from areal_jax.trainer.run_config import load_run_config
+
+    # Only the config modules: this path (``--print-config`` among others) must not pay for the
+    # trainer, the engine and the HTTP stack.
+    from areal_jax.trainer.run_config import check_imports, load_run_config
 
     add_config_folders_to_path(args.config)
     try:
@@ -185,10 +187,10 @@ def _load_checked(args: argparse.Namespace, prog: str) -> object:
 def _train(argv: list[str]) -> None:
     from areal_jax.config import ConfigError
     from areal_jax.data import DatasetError
-    from areal_jax.trainer.rl import run_summary, train
 
     args = _train_args(argv, "areal-jax train")
     cfg = _load_checked(args, "areal-jax train")
+    from areal_jax.trainer.rl import run_summary, train
     print(f"run directory: {cfg.run_dir} (metrics.jsonl, tensorboard/, curves.png, checkpoints/, final/); "
           f"watch with: tensorboard --logdir {cfg.run_dir}", flush=True)
     from areal_jax.rewards.isolation import SandboxUnavailable

@@ -160,8 +160,8 @@ def test_run_config_says_tiny_options_do_nothing_beside_a_model_path(tmp_path: P
     # combinations that cannot work
     (["rollout.filter_uniform_reward=true", "rollout.group_size=1"],
      r"rollout\.filter_uniform_reward.*group_size 1.*every group"),
-    (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"],
-     r"trajectory: per_turn.*uneven groups.*algo\.adv_estimator='grpo'"),
+    (["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', group_stats: runs}"],
+     r"'rollout\.workflow_options\.group_stats': 'runs' is not one of \['run', 'turn'\]"),
     (["data.apply_chat_template=false", "rollout.workflow=multi_turn"],
      r"rollout\.workflow=multi_turn renders its conversation with the chat template"),
 ])
@@ -189,3 +189,28 @@ def test_good_values_of_those_keys_load() -> None:
     load_run_config(None, ["rollout.workflow=my_pkg.flows:episode", "rollout.workflow_options.anything=1"])
     load_run_config(None, ["rollout.workflow=agentic", "algo.adv_estimator=reinforce_pp",
                            "rollout.workflow_options={agent: 'a.b:c', trajectory: per_turn}"])
+    # per-turn trajectories normalise over a group's runs, so GRPO takes them (refused before)
+    load_run_config(None, ["rollout.workflow=agentic", "rollout.workflow_options={agent: 'a.b:c', "
+                           "trajectory: per_turn, group_stats: run}"])
+
+
+def test_micro_batch_tokens_auto_resolves_by_backend() -> None:
+    """``train.micro_batch_tokens`` defaults to ``auto``: 1024 on a CPU (where a small model's
+    step at 8192 was slower), 8192 on GPU and TPU, made a number only when the trainer starts."""
+    from areal_jax.trainer.config import TrainConfig
+    from areal_jax.trainer.run_config import load_run_config
+
+    t = load_run_config(None, []).train
+    assert t.micro_batch_tokens == "auto"
+    assert (t.resolved("cpu").micro_batch_tokens, t.resolved("gpu").micro_batch_tokens,
+            t.resolved("tpu").micro_batch_tokens) == (1024, 8192, 8192)
+    assert load_run_config(None, ["train.micro_batch_tokens=2048"]).train.resolved("cpu").micro_batch_tokens == 2048
+    with pytest.raises(ConfigError, match="train.micro_batch_tokens"):
+        load_run_config(None, ["train.micro_batch_tokens=big"])
+    with pytest.raises(ValueError, match="micro_batch_tokens must be a positive int or 'auto'"):
+        TrainConfig(micro_batch_tokens="big")
+    # buckets are checked against the number auto becomes on the backend at hand
+    small = TrainConfig(length_buckets=(256, 1024))
+    assert small.resolved("cpu").micro_batch_tokens == 1024
+    with pytest.raises(ValueError, match="auto is 8192 on gpu: the largest length bucket"):
+        small.resolved("gpu")

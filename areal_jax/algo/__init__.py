@@ -14,7 +14,7 @@ from areal_jax.algo.advantages import (
     terminal_token_rewards,
 )
 from areal_jax.algo.config import AlgoConfig, OverlongPenalty, compute_advantages, ppo_loss_kwargs
-from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3
+from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3, kl_loss_term
 from areal_jax.algo.ppo import decoupled_ppo_loss
 from areal_jax.algo.value import clipped_value_loss, explained_variance
 
@@ -32,6 +32,7 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_loss_term",
     "normalize_advantages",
     "overlong_penalty",
     "ppo_loss_kwargs",

@@ -171,6 +171,81 @@ def raw_scores(rewards: jax.Array, group_size: int | None = None) -> jax.Array:
     return jnp.asarray(rewards)
 
 
+def run_group_scores(
+    name: str, rewards: jax.Array, group_ids: jax.Array, run_ids: jax.Array, discounts: jax.Array | None = None,
+    *, eps: float = 1e-5, unbiased: bool = True,
+) -> jax.Array:
+    """Group estimator ``name``'s scores when a group's members are agent *runs*, each of which
+    may have left several trajectories (per-turn trajectories of one run share its ``run_ids``
+    entry). ``rewards``, ``group_ids``, ``run_ids`` and ``discounts`` are ``[batch]``; ids are
+    ints in ``0..batch-1``, ``run_ids`` unique across the batch (not only within a group).
+    ``discounts`` (default 1) is the factor ``w_i`` by which a turn's reward was discounted from
+    its run's (``r_i = w_i * R``).
+
+    The group statistics count each run once, by the reward of its last trajectory in batch
+    order (the run's final turn, which carries the undiscounted run reward ``R``), so a run that
+    made five calls weighs no more than one that made one. Each trajectory then gets its run's
+    score, discounted like its reward::
+
+        grpo:    (r_i - w_i * mean_runs) / (std_runs + eps)   = w_i * (R - mean) / (std + eps)
+        dr_grpo:  r_i - w_i * mean_runs
+        rloo:     r_i - w_i * (sum_runs - R) / (n_runs - 1)     (0 for a group of one run)
+
+    The discount goes on the score, not only on the reward before normalising: when every run
+    of a group earned the same reward, the runs' std is 0, and a discounted earlier turn scored
+    against the undiscounted mean would get ``(w - 1) R / eps``, a huge negative advantage for a
+    turn of a run as good as any. With one trajectory per run this is the ordinary estimator
+    over groups of any size. It is verl-agent's GRPO with ``compute_mean_std_cross_all_data:
+    false`` (each ``(uid, traj_uid)`` pair enters its group's mean and std once), with AReaL's
+    per-turn reward discount carried over to the score.
+    """
+    r = jnp.reshape(jnp.asarray(rewards, jnp.float32), -1)
+    b = r.shape[0]
+    if name == "reinforce_pp":
+        return r
+    w = jnp.ones_like(r) if discounts is None else jnp.reshape(jnp.asarray(discounts, jnp.float32), -1)
+    group_ids = jnp.reshape(jnp.asarray(group_ids, jnp.int32), -1)
+    run_ids = jnp.reshape(jnp.asarray(run_ids, jnp.int32), -1)
+    pos = jnp.arange(b)
+    last = jax.ops.segment_max(pos, run_ids, num_segments=b)
+    rep = (pos == last[run_ids]).astype(jnp.float32)
+    seg = lambda x: jax.ops.segment_sum(x, group_ids, num_segments=b)[group_ids]
+    n = seg(rep)
+    total = seg(r * rep)
+    mean = total / n
+    if name == "dr_grpo":
+        return r - w * mean
+    if name == "rloo":
+        run_reward = jax.ops.segment_sum(r * rep, run_ids, num_segments=b)[run_ids]
+        baseline = (total - run_reward) / jnp.maximum(n - 1.0, 1.0)
+        return jnp.where(n > 1, r - w * baseline, 0.0)
+    if name != "grpo":
+        raise ValueError(f"no run-grouped form of estimator {name!r}")
+    sq = seg(jnp.square(r - mean) * rep)
+    if unbiased:
+        std = jnp.where(n > 1, jnp.sqrt(sq / jnp.maximum(n - 1.0, 1.0)), 1.0)
+    else:
+        std = jnp.sqrt(sq / n)
+    return (r - w * mean) / (std + eps)
+
+
+def dense_run_ids(group_ids: list[int], run_ids: list[int]) -> tuple[list[int], list[int]] | None:
+    """Per-trajectory ``(group, run)`` indices, each dense in ``0..batch-1``, for
+    ``run_group_scores``; None when no trajectory names a run (``run_id < 0`` everywhere),
+    the ordinary case of one trajectory per group member. A trajectory without a run is a run
+    of its own."""
+    if all(r < 0 for r in run_ids):
+        return None
+    groups: dict[int, int] = {}
+    runs: dict[tuple[int, int], int] = {}
+    g_out, r_out = [], []
+    for i, (g, r) in enumerate(zip(group_ids, run_ids, strict=True)):
+        g_out.append(groups.setdefault(g, len(groups)))
+        key = (g, r) if r >= 0 else (g, -1 - i)
+        r_out.append(runs.setdefault(key, len(runs)))
+    return g_out, r_out
+
+
 GROUP_ESTIMATORS = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,

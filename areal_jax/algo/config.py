@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from areal_jax.algo import advantages as adv_lib
-from areal_jax.algo.kl import KL_ESTIMATORS
+from areal_jax.algo.kl import KL_ESTIMATORS, KL_LOSS_ESTIMATORS
 from areal_jax.algo.ppo import AGGREGATIONS, RATIO_LEVELS
 
 PROXIMAL_LOGPROBS_METHODS = ("recompute", "loglinear")
@@ -77,11 +77,25 @@ class AlgoConfig:
     (Dr.GRPO), whatever its packing into micro-batches: typically sequences per minibatch times
     max new tokens."""
     kl_coef: float = 0.0
-    """Weight of the KL-to-reference penalty, a per-token reward ``-kl_coef * kl`` added after the
-    group normalisation of the task reward (AReaL's ``kl_ctl``). 0 means no reference model is
-    built at all."""
+    """Weight of the KL-to-reference *reward* penalty, AReaL's form (its ``kl_ctl``; verl's
+    ``use_kl_in_reward``): a per-token reward ``-kl_coef * kl`` on the behaviour logprobs, added
+    after the group normalisation of the task reward. It is not a loss term: it moves the policy
+    only through the advantages. For the loss form of GRPO, Tunix and verl's ``use_kl_loss``,
+    set ``kl_loss_coef``. With both 0 no reference model is built at all."""
     kl_estimator: str = "k1"
-    """Per-token KL estimator for the penalty: ``k1``, ``k2`` or ``k3``."""
+    """Per-token KL estimator for the reward penalty: ``k1``, ``k2`` or ``k3`` (clamped to
+    +-10, AReaL's)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL-to-reference *loss* term (GRPO's beta; verl's ``kl_loss_coef`` with
+    ``use_kl_loss``, Tunix's ``beta``): ``kl_loss_coef * KL`` added to the policy loss, the KL
+    estimated per token on the logprobs being trained against the reference model's and
+    aggregated as the policy loss (``loss_aggregation``), so its gradient pulls the policy
+    towards the reference directly. The reference is the policy at the start of RL (after any
+    warm start). 0: no loss term."""
+    kl_loss_estimator: str = "low_var_kl"
+    """The loss term's per-token KL: ``k1`` (``logp - ref``), ``k2`` (``(logp - ref)^2 / 2``) or
+    ``k3``/``low_var_kl`` (``exp(ref - logp) - (ref - logp) - 1``, clamped as verl's), verl's
+    default for GRPO."""
     reward_scale: float = 1.0
     """Rewards become ``(r + reward_bias) * reward_scale`` before the estimator."""
     reward_bias: float = 0.0
@@ -131,6 +145,7 @@ class AlgoConfig:
             "ratio_level": RATIO_LEVELS,
             "loss_aggregation": AGGREGATIONS,
             "kl_estimator": tuple(KL_ESTIMATORS),
+            "kl_loss_estimator": KL_LOSS_ESTIMATORS,
             "proximal_logprobs": PROXIMAL_LOGPROBS_METHODS,
         }
         for name, allowed in choices.items():
@@ -163,6 +178,15 @@ class AlgoConfig:
             raise ValueError(f"value_eps_clip must be positive or None, got {self.value_eps_clip}")
         if self.ppo_n_minibatches < 1:
             raise ValueError("ppo_n_minibatches must be >= 1")
+        for name in ("kl_coef", "kl_loss_coef"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}: a negative weight would push the "
+                                 "policy away from the reference")
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether training needs the reference model (a KL reward penalty or a KL loss term)."""
+        return self.kl_coef > 0 or self.kl_loss_coef > 0
 
 
 def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
@@ -195,12 +219,15 @@ def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, tok
 
 
 def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
-    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos):
+    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, runs):
         # AReaL: normalise the task reward in its group, then add the per-token KL reward, then
         # take GAE with zero values (the reward-to-go); the KL is never divided by a group's std.
         # Without a critic every value is 0, a truncated answer's bootstrap included.
         norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
-        scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
+        if runs is None:
+            scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
+        else:  # groups of agent runs, a run's per-turn trajectories counted once
+            scores = adv_lib.run_group_scores(name, seq_rewards, *runs, **norm)
         token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl, no_eos)
         advantages, _ = adv_lib.gae_advantages(
             token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
@@ -212,7 +239,7 @@ def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | No
     return estimate
 
 
-def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos):
+def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, runs):
     if values is None:
         raise ValueError("adv_estimator='gae' needs values from the critic")
     token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl, no_eos)
@@ -238,6 +265,9 @@ def compute_advantages(
     response_lengths: jax.Array | None = None,
     truncated: jax.Array | None = None,
     last_values: jax.Array | None = None,
+    group_ids: jax.Array | None = None,
+    run_ids: jax.Array | None = None,
+    discounts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
 
@@ -256,6 +286,12 @@ def compute_advantages(
     after the answer's last token (AReaL's ``values[:, -1] * no_eos``), while a finished answer's
     value after its last token is 0. None: every answer finished. (AReaL calls an answer
     "no EOS" when it fills the padded batch's width; we use the rollout's own finish reason.)
+
+    ``group_ids`` and ``run_ids [batch]`` (both or neither; from ``advantages.dense_run_ids``)
+    replace ``group_size`` for groups of agent runs that left several trajectories each
+    (``agentic`` with ``trajectory: per_turn``): the group statistics count each run once and
+    each turn gets its run's score times its ``discounts`` entry (default 1), see
+    ``advantages.run_group_scores``. Groups may then differ in size.
     """
     rewards = jnp.reshape(rewards, -1).astype(jnp.float32)
     loss_mask = jnp.asarray(loss_mask).astype(jnp.float32)
@@ -282,8 +318,11 @@ def compute_advantages(
             raise ValueError("truncated answers need last_values (the critic's value after each answer's last "
                              "token) for GAE to bootstrap from")
         bootstrap = jnp.where(truncated, jnp.reshape(jnp.asarray(last_values, jnp.float32), -1), 0.0)
+    if (group_ids is None) != (run_ids is None):
+        raise ValueError("group_ids and run_ids go together (advantages.dense_run_ids gives both)")
+    runs = None if run_ids is None else (group_ids, run_ids, discounts)
     advantages, returns = ESTIMATORS[cfg.adv_estimator](
-        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated)
+        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated, runs)
     if cfg.adv_norm:
         advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
     return advantages, returns

@@ -258,14 +258,16 @@ class RecordingChat:
         out = []
         n = len(self.records)
         for i, r in enumerate(self.records):
-            value = r.reward
+            value, factor = r.reward, 1.0
             if value is None and reward is not None:
-                value = reward * turn_discount ** (n - 1 - i)
+                factor = turn_discount ** (n - 1 - i)
+                value = reward * factor
             if value is None:
                 raise ValueError(f"completion {r.completion.id} has no reward: return one from the agent "
                                  "or call chat.set_reward(completion.id, reward)")
             if r.result.output_ids:
                 out.append(self.client.trajectory(r.prompt_ids, r.result, value))
+                out[-1].discount = factor
         return out
 
     def export_concat(self, reward: float | None = None) -> Trajectory | None:

@@ -193,7 +193,13 @@ async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
     ``export_interactions(style="concat")``), so a group is ``group_size`` trajectories whatever
     the number of calls each run made. ``per_turn`` makes every completion a trajectory of its
     own, rewarded ``reward * turn_discount ** (later completions)`` (option ``turn_discount``,
-    default 1); its groups then differ in size, which only ``reinforce_pp`` and ``gae`` take.
+    default 1), so a group's runs leave different numbers of trajectories. Option
+    ``group_stats`` says what a group-relative estimator (GRPO, Dr.GRPO, RLOO) normalises over:
+    ``run`` (default) counts each run once, by its final turn's reward, and gives each turn its
+    run's score times the turn's discount (verl-agent's GRPO over ``(uid, traj_uid)`` pairs);
+    ``turn`` counts every turn with its discounted reward as a member of its own (AReaL's
+    order: discount, then normalise), so runs that made more calls weigh more.
+    Either way groups of uneven size train with every estimator.
     Option ``tool_parser``: how tool calls are read from answers (``auto``: by the chat
     template; ``hermes``, ``llama3_json``; see ``controller/chat.py``)."""
     from areal_jax.controller.chat import RecordingChat
@@ -206,6 +212,7 @@ async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
     if style not in AGENT_TRAJECTORIES:
         raise WorkflowError(f"rollout.workflow_options.trajectory={style!r}: choose one of {list(AGENT_TRAJECTORIES)}")
     discount = float(client.options.get("turn_discount", 1.0))
+    per_run = client.options.get("group_stats", "run") == "run"
 
     async def one() -> list[Trajectory]:
         chat = RecordingChat(client, tool_parser=str(client.options.get("tool_parser", "auto")))
@@ -217,7 +224,15 @@ async def agentic(client: EpisodeClient, row: Any) -> list[Trajectory]:
         return [] if run is None else [run]
 
     runs = await asyncio.gather(*(one() for _ in range(client.group_size)))
-    return [t for run in runs for t in run]
+    out = [t for run in runs for t in run]
+    if style == "per_turn":
+        # Each run's turns share a run id (statistics per run), or each turn is its own run.
+        ids = ([k for k, run in enumerate(runs) for _ in run] if per_run else range(len(out)))
+        for t, k in zip(out, ids, strict=True):
+            t.run_id = k
+            if not per_run:
+                t.discount = 1.0  # a member of its own: its discounted reward is all it has
+    return out
 
 
 BUILTIN: dict[str, Workflow] = {"single_turn": single_turn, "multi_turn": multi_turn, "agentic": agentic}
@@ -226,6 +241,7 @@ WORKFLOW_OPTIONS: dict[str, dict[str, Any]] = {
     "single_turn": {},
     "multi_turn": {"max_turns": int, "turn_discount": float, "feedback": str},
     "agentic": {"agent": str, "trajectory": Literal["concat", "per_turn"], "turn_discount": float,
+                "group_stats": Literal["run", "turn"],
                 "tool_parser": Literal["auto", "hermes", "llama3_json"]},
 }
 """The options each built-in workflow reads from ``rollout.workflow_options``, with their types;

@@ -43,6 +43,14 @@ class Trajectory:
     """The answer was cut off at its length limit without an end-of-sequence token. With a critic,
     GAE then bootstraps from the value of the state after the last token instead of taking it as
     terminal (AReaL's ``no_eos`` mask)."""
+    run_id: int = -1
+    """Which agent run of its group produced it, when a run leaves several trajectories (the
+    ``agentic`` workflow's ``trajectory: per_turn``): group-relative estimators then count each
+    run once in the group statistics (``algo.advantages.run_group_scores``). -1: the
+    trajectory is a group member of its own, the usual case."""
+    discount: float = 1.0
+    """The factor a per-turn trajectory's ``reward`` carries from its run's reward
+    (``turn_discount ** later turns``); grouped by run, its baseline is discounted alike."""
 
     def __post_init__(self) -> None:
         self.input_ids = np.asarray(self.input_ids, np.int32)
@@ -53,6 +61,8 @@ class Trajectory:
         self.group_id = int(self.group_id)
         self.prompt_len = int(self.prompt_len)
         self.truncated = bool(self.truncated)
+        self.run_id = int(self.run_id)
+        self.discount = float(self.discount)
         self.validate()
 
     @classmethod

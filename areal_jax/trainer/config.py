@@ -7,7 +7,7 @@ of optimizer steps per training batch); this dataclass only says how the step is
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import optax
@@ -16,6 +16,9 @@ from areal_jax.data.packing import DEFAULT_BUCKETS
 from areal_jax.models.config import dtype_name, remat_policy
 
 SCHEDULES = ("constant", "warmup_cosine")
+AUTO_MICRO_BATCH_TOKENS = {"cpu": 1024, "gpu": 8192, "tpu": 8192}
+"""``micro_batch_tokens: auto`` by backend (8192 on any other). Measured on a CPU: see the
+field's docstring."""
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -44,12 +47,14 @@ class TrainConfig:
     """Optimizer steps the cosine decay spans (warmup included); required by ``warmup_cosine``."""
     min_lr_ratio: float = 0.0
     """Final learning rate of ``warmup_cosine`` as a fraction of ``lr``."""
-    micro_batch_tokens: int = 8192
+    micro_batch_tokens: int | Literal["auto"] = "auto"
     """Token budget of one packed row, i.e. of one data-parallel group's share of a micro-batch.
-    On a CPU, short rows train faster per token when the model is small: a 0.5M-parameter
-    model's gradient took 63 ms on one row of 2,048 tokens and 9.5 ms on a row of at most 512,
-    likely as its activations then stay in cache (keep ``length_buckets`` up to this budget fine
-    as well)."""
+    ``auto``: 1024 on a CPU, 8192 on a GPU or TPU (``AUTO_MICRO_BATCH_TOKENS``), resolved when
+    the trainer starts (``resolved``) and printed in the run's log. On a CPU, short rows train
+    faster per token when the model is small: a 0.5M-parameter model's gradient took 63 ms on
+    one row of 2,048 tokens and 9.5 ms on a row of at most 512, likely as its activations then
+    stay in cache (keep ``length_buckets`` up to this budget fine as well); a GRPO step of the
+    small model timed by ``benchmarks/micro_batch_tokens.py`` is in the CHANGELOG."""
     min_micro_batches: int = 1
     """Each data-parallel group runs at least this many micro-batches per minibatch (memory cap)."""
     length_buckets: tuple[int, ...] = DEFAULT_BUCKETS
@@ -116,18 +121,36 @@ class TrainConfig:
                 f"lr_schedule='warmup_cosine' needs total_steps > warmup_steps, got {self.total_steps} "
                 f"and {self.warmup_steps}"
             )
-        if not self.length_buckets or self.length_buckets[-1] < self.micro_batch_tokens:
+        if self.micro_batch_tokens != "auto" and (isinstance(self.micro_batch_tokens, bool)
+                                                  or not isinstance(self.micro_batch_tokens, int)):
+            raise ValueError(f"micro_batch_tokens must be a positive int or 'auto', got {self.micro_batch_tokens!r}")
+        # ``auto`` is checked against the buckets once ``resolved`` has made it a number.
+        budget = 1 if self.micro_batch_tokens == "auto" else self.micro_batch_tokens
+        if not self.length_buckets or self.length_buckets[-1] < budget:
             raise ValueError(
                 f"the largest length bucket ({max(self.length_buckets, default=0)}) must hold "
-                f"micro_batch_tokens={self.micro_batch_tokens}; add a bucket or lower the budget"
+                f"micro_batch_tokens={budget}; add a bucket or lower the budget"
             )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
-        if self.max_seq_len is not None and not 1 <= self.max_seq_len <= self.micro_batch_tokens:
-            raise ValueError(f"max_seq_len must be in 1..micro_batch_tokens ({self.micro_batch_tokens}), "
-                             f"got {self.max_seq_len}")
-        if self.min_micro_batches < 1 or self.micro_batch_tokens < 1 or self.logprob_chunk_size < 1:
+        auto = self.micro_batch_tokens == "auto"
+        if self.max_seq_len is not None and not (1 <= self.max_seq_len and (auto or self.max_seq_len <= budget)):
+            raise ValueError(f"max_seq_len must be in 1..micro_batch_tokens ({budget}), got {self.max_seq_len}")
+        if self.min_micro_batches < 1 or budget < 1 or self.logprob_chunk_size < 1:
             raise ValueError("min_micro_batches, micro_batch_tokens and logprob_chunk_size must be >= 1")
+
+    def resolved(self, backend: str | None = None) -> TrainConfig:
+        """This config with ``micro_batch_tokens: auto`` made a number for ``backend`` (default:
+        JAX's, which this call initialises, so a trainer calls it when it starts, not the
+        config loader)."""
+        if self.micro_batch_tokens != "auto":
+            return self
+        backend = backend or jax.default_backend()
+        budget = AUTO_MICRO_BATCH_TOKENS.get(backend, 8192)
+        try:
+            return dataclasses.replace(self, micro_batch_tokens=budget)
+        except ValueError as e:
+            raise ValueError(f"train.micro_batch_tokens: auto is {budget} on {backend}: {e}") from None
 
     def resolved_compute_dtype(self, backend: str | None = None) -> str:
         """``compute_dtype``, or the default for ``backend`` (default: JAX's) when it is None."""

@@ -75,15 +75,58 @@ def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
     return mesh if mesh.size > 1 else None
 
 
+class EarlyFleet:
+    """Embedded (or SGLang) servers starting in a thread while the trainer loads and builds
+    (``start_fleet_early``); ``open_rollout`` takes them over, or ``stop`` ends them if the run
+    fails before it gets there."""
+
+    def __init__(self, fleet: Any, task: asyncio.Future) -> None:
+        self.fleet, self.task, self.taken = fleet, task, False
+
+    def stop(self) -> None:
+        """End the servers (again once their start returns, should it still be under way)."""
+        self.fleet.stop()
+        self.task.add_done_callback(lambda _: self.fleet.stop())
+
+
+def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> EarlyFleet | None:
+    """Start the configured server processes now, in a thread, so that their start (a process
+    importing JAX, loading the model, warming its engine) overlaps the trainer's own; None where
+    the rollout has no processes of ours to start (``local``, or given ``servers``)."""
+    if cfg.rollout.backend not in ("embedded", "sglang"):
+        return None
+    fleet = _make_fleet(cfg, serve_dir, log_dir)
+    # run_in_executor starts the thread now, not at the caller's next await: the caller goes on
+    # with blocking work (loading the model, building the trainer) meanwhile.
+    return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, fleet.start))
+
+
+def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
+    from rollout_bridge.launcher import ServerFleet
+
+    rollout = cfg.rollout
+    split = device_split(cfg)
+    command = None
+    if rollout.backend == "sglang":
+        from rollout_bridge.sglang_launch import sglang_command
+
+        def command(i: int, port: int) -> list[str]:
+            return sglang_command(rollout.sglang, str(serve_dir), port, seed=cfg.seed + i, api_key=rollout.api_key)
+    return ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
+                       seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
+                       weight_roots=[Path(serve_dir).absolute().parent, _local_run_dir(cfg).absolute(),
+                                     *([rollout.weights_dir] if rollout.weights_dir else [])],
+                       placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
+
+
 @contextlib.asynccontextmanager
 async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
-                       trainer_mesh: Any = None) -> AsyncIterator[tuple[Any, Any]]:
+                       trainer_mesh: Any = None, early: EarlyFleet | None = None) -> AsyncIterator[tuple[Any, Any]]:
     """``(client, fleet)``: an ``HttpRolloutClient`` on the configured servers, or with ``backend:
     local`` a ``LocalRolloutClient`` over an engine in this process (shared placement: on
     ``trainer_mesh``); ``fleet`` is the ``ServerFleet`` of embedded servers this started (else
-    None)."""
+    None). ``early``: servers already starting (``start_fleet_early``), taken over here."""
     from rollout_bridge.client import HttpRolloutClient
-    from rollout_bridge.launcher import ServerFleet
 
     rollout = cfg.rollout
     if rollout.backend == "local":
@@ -96,20 +139,11 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
         return
     fleet = None
     try:
-        if rollout.backend in ("embedded", "sglang"):
-            split = device_split(cfg)
-            command = None
-            if rollout.backend == "sglang":
-                from rollout_bridge.sglang_launch import sglang_command
-
-                def command(i: int, port: int) -> list[str]:
-                    return sglang_command(rollout.sglang, str(serve_dir), port, seed=cfg.seed + i,
-                                          api_key=rollout.api_key)
-            fleet = ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
-                                seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
-                                weight_roots=[Path(serve_dir).absolute().parent, _local_run_dir(cfg).absolute(),
-                                              *([rollout.weights_dir] if rollout.weights_dir else [])],
-                                placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
+        if early is not None:
+            early.taken, fleet = True, early.fleet
+            addresses = await early.task
+        elif rollout.backend in ("embedded", "sglang"):
+            fleet = _make_fleet(cfg, serve_dir, log_dir)
             addresses = await asyncio.to_thread(fleet.start)
         else:
             addresses = list(rollout.servers)

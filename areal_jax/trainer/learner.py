@@ -28,7 +28,9 @@ allocated) to lower and compile its steps for the memory plan (``trainer/memory.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -211,6 +213,7 @@ class Learner:
         # The same step for lent params: they stay alive (and unchanged) for whoever reads them.
         self._apply_keep_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
                                       donate_argnums=(1,))
+        self._keep_compiled: Future | None = None
 
     def _compute_graphdef(self, cls: type[nnx.Module], config: Any) -> nnx.GraphDef:
         """The graph the jitted code merges params into. It differs from the source model's only
@@ -286,7 +289,9 @@ class Learner:
         """One optimizer step with the accumulated ``grads`` at schedule position ``step`` (the
         learner's own by default). Returns its device stats; ``step`` moves on by one here, and
         back by one per skipped step once the caller has read ``skipped`` (``count_skipped``)."""
-        fn = self._apply_keep_fn if self._lent else self.apply_fn
+        fn = self.apply_fn
+        if self._lent:
+            fn = self._apply_keep_fn if self._keep_compiled is None else self._keep_compiled.result()
         position = jax.device_put(np.int32(self.step if step is None else step), self.replicated)
         with activate(self.mesh, self.rules):
             self.params, self.opt_state, out = fn(self.params, self.opt_state, grads, position)
@@ -308,7 +313,33 @@ class Learner:
         """The current float32 params themselves (no copy), for a reader that keeps them past the
         next update; that update writes new buffers instead of donating these."""
         self._lent = True
+        self.compile_lent_update()
         return self.params
+
+    def compile_lent_update(self) -> None:
+        """Compile the update that keeps lent params (``lend``) in a background thread, once:
+        the ``apply`` after a lend needs it, and it would otherwise compile inside that step
+        (seconds on a CPU, mid-run, with ``train.compile_warmup`` off). ``lend`` starts it at the
+        latest; an RL run starts it when the trainer is built, so that it overlaps the servers'
+        start and the first batch's generation."""
+        if self._keep_compiled is not None or self.abstract:
+            return
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        args = (abstract(self.params), abstract(self.opt_state), abstract(self.params),
+                jax.ShapeDtypeStruct((), np.int32, sharding=self.replicated))
+        done: Future = Future()
+        mesh, rules, fn = self.mesh, self.rules, self._apply_keep_fn
+
+        def compile_() -> None:
+            try:
+                with activate(mesh, rules):
+                    done.set_result(fn.lower(*args).compile())
+            except BaseException as e:  # the step then raises it, where it would have compiled
+                done.set_exception(e)
+
+        threading.Thread(target=compile_, name="compile-apply-keep", daemon=True).start()
+        self._keep_compiled = done
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint saves: the params and the optimizer state (the learner's own buffers)."""

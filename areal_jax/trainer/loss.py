@@ -18,6 +18,7 @@ from areal_jax.algo import (
     approx_proximal_logprobs,
     clipped_value_loss,
     decoupled_ppo_loss,
+    kl_loss_term,
     ppo_loss_kwargs,
 )
 from areal_jax.models import Critic, Decoder, chunked_logprobs
@@ -75,6 +76,8 @@ def micro_batch_loss(
     read only by the ``loglinear`` approximation. ``scalars["own_proximal"]`` > 0 takes the loss's
     own logprobs (gradient stopped) as the proximal ones in place of ``proximal_logprobs`` or
     the ``loglinear`` estimate; with ``ppo_n_minibatches == 1`` they always are.
+    With ``algo.kl_loss_coef > 0`` the KL loss term against ``batch["ref_logprobs"]`` (the
+    reference model's) is added, aggregated as the policy loss (``algo.kl.kl_loss_term``).
     """
     logprobs, entropy = token_logprobs(model, batch, temperature=temperature, chunk_size=chunk_size,
                                        with_entropy=True, attention_window=attention_window,
@@ -103,6 +106,12 @@ def micro_batch_loss(
         seq_ids=packed_seq_ids(batch["segment_ids"]), **ppo_loss_kwargs(algo),
     )
     aux: dict[str, Any] = dict(stats)
+    if algo.kl_loss_coef > 0:
+        kl = kl_loss_term(logprobs, batch["ref_logprobs"], mask, algo.kl_loss_estimator,
+                          aggregation=algo.loss_aggregation, constant_normalizer=algo.constant_normalizer,
+                          seq_ids=packed_seq_ids(batch["segment_ids"]))
+        loss = loss + algo.kl_loss_coef * kl
+        aux["kl_loss"] = jax.lax.stop_gradient(kl)
     aux["loss"] = loss
     aux["mask_count"] = jnp.sum(mask)
     aux["entropy_sum"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask)

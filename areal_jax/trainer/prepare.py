@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
+from areal_jax.algo.advantages import dense_run_ids
 from areal_jax.algo.kl import kl_penalty_estimate
 from areal_jax.data.packing import attention_block_pairs, bucket_length, build_packed_batch, pair_budget
 from areal_jax.data.trajectory import Trajectory
@@ -40,6 +41,9 @@ FORWARD_KEYS = ("input_ids", "positions", "segment_ids", "attention_pairs")
 LOGPROB_KEYS = (*FORWARD_KEYS, "targets")
 POLICY_KEYS = (*LOGPROB_KEYS, "loss_mask", "behavior_logprobs", "versions", "advantages")
 CRITIC_KEYS = (*FORWARD_KEYS, "loss_mask", "old_values", "returns")
+STEP_KEYS = (*POLICY_KEYS, "proximal_logprobs", "ref_logprobs")
+"""What the policy's gradient step reads: ``proximal_logprobs`` where they are recomputed,
+``ref_logprobs`` (the reference model's, position convention) with a KL loss term."""
 
 
 @dataclass
@@ -147,6 +151,14 @@ class BatchPreparer:
         policy is the policy being trained, and the loss takes its own logprobs."""
         a = self.algo
         return a.use_decoupled_loss and a.proximal_logprobs == "recompute" and a.ppo_n_minibatches > 1
+
+    @property
+    def step_extra_keys(self) -> tuple[str, ...]:
+        """The per-token fields a micro-batch carries for the step beyond the trajectories' own:
+        advantages, recomputed proximal logprobs, and the reference's logprobs for a KL loss term
+        (a field more or less is another compiled shape, so warm-up batches carry the same)."""
+        return ("advantages", *(("proximal_logprobs",) if self.recomputes_proximal else ()),
+                *(("ref_logprobs",) if self.algo.kl_loss_coef > 0 else ()))
 
     @property
     def first_minibatch_own_proximal(self) -> bool:
@@ -257,7 +269,7 @@ class BatchPreparer:
         plan = batching.MicroBatchPlan(tuple(tuple(range(len(trajectories))) for _ in range(self.dp_groups)), length)
         arrays = self.place(seqs, plan)
         # The fields of a real micro-batch and no others: a field more or less is another shape.
-        for key in ("advantages", "proximal_logprobs") if self.recomputes_proximal else ("advantages",):
+        for key in self.step_extra_keys:
             arrays[key] = self._put(np.zeros((len(plan.rows), length), np.float32))
         budgets = self.budget_ladder(length)
         if not budgets:
@@ -300,8 +312,14 @@ class BatchPreparer:
             for m in micro[len(minibatches[0]):]:
                 m.arrays["proximal_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS))
         token_kl = None
-        if reference is not None:
-            ref = self.logprobs(policy, micro, lengths, reference)
+        if reference is not None and self.algo.kl_loss_coef > 0:  # the loss term reads them packed
+            for m in micro:
+                m.arrays["ref_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS), reference)
+        if reference is not None and self.algo.kl_coef > 0:
+            if self.algo.kl_loss_coef > 0:
+                ref = unpack(micro, fetch([m.arrays["ref_logprobs"] for m in micro]), lengths)
+            else:
+                ref = self.logprobs(policy, micro, lengths, reference)
             # Against the behaviour (inference) logprobs even when proximal ones were recomputed,
             # as AReaL's PPOActor.compute_advantages: it takes recomputed logprobs only for naive
             # PPO with recompute_logprob, a mode this trainer does not have (its naive PPO is
@@ -342,7 +360,14 @@ class BatchPreparer:
         for t in trajectories:
             sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
         group_size = next(iter(sizes.values()))
-        if len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
+        # Groups of agent runs with per-turn trajectories: statistics per run, any group sizes.
+        runs = dense_run_ids([trajectories[i].group_id for i in order], [trajectories[i].run_id for i in order])
+        if runs is not None:
+            group_size, runs_kw = None, {"group_ids": np.array(runs[0]), "run_ids": np.array(runs[1]),
+                                         "discounts": np.array([trajectories[i].discount for i in order])}
+        else:
+            runs_kw = {}
+        if runs is None and len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
             raise ValueError(f"groups must all have the same size for adv_estimator={self.algo.adv_estimator!r}; "
                              f"got sizes by group_id {sizes}")
         width = bucket_length(max(len(t) for t in trajectories), self.train.length_buckets)
@@ -356,7 +381,7 @@ class BatchPreparer:
         truncated = np.array([trajectories[i].truncated for i in order])
         boot = {} if last_values is None else {"last_values": np.array([last_values[i] for i in order], np.float32)}
         adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
-                                values=vals, truncated=truncated, **boot)
+                                values=vals, truncated=truncated, **boot, **runs_kw)
         stats: dict[str, float] = {}
         if ret is not None:
             count = max(float(mask.sum()), 1.0)

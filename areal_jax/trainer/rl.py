@@ -38,10 +38,10 @@ import numpy as np
 import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
-from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout
+from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout, start_fleet_early
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.rl_steps import describe_push, follow, push_weights, run_steps
-from areal_jax.trainer.run_config import RunConfig, load_run_config
+from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
 
 log = logging.getLogger(__name__)
 
@@ -95,22 +95,6 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     if "error" in box:
         raise box["error"]
     return box["result"]
-
-
-def check_imports(cfg: RunConfig) -> None:
-    """Import what the config names (the workflow, an agent, the reward function) now, so a
-    misspelt module fails before any server or model starts. Raises ``ConfigError``."""
-    from areal_jax.config import ConfigError
-    from areal_jax.controller.workflow import WorkflowError, resolve_callable
-    from areal_jax.rewards import get_reward_fn
-
-    try:
-        get_workflow(cfg.rollout.workflow)
-        if cfg.rollout.workflow == "agentic":
-            resolve_callable(str(cfg.rollout.workflow_options["agent"]), "rollout.workflow_options.agent")
-        get_reward_fn(cfg.reward.name)
-    except (WorkflowError, ValueError) as e:
-        raise ConfigError(str(e)) from None
 
 
 def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -178,9 +162,9 @@ def _resume_model_dir(cfg: RunConfig, run_dir: Path, base: Path) -> Path:
     warm = run_dir / "warm_start"
     if cfg.warm_start is None or (warm / "config.json").exists():
         return warm if cfg.warm_start is not None else base
-    if cfg.algo.kl_coef > 0:
+    if cfg.algo.uses_reference:
         raise FileNotFoundError(f"resuming needs {warm}, the warm-started policy that is the KL reference "
-                                "(algo.kl_coef > 0); it is gone")
+                                "(algo.kl_coef or algo.kl_loss_coef > 0); it is gone")
     return base
 
 
@@ -243,8 +227,17 @@ async def _train(cfg: RunConfig, resume: bool = False,
             files.fetch("metrics.jsonl")
             files.fetch("tensorboard")
     serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
-    model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
-    logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
+    # The rollout servers start now, in parallel with loading the model and building the trainer
+    # (a warm start serves its own weights, so it waits for them).
+    early = start_fleet_early(cfg, serve_dir, run_dir / "logs") if hub.leader and (
+        cfg.warm_start is None or meta is not None) else None
+    try:
+        model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
+        logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
     result = RunResult(run_dir=run_dir, metrics=logger.history)
     if sandbox_line is not None:
         logger.write(sandbox_line)
@@ -262,9 +255,12 @@ async def _train(cfg: RunConfig, resume: bool = False,
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
         trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
         from areal_jax.trainer.learner import describe_optimizer
 
         logger.write(describe_optimizer(cfg.train))
+        auto = " (auto: 1024 on CPU, 8192 on GPU and TPU)" if cfg.train.micro_batch_tokens == "auto" else ""
+        logger.write(f"train.micro_batch_tokens: {trainer.train.micro_batch_tokens}{auto}")
         if trainer.memory is not None:
             logger.write(trainer.memory.describe())
         if cfg.train.compile_warmup:
@@ -283,7 +279,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if hub.leader:
             try:
                 await _lead(cfg, hub, trainer, serve_dir, base, mesh, tokenizer, data, workflow, logger, result,
-                            meta, start, ckpts, t_start, on_step, files)
+                            meta, start, ckpts, t_start, on_step, files, early)
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
                     log.error("process 0: the run failed (%s: %s); stopping the other processes", type(e).__name__, e)
@@ -302,6 +298,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if logger.history:
             result.plot = plot_metrics(logger.history, run_dir / "curves.png", eval_before=result.eval_before)
     finally:
+        if early is not None and not early.taken:  # the run failed before its rollout opened
+            early.stop()
         if ckpts is not None:  # the run failed: let a save in progress finish, the first error stands
             with contextlib.suppress(Exception):
                 ckpts.close()
@@ -325,7 +323,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
 async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: Path, mesh: Any, tokenizer: Any,
                 data: Any, workflow: Any, logger: MetricsLogger, result: RunResult, meta: dict[str, Any] | None,
                 start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None,
-                files: Any = None) -> None:
+                files: Any = None, early: Any = None) -> None:
     """Process 0's part of the run: rollout, rewards, evaluation and the controller, and the
     steps (each announced to the other processes of a multi-process run)."""
     from areal_jax.models import iter_hf_tensors
@@ -334,7 +332,7 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
 
     rollout, local = cfg.rollout, cfg.rollout.backend == "local"
     run_dir = files.local if files is not None else Path(cfg.run_dir)
-    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh) as (client, fleet):
+    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh, early=early) as (client, fleet):
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
         logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")

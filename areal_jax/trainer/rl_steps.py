@@ -226,7 +226,7 @@ async def run_steps(cfg: RunConfig, trainer: Any, controller: RolloutController,
                 metrics["checkpoint_seconds"], save_s = save_s, None
             for k in ("loss", "clip_fraction", "dual_clip_fraction", "behavior_imp_weight_mean",
                       "behavior_imp_weight_max", "dropped_fraction", "m2", "m2_dropped_fraction", "behavior_kl",
-                      "entropy", "grad_norm", "lr", "kl_ref_mean", "value_loss"):
+                      "entropy", "grad_norm", "lr", "kl_ref_mean", "kl_loss", "value_loss"):
                 if k in stats and math.isfinite(stats[k]):
                     metrics[k] = float(stats[k])
             gen_tokens, t_last = counters.generated_tokens, now

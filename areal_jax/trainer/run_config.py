@@ -173,13 +173,6 @@ class RunConfig:
             raise ValueError(f"rollout.workflow={self.rollout.workflow} renders its conversation with the chat "
                              "template; data.apply_chat_template=false gives raw prompts without one. Use "
                              "single_turn (or your own workflow) for raw prompts")
-        opts = self.rollout.workflow_options
-        if (self.rollout.workflow == "agentic" and opts.get("trajectory") == "per_turn"
-                and self.algo.adv_estimator not in ("reinforce_pp", "gae")):
-            raise ValueError(
-                "rollout.workflow_options.trajectory: per_turn makes a trajectory per completion, so agent runs of "
-                f"different lengths give uneven groups, which algo.adv_estimator={self.algo.adv_estimator!r} cannot "
-                "normalise: use trajectory: concat (one trajectory per run) or adv_estimator reinforce_pp or gae")
 
     def advisories(self) -> list[str]:
         """Settings that are valid but known to train badly, or that have no effect, each with
@@ -222,3 +215,19 @@ def load_run_config(path: str | Path | Sequence[str | Path] | None = None,
     under it), then ``key=value`` overrides; unknown keys and wrong types fail here, before
     anything starts."""
     return load_config(RunConfig, path, overrides)
+
+
+def check_imports(cfg: RunConfig) -> None:
+    """Import what the config names (the workflow, an agent, the reward function) now, so a
+    misspelt module fails before any server or model starts. Raises ``ConfigError``."""
+    from areal_jax.config import ConfigError
+    from areal_jax.controller.workflow import WorkflowError, get_workflow, resolve_callable
+    from areal_jax.rewards import get_reward_fn
+
+    try:
+        get_workflow(cfg.rollout.workflow)
+        if cfg.rollout.workflow == "agentic":
+            resolve_callable(str(cfg.rollout.workflow_options["agent"]), "rollout.workflow_options.agent")
+        get_reward_fn(cfg.reward.name)
+    except (WorkflowError, ValueError) as e:
+        raise ConfigError(str(e)) from None

@@ -46,7 +46,7 @@ from areal_jax.trainer.memory import REMAT_ORDER, MemoryPlan, device_bytes, devi
 from areal_jax.trainer.prepare import (
     CRITIC_KEYS,
     LOGPROB_KEYS,
-    POLICY_KEYS,
+    STEP_KEYS,
     BatchPreparer,
     MicroBatch,
     PreparedBatch,
@@ -88,7 +88,8 @@ class Trainer:
         reference: Decoder | None = None,
         critic: Critic | None = None,
     ) -> None:
-        self.algo, self.train = algo, train or TrainConfig()
+        # ``micro_batch_tokens: auto`` becomes this backend's number here, as the trainer starts.
+        self.algo, self.train = algo, (train or TrainConfig()).resolved()
         self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
         self.rules = rules
         self.dp_groups = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
@@ -120,13 +121,13 @@ class Trainer:
                 Learner, critic, train=t, lr=t.lr if t.critic_lr is None else t.critic_lr, mesh=self.mesh,
                 rules=rules, loss=partial(micro_batch_value_loss, algo=algo, **attention),
                 forward=partial(token_values, **attention))
-        self.memory: MemoryPlan | None = self._plan_memory(make_critic, kl=algo.kl_coef > 0)
+        self.memory: MemoryPlan | None = self._plan_memory(make_critic, kl=algo.uses_reference)
         """The memory plan (None where no device memory is known and nothing was planned)."""
         if not self.abstract:
             self.policy = make_policy(remat=self.policy.remat)
-        # kl_coef == 0 keeps no reference at all: no memory, no forward pass.
+        # Without a KL reward or loss term no reference is kept: no memory, no forward pass.
         self.ref_params = None
-        if algo.kl_coef > 0:
+        if algo.uses_reference:
             self.ref_params = self.policy.copy_params() if reference is None else self.policy.place_frozen(reference)
         # Critic-free estimators keep no critic at all: no memory, no forward or backward pass.
         self.critic_learner: Learner | None = None
@@ -160,11 +161,11 @@ class Trainer:
             input_ids=np.ones(2, np.int32), loss_mask=np.array([0, 1], np.float32),
             behavior_logprobs=np.zeros(2, np.float32), versions=np.array([-1, 0], np.int32), reward=0.0,
             group_id=0, prompt_len=1))], [0], length)
-        extra = ("advantages", "proximal_logprobs") if self.preparer.recomputes_proximal else ("advantages",)
+        extra = self.preparer.step_extra_keys
         dtypes = {k: v.dtype for k, v in row.items()} | dict.fromkeys(extra, np.dtype(np.float32))
         rows, ds = self.dp_groups, self.policy.data_sharding
         batch = {k: jax.ShapeDtypeStruct((rows, length), d, sharding=ds) for k, d in dtypes.items()
-                 if k in (*POLICY_KEYS, "proximal_logprobs")}
+                 if k in STEP_KEYS}
         budgets = self.preparer.budget_ladder(length)
         if budgets:
             batch["attention_pairs"] = jax.ShapeDtypeStruct((rows, budgets[-1], 2), np.int32, sharding=ds)
@@ -243,7 +244,8 @@ class Trainer:
         trajectories = list(trajectories)
         params = self.ref_params if reference else self.policy.params
         if params is None:
-            raise ValueError("reference logprobs asked for, but kl_coef == 0 keeps no reference model")
+            raise ValueError("reference logprobs asked for, but with kl_coef and kl_loss_coef 0 there is no "
+                             "reference model")
         micro = self.preparer.pack(trajectories, range(len(trajectories)))
         return self.preparer.logprobs(self.policy, micro, [len(t) for t in trajectories], params)
 
@@ -278,7 +280,7 @@ class Trainer:
             for length in lengths:
                 for m in self.preparer.warmup_micro_batches(length):
                     out = self.policy.forward(m.inputs(LOGPROB_KEYS)) if forward else None
-                    last = (out, self.minibatch_grads([m.inputs((*POLICY_KEYS, "proximal_logprobs"))], units=[1.0]))
+                    last = (out, self.minibatch_grads([m.inputs(STEP_KEYS)], units=[1.0]))
                     shapes += 1
             jax.block_until_ready(last)
         return {"shapes": shapes, "seconds": time.perf_counter() - start, "compile_seconds": compiling.seconds}
@@ -292,7 +294,7 @@ class Trainer:
         (the policy, and the critic on the same micro-batches when there is one)."""
         micro_aux, applied, critic_aux, critic_applied = [], [], [], []
         for i, minibatch in enumerate(prepared.minibatches):
-            acc, aux = self.minibatch_grads([m.inputs((*POLICY_KEYS, "proximal_logprobs")) for m in minibatch],
+            acc, aux = self.minibatch_grads([m.inputs(STEP_KEYS) for m in minibatch],
                                             prepared.version, units=[m.loss_units for m in minibatch],
                                             own_proximal=prepared.own_proximal and i == 0)
             micro_aux.extend(aux)

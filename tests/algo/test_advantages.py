@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from areal_jax.algo import (
+    AlgoConfig,
+    compute_advantages,
     dr_grpo_advantages,
     gae_advantages,
     grpo_advantages,
@@ -136,3 +138,75 @@ def test_terminal_token_rewards_puts_reward_on_last_real_token():
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], np.float32)
     out = np.asarray(terminal_token_rewards(np.array([2.0, -1.0, 5.0]), mask))
     np.testing.assert_array_equal(out, [[0, 0, 2, 0], [-1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def _np_run_group_scores(name, rewards, groups, runs, discounts=None, eps=1e-5):
+    """Plain-Python reference: per group, the runs' rewards (each run's last trajectory's) once;
+    every trajectory gets its run's score, the baseline discounted like its reward."""
+    w = np.ones(len(rewards)) if discounts is None else np.asarray(discounts)
+    out = np.zeros(len(rewards))
+    for g in set(groups):
+        members = [i for i in range(len(rewards)) if groups[i] == g]
+        run_reward = {}
+        for i in members:
+            run_reward[runs[i]] = rewards[i]  # the last in order wins
+        rr = np.array(list(run_reward.values()), np.float64)
+        n = len(rr)
+        for i in members:
+            if name == "grpo":
+                std = rr.std(ddof=1) if n > 1 else 1.0
+                out[i] = (rewards[i] - w[i] * rr.mean()) / (std + eps)
+            elif name == "dr_grpo":
+                out[i] = rewards[i] - w[i] * rr.mean()
+            else:  # rloo
+                out[i] = rewards[i] - w[i] * (rr.sum() - run_reward[runs[i]]) / (n - 1) if n > 1 else 0.0
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_run_grouped_scores_count_each_run_once(name):
+    from areal_jax.algo.advantages import dense_run_ids, run_group_scores
+
+    # group 7: run 0 made three calls (turn rewards discounted 0.25, 0.5, 1), run 1 one call
+    # (0), run 2 two calls (0.5, 1); group 3: two runs of one call each; group 9: one run of two.
+    groups = [7, 7, 7, 7, 7, 7, 3, 3, 9, 9]
+    runs = [0, 0, 0, 1, 2, 2, 0, 1, 0, 0]
+    rewards = [0.25, 0.5, 1.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.3, 0.6]
+    w = [0.25, 0.5, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 0.5, 1.0]
+    g, r = dense_run_ids(groups, runs)
+    got = np.asarray(run_group_scores(name, np.array(rewards, np.float32), np.array(g), np.array(r),
+                                      np.array(w, np.float32)))
+    np.testing.assert_allclose(got, _np_run_group_scores(name, rewards, g, r, w), rtol=1e-5, atol=1e-6)
+    if name == "grpo":
+        # run statistics [1, 0, 1]: mean 2/3, std sqrt(1/3); each turn its run's score, discounted
+        np.testing.assert_allclose(got[:3], np.array(w[:3]) * (1 - 2 / 3) / (np.sqrt(1 / 3) + 1e-5), rtol=1e-5)
+        # a group whose runs all earned 0.6: every turn scores 0, the discounted one included
+        np.testing.assert_allclose(got[8:], 0.0, atol=1e-6)
+
+
+def test_run_grouped_scores_with_one_trajectory_per_run_are_the_plain_estimators():
+    from areal_jax.algo.advantages import dense_run_ids, run_group_scores
+
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 0.5], np.float32)
+    g, r = dense_run_ids([0, 0, 0, 1, 1, 1], list(range(6)))
+    for name, fn in [("grpo", grpo_advantages), ("dr_grpo", dr_grpo_advantages), ("rloo", rloo_advantages)]:
+        np.testing.assert_allclose(run_group_scores(name, rewards, np.array(g), np.array(r)), fn(rewards, 3),
+                                   rtol=1e-5, atol=1e-6)
+    assert dense_run_ids([0, 0, 1], [-1, -1, -1]) is None  # no runs named: the even-group path
+
+
+def test_compute_advantages_takes_uneven_groups_of_runs():
+    """``per_turn`` agent trajectories under GRPO: before, the trainer stopped with "groups must
+    all have the same size"; now each turn gets its run-normalised score on every masked token."""
+    from areal_jax.algo.advantages import dense_run_ids
+
+    rewards = [0.5, 1.0, 0.0, 1.0, 0.0]  # group 0: run 0 (two turns), run 1; group 1: runs of one
+    w = [0.5, 1.0, 1.0, 1.0, 1.0]
+    g, r = dense_run_ids([0, 0, 0, 1, 1], [0, 0, 1, 0, 1])
+    mask = np.array([[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1], [0, 0, 1, 1], [0, 1, 1, 0]], np.float32)
+    adv, _ = compute_advantages(AlgoConfig(), np.array(rewards, np.float32), mask,
+                                group_ids=np.array(g), run_ids=np.array(r), discounts=np.array(w, np.float32))
+    scores = _np_run_group_scores("grpo", rewards, g, r, w)
+    np.testing.assert_allclose(np.asarray(adv), scores[:, None] * mask, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="go together"):
+        compute_advantages(AlgoConfig(), np.array(rewards, np.float32), mask, group_ids=np.array(g))

@@ -59,3 +59,60 @@ def test_loglinear_proximal_carries_no_gradient():
     versions = np.array([0, 1])
     grad = jax.grad(lambda t: approx_proximal_logprobs(behav, t, versions, 3).sum())(behav + 0.1)
     np.testing.assert_array_equal(grad, 0.0)
+
+
+def _verl_kl_penalty(logprob, ref_logprob, kind):
+    """NumPy transcription of verl's ``core_algos.kl_penalty`` (the forms the loss term takes)."""
+    if kind in ("kl", "k1"):
+        return logprob - ref_logprob
+    if kind in ("mse", "k2"):
+        return 0.5 * np.square(logprob - ref_logprob)
+    if kind in ("low_var_kl", "k3"):
+        kl = np.clip(ref_logprob - logprob, -20, 20)
+        return np.clip(np.exp(kl) - kl - 1, -10, 10)
+    raise NotImplementedError(kind)
+
+
+def _verl_agg_loss(loss_mat, loss_mask, mode):
+    """NumPy transcription of verl's ``agg_loss`` for one micro-batch ``[rows, tokens]``."""
+    if mode == "token_mean":
+        return (loss_mat * loss_mask).sum() / loss_mask.sum()
+    seq = (loss_mat * loss_mask).sum(-1) / loss_mask.sum(-1)  # seq-mean-token-mean
+    return seq.mean()
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_kl_loss_term_vs_verl(kind, mode):
+    from areal_jax.algo import kl_loss_term
+
+    rng = np.random.default_rng(1)
+    logp = -rng.exponential(1.0, (3, 7)).astype(np.float32)
+    ref = -rng.exponential(1.0, (3, 7)).astype(np.float32)
+    ref[0, 2] = logp[0, 2] - 30.0  # k3's inner clamp (ref - logp < -20)
+    ref[1, 3] = logp[1, 3] + 5.0   # k3's outer clamp (exp(5) - 6 > 10)
+    mask = (rng.random((3, 7)) < 0.7).astype(np.float32)
+    mask[:, 0] = 0.0
+    mask[:, 1] = 1.0
+    mask[0, 2] = mask[1, 3] = 1.0
+    logp[2, 0] = -np.inf  # padding holding a non-finite logprob stays out of the value
+    got = float(kl_loss_term(logp, ref, mask, kind, aggregation=mode))
+    want = _verl_agg_loss(_verl_kl_penalty(np.where(mask > 0, logp, 0), ref, kind), mask, mode)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_kl_loss_term_gradient_pulls_towards_the_reference():
+    """d/dlogp of k3's token mean is ``(1 - exp(ref - logp)) / count`` inside the clamps and 0
+    where a clamp binds; ``constant`` divides the sum by the normaliser."""
+    from areal_jax.algo import kl_loss_term
+
+    logp = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)
+    ref = np.array([[-1.5, -1.0, -0.5, -3.0 + 5.0]], np.float32)  # the last: outer clamp binds
+    mask = np.array([[1.0, 1.0, 1.0, 1.0]], np.float32)
+    grad = np.asarray(jax.grad(lambda x: kl_loss_term(x, ref, mask, "k3"))(logp))
+    want = (1 - np.exp(ref - logp)) / 4
+    want[0, 3] = 0.0
+    np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+    const = np.asarray(jax.grad(lambda x: kl_loss_term(x, ref, mask, "k1", aggregation="constant",
+                                                       constant_normalizer=8.0))(logp))
+    np.testing.assert_allclose(const, np.full((1, 4), 1 / 8), rtol=1e-6)

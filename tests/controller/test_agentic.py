@@ -86,6 +86,7 @@ def test_per_turn_discounts_the_run_reward_backwards() -> None:
                             turn_discount=0.5)
     trajs = asyncio.run(agentic(client, row(tok, "12+7=", "19")))
     assert [t.reward for t in trajs] == [0.25, 0.5, 1.0]
+    assert [t.run_id for t in trajs] == [0, 0, 0]  # one run: its turns share the run's id
     assert [t.input_ids.tolist() for t in trajs] == [c[0] + rollout.answer_ids(a)
                                                      for c, a in zip(rollout.calls, _answers(), strict=False)]
 
@@ -104,3 +105,33 @@ def test_a_run_that_rewrites_its_history_is_named() -> None:
     client = episode_client(tok, rollout, agent="tests.controller.test_agentic:rewriter")
     with pytest.raises(ValueError, match="call 2: its messages do not continue the run.*trajectory=per_turn"):
         asyncio.run(agentic(client, row(tok, "12+7=", "19")))
+
+
+@pytest.mark.parametrize("stats", ["run", "turn"])
+def test_per_turn_runs_of_uneven_length_train_under_grpo(stats) -> None:
+    """Runs of 3 and 2 calls leave 5 per-turn trajectories, a group GRPO refused before. With
+    ``group_stats: run`` each turn carries its run's id and discount and GRPO normalises over the
+    two runs: both earned 1, so every turn scores 0 (a turn count would see rewards 0.25, 0.5,
+    1, 0.5, 1 and score the earlier turns of these winning runs negative). ``turn`` makes each
+    turn a member of its own with its discounted reward."""
+    from areal_jax.algo import AlgoConfig, compute_advantages
+    from areal_jax.algo.advantages import dense_run_ids
+
+    RUNS["calls"].clear()
+    tok = build_char_tokenizer()
+    client = episode_client(tok, ScriptedRollout(tok, _answers()), agent="tests.controller.test_agentic:tool_agent",
+                            trajectory="per_turn", turn_discount=0.5, group_stats=stats)
+    client.group_size = 2
+    trajs = asyncio.run(agentic(client, row(tok, "12+7=", "19")))
+    rew = np.array([0.25, 0.5, 1.0, 0.5, 1.0])
+    assert [t.reward for t in trajs] == rew.tolist()
+    assert [t.run_id for t in trajs] == ([0, 0, 0, 1, 1] if stats == "run" else [0, 1, 2, 3, 4])
+    assert [t.discount for t in trajs] == (rew.tolist() if stats == "run" else [1.0] * 5)
+    g, r = dense_run_ids([0] * 5, [t.run_id for t in trajs])
+    width = max(len(t) for t in trajs)
+    mask = np.stack([np.pad(t.loss_mask, (0, width - len(t))) for t in trajs])
+    adv, _ = compute_advantages(AlgoConfig(), rew.astype(np.float32), mask, group_ids=np.array(g),
+                                run_ids=np.array(r), discounts=np.array([t.discount for t in trajs], np.float32))
+    last = np.asarray(adv)[np.arange(5), [int(np.flatnonzero(m)[-1]) for m in mask]]
+    expect = np.zeros(5) if stats == "run" else (rew - rew.mean()) / (rew.std(ddof=1) + 1e-5)
+    np.testing.assert_allclose(last, expect, rtol=1e-5, atol=1e-5)
