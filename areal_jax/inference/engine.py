@@ -444,6 +444,14 @@ class Engine:
         ``hf_layout=False``: the kernels come in our own layout (see ``iter_hf_tensors``)."""
         return WeightStage(self.model, hf_layout=hf_layout)
 
+    def server_info(self) -> dict[str, Any]:
+        """The engine's limits under SGLang's /get_server_info names (``max_total_num_tokens``:
+        the tokens the KV cache holds; ``max_req_input_len``: the longest prompt)."""
+        return {"max_total_num_tokens": self.cfg.num_slots * self.max_seq_len, "page_size": 1,
+                "max_running_requests": self.cfg.num_slots, "context_length": self.max_seq_len,
+                "max_req_input_len": self.max_seq_len - 1, "chunked_prefill_size": self.cfg.chunked_prefill_size,
+                "disable_radix_cache": not self.cfg.share_prompts, "kv_cache": "slots"}
+
     @property
     def state(self) -> Any:
         """The served model's ``nnx.State``: the tree, dtypes and shardings ``set_state`` wants."""

@@ -216,13 +216,11 @@ class PagedEngine(Engine):
         """The pool's tokens (SGLang's ``max_total_num_tokens``)."""
         return self.allocator.max_total_tokens
 
-    def pool_info(self) -> dict[str, Any]:
-        """The pool as SGLang's /get_server_info reports it."""
-        return {"max_total_num_tokens": self.allocator.max_total_tokens, "page_size": self.cfg.page_size,
-                "max_running_requests": self.cfg.num_slots, "context_length": self.max_seq_len,
-                "max_req_input_len": self.max_seq_len - 1, "mem_fraction_static": self.cfg.mem_fraction_static,
-                "max_total_tokens": self.cfg.max_total_tokens, "kv_cache": "paged",
-                "used_pages": self.allocator.used_pages, "free_pages": self.allocator.free_pages}
+    def server_info(self) -> dict[str, Any]:
+        """The KV pool and limits under SGLang's /get_server_info names."""
+        return {**super().server_info(), "max_total_num_tokens": self.allocator.max_total_tokens,
+                "page_size": self.cfg.page_size, "max_total_tokens": self.cfg.max_total_tokens,
+                "mem_fraction_static": self.cfg.mem_fraction_static, "kv_cache": "paged"}
 
     # -- the pool --
 
