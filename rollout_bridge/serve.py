@@ -101,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
                    help="share of device memory for weights and KV pool (default 0.85); on a CPU, which reports no "
                         "device memory, the share of available host memory the pool may take (default 0.25)")
     p.add_argument("--kv-cache", default=None, choices=["paged", "slots"],
-                   help="'paged': one page pool, admission by free pages (default); 'slots': the older cache of "
-                        "one --context-length region per running request (not an SGLang flag)")
+                   help="'paged': one page pool, admission by free pages; 'slots': one --context-length region per "
+                        "running request (not an SGLang flag; default: slots, or $AREAL_JAX_KV_CACHE)")
     p.add_argument("--chunked-prefill-size", type=int, default=1024,
                    help="prompt tokens per prefill call; longer prompts prefill in chunks (-1: never chunk)")
     p.add_argument("--random-seed", type=int, default=None,
@@ -168,9 +168,9 @@ def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool
     """The ``EngineConfig`` of parsed serve flags, for a context length of ``context`` tokens. Over
     data parallelism (requests split over devices) the engine keeps the slot cache: the page pool
     is one per engine and is not split over a data axis yet."""
-    from areal_jax.inference.config import EngineConfig
+    from areal_jax.inference.config import EngineConfig, default_kv_cache
 
-    kv_cache = args.kv_cache or EngineConfig.kv_cache
+    kv_cache = args.kv_cache or default_kv_cache()
     if data_parallel and kv_cache == "paged":
         if args.kv_cache == "paged":
             raise SystemExit("areal-jax serve: --kv-cache paged does not split over --dp-size > 1 yet; use "

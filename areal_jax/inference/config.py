@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_jax.models.config import dtype_name
 
@@ -35,6 +35,15 @@ def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     stride = max(16, -(-max_seq_len // 8 // 16) * 16)
     small = powers_of_two(16, stride)
     return tuple(sorted({*small, *range(stride, max_seq_len, stride), max_seq_len}))
+
+
+KV_CACHE_ENV = "AREAL_JAX_KV_CACHE"
+"""Environment variable naming the default ``EngineConfig.kv_cache`` (run a suite on either path)."""
+
+
+def default_kv_cache() -> str:
+    """``EngineConfig.kv_cache`` when none is given: ``$AREAL_JAX_KV_CACHE``, else ``"slots"``."""
+    return os.environ.get(KV_CACHE_ENV, "slots")
 
 
 def usable_cpus() -> int:
@@ -98,8 +107,9 @@ class EngineConfig:
     max_top_logprobs: int = 20
     """Most ``top_logprobs_num`` a request may ask for: every step computes this many top
     logprobs when some running request wants any."""
-    kv_cache: str = "slots"
-    """``"slots"``: every one of ``num_slots`` slots owns ``max_seq_len`` positions of KV cache.
+    kv_cache: str = field(default_factory=lambda: default_kv_cache())
+    """``"slots"`` (the default, unless ``AREAL_JAX_KV_CACHE`` names another): every one of
+    ``num_slots`` slots owns ``max_seq_len`` positions of KV cache.
     ``"paged"`` (``inference.paged``): one pool of ``page_size``-token pages shared by all
     requests, admission by free pages, at most ``num_slots`` requests running (SGLang's
     ``--max-running-requests``), ``max_seq_len`` the context length of one request."""

@@ -377,11 +377,18 @@ class PagedEngine(Engine):
         chunk = self.cfg.chunked_prefill_size
         budget = self.max_seq_len if chunk == -1 else chunk
         rows: list[tuple[_Seq, int, int]] = []
+        widest = real = 0
         for seq in seqs:
             take = min(seq.length - 1 - seq.computed, budget)
             if take <= 0:
                 break
+            # rows pad to the widest: a row joins only while the call computes at most twice its
+            # real tokens (or is small anyway) and at most max_prefill_tokens
+            padded = pow2(len(rows) + 1) * pow2(max(widest, take), MIN_WIDTH)
+            if rows and (padded > self.cfg.max_prefill_tokens or padded > max(2 * (real + take), 256)):
+                break
             rows.append((seq, seq.computed, take))
+            widest, real = max(widest, take), real + take
             budget -= take
             if len(rows) == self.cfg.max_prefill_batch:
                 break
@@ -405,6 +412,8 @@ class PagedEngine(Engine):
         for seq, start, take in rows:
             if seq.finish_reason is None and seq.computed == start:  # not aborted meanwhile
                 seq.computed = start + take
+                # a chunk: a call that wrote part of a request's tokens, the rest left for later ones
+                self.stats["prefill_chunks"] += seq.computed < seq.length - 1
 
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
@@ -448,17 +457,18 @@ class PagedEngine(Engine):
                     break
             self._notify(seq)
 
-    def _run_paged(self, fn: Any, state: Any, cache: Any, *args: Any) -> Any:
+    def _run_step(self, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh)."""
         with activate(self.mesh):
-            args = jax.tree.map(self._replicated, args)
-            return fn(state, cache, *args)
+            return fn(state, cache, *jax.tree.map(self._replicated, args), **kwargs)
+
+    def _run_paged(self, fn: Any, state: Any, cache: Any, *args: Any) -> Any:
+        return self._run_step(fn, state, cache, *args)
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
-        with activate(self.mesh):
-            args = jax.tree.map(self._replicated, args)
-            lane.cache, out = self.paged_decode_fn(self._state, lane.cache, *args, num_steps=self.cfg.decode_steps,
-                                                   max_top=self.max_top)
-            return tuple(np.asarray(x) for x in jax.device_get(out))
+        lane.cache, out = self._run_step(self.paged_decode_fn, self._state, lane.cache, *args,
+                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
+        return tuple(np.asarray(x) for x in jax.device_get(out))
 
     # -- compile ahead --
 
