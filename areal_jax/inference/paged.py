@@ -57,8 +57,10 @@ log = logging.getLogger(__name__)
 
 MIN_WIDTH = 16
 """Narrowest padded prefill row (tokens)."""
-MIN_WORK = 8
-"""Shortest padded work list (pages read in one call)."""
+MIN_WORK = 32
+"""Shortest padded work list (pages read in one call): below it a call costs about the same."""
+MIN_DECODE_ROWS = 8
+"""Fewest padded rows of a decode call: fewer cost about the same, and each count is a shape."""
 DEFAULT_DEVICE_FRACTION = 0.85
 DEFAULT_HOST_FRACTION = 0.25
 
@@ -66,6 +68,15 @@ DEFAULT_HOST_FRACTION = 0.25
 def pow2(n: int, least: int = 1) -> int:
     """The smallest power of two >= max(n, least)."""
     return 1 << (max(n, least) - 1).bit_length()
+
+
+def work_bucket(n: int, least: int = MIN_WORK) -> int:
+    """The padded length of a work list of ``n`` entries: the smallest of ``2**k`` and
+    ``3 * 2**(k - 1)`` that holds it (at least ``least``). Attention costs the padded length, so
+    the half steps keep the padding under a third (a long tail of 691 entries pads to 768, not
+    1,024) for twice the shapes of powers of two alone."""
+    p = pow2(n, least)
+    return p * 3 // 4 if p >= 4 * least and n <= p * 3 // 4 else p
 
 
 def kv_bytes_per_token(model: Decoder, dtype: Any = None) -> int:
@@ -366,7 +377,7 @@ class PagedEngine(Engine):
     def _work(self, tables: list[list[int]], lens: list[int]) -> tuple[np.ndarray, ...]:
         size = self.allocator.page_size
         entries = sum(-(-n // size) for n in lens)
-        padded = pow2(entries, MIN_WORK)
+        padded = work_bucket(entries)
         self.stats["work_entries"] += entries
         self.stats["work_padded_entries"] += padded
         return paged_work(tables, lens, size, size=padded)
@@ -417,7 +428,7 @@ class PagedEngine(Engine):
 
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
-        num_rows = pow2(len(seqs))
+        num_rows = pow2(len(seqs), self.min_decode_rows)
         tokens, positions = np.zeros((num_rows,), np.int32), np.zeros((num_rows,), np.int32)
         step, count = np.zeros((num_rows,), np.int32), np.zeros((num_rows,), np.int32)
         wp, wo = np.full((num_rows, n), SINK_PAGE, np.int32), np.zeros((num_rows, n), np.int32)
@@ -472,12 +483,16 @@ class PagedEngine(Engine):
 
     # -- compile ahead --
 
+    @property
+    def min_decode_rows(self) -> int:
+        return min(MIN_DECODE_ROWS, pow2(self.cfg.num_slots))
+
     def step_shapes(self) -> list[tuple[str, int, int, int]]:
-        """The shapes ``warmup`` compiles, as ``(step, rows, width, work)``: a short prefill and
-        decode at 1 to 8 rows; every other shape compiles when first used (``compiled_shapes``)."""
-        rows = [r for r in (1, 2, 4, 8) if r <= pow2(self.cfg.num_slots)]
-        return [("prefill", 1, MIN_WIDTH, MIN_WORK)] + [("decode", r, self.cfg.decode_steps, pow2(r, MIN_WORK))
-                                                         for r in rows]
+        """The shapes ``warmup`` compiles, as ``(step, rows, width, work)``: those of the first
+        short requests (a short prefill of one and of two prompts, a decode call of the fewest
+        rows); every other shape compiles when first used (``compiled_shapes``)."""
+        return [("prefill", 1, MIN_WIDTH, MIN_WORK), ("prefill", 2, MIN_WIDTH, MIN_WORK),
+                ("decode", self.min_decode_rows, self.cfg.decode_steps, MIN_WORK)]
 
     def warmup(self, stop: Any = None) -> int:
         """Compile ``step_shapes`` by running each on padding (every write goes to the sink page);

@@ -48,7 +48,8 @@ def test_a_long_answer_beside_a_hundred_short_ones_in_a_small_pool(tmp_path: Pat
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
              "--max-total-tokens", "16384", "--page-size", "16", "--max-running-requests", "256",
-             "--context-length", "32768", "--allow-overwrite-longer-context-len", "--log-level", "info"],
+             "--context-length", "32768", "--allow-overwrite-longer-context-len", "--kv-cache", "paged",
+             "--log-level", "info"],
             env=env, stdout=f, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
