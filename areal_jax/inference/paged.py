@@ -362,6 +362,8 @@ class PagedEngine(Engine):
         prefill = [s for s in ready if s.computed < s.length - 1]
         if prefill:
             await self._prefill_paged(lane, prefill)
+            if self._paused is not None:  # a pause waits for this round: do not make it wait for a decode too
+                return
         n = self.cfg.decode_steps
         growth = self.scheduler.grow(n)
         for req in growth.retracted:
