@@ -14,6 +14,9 @@ all, weight swap) take every lane's lock. Aborting or cancelling one request tak
 costs O(1): the queue is keyed by request, and a step whose request went away ignores its result.
 A weight update reads and converts the new weights outside the locks and only swaps them in
 under them.
+
+This is the slot engine (``EngineConfig.kv_cache = "slots"``); ``"paged"`` builds
+``inference.paged.PagedEngine``, which keeps this API and bookkeeping over one pool of KV pages.
 """
 
 from __future__ import annotations
