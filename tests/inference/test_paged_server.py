@@ -84,5 +84,6 @@ def test_a_long_answer_beside_a_hundred_short_ones_in_a_small_pool(tmp_path: Pat
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    print(f"peak RSS {started / 2**20:.0f} MiB when healthy, {peak / 2**20:.0f} MiB after serving")
     assert started < 2 * 1024**3 and peak < 2 * 1024**3, (started, peak)
     assert "ERROR" not in log.read_text()
