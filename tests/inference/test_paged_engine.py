@@ -140,3 +140,26 @@ def test_no_page_is_held_after_many_requests_aborts_and_pauses(paged: PagedEngin
     assert any(o.finish_reason["type"] != "abort" for o in outs)
     assert paged.num_live == 0 and paged.allocator.used_pages == 0
     paged.allocator.check()
+
+
+def test_serve_flags_size_the_pool_and_server_info_reports_it(tmp_path: Path) -> None:
+    """SGLang's flags reach the engine with SGLang's meaning: --max-total-tokens is the pool,
+    --page-size its pages, --context-length one request's limit; without a token count the pool
+    is never more than max-running-requests x context-length."""
+    from areal_jax.models.tiny import make_tiny_checkpoint
+    from rollout_bridge.serve import build, parser
+
+    model_dir = make_tiny_checkpoint(tmp_path / "tiny", model_type="qwen2", size="tiny")
+    base = ["--model-path", str(model_dir), "--kv-cache", "paged", "--max-running-requests", "256",
+            "--context-length", "32768", "--allow-overwrite-longer-context-len", "--skip-server-warmup"]
+    engine = build(parser().parse_args([*base, "--max-total-tokens", "16384", "--page-size", "16"]))[1]
+    assert isinstance(engine, PagedEngine)
+    assert (engine.allocator.num_pages, engine.allocator.page_size) == (1024, 16)
+    info = engine.server_info()
+    assert (info["max_total_num_tokens"], info["page_size"], info["max_running_requests"], info["context_length"],
+            info["max_req_input_len"]) == (16384, 16, 256, 32768, 32767)
+    small = build(parser().parse_args(["--model-path", str(model_dir), "--kv-cache", "paged", "--context-length", "64",
+                                       "--max-running-requests", "4", "--skip-server-warmup"]))[1]
+    assert small.allocator.max_total_tokens == 4 * 64  # the most 4 requests of 64 tokens can hold
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        EngineConfig(kv_cache="paged", page_size=16, max_total_tokens=8)
