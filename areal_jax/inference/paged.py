@@ -201,9 +201,10 @@ class PagedEngine(Engine):
         self.allocator = PageAllocator(self.pool_tokens // cfg.page_size, cfg.page_size)
         super().__init__(model, cfg, eos_token_ids=eos_token_ids, mesh=mesh, version=version)
         self.scheduler = self._new_scheduler()
-        self.paged_prefill_fn = jax.jit(partial(_prefill_step, self._graphdef), donate_argnums=(1,))
-        self.paged_decode_fn = jax.jit(partial(_decode_step, self._graphdef), donate_argnums=(1,),
-                                       static_argnames=("num_steps", "max_top"))
+        # the slot engine's names, so what wraps a step (a test's failing device) wraps these
+        self.prefill_fn = jax.jit(partial(_prefill_step, self._graphdef), donate_argnums=(1,))
+        self.decode_fn = jax.jit(partial(_decode_step, self._graphdef), donate_argnums=(1,),
+                                 static_argnames=("num_steps", "max_top"))
         self.compiled_shapes: set[tuple] = set()
         """Every (step, rows, width, work) shape called so far: the compilations it cost."""
         self.stats.update({"retractions": 0, "prefill_tokens": 0, "decode_rows": 0, "decode_padded_rows": 0,
@@ -419,7 +420,7 @@ class PagedEngine(Engine):
         self.compiled_shapes.add(("prefill", num_rows, width, len(work[0])))
         self.stats["prefill_padded_tokens"] += num_rows * width
         self.stats["prefill_tokens"] += sum(t for _, _, t in rows)
-        lane.cache = await self._timed("prefill_seconds", self._run_paged, self.paged_prefill_fn, self._state,
+        lane.cache = await self._timed("prefill_seconds", self._run_paged, self.prefill_fn, self._state,
                                        lane.cache, ids, pos, wp, wo, work)
         self.stats["prefill_calls"] += 1
         for seq, start, take in rows:
@@ -479,7 +480,7 @@ class PagedEngine(Engine):
         return self._run_step(fn, state, cache, *args)
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
-        lane.cache, out = self._run_step(self.paged_decode_fn, self._state, lane.cache, *args,
+        lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,
                                          num_steps=self.cfg.decode_steps, max_top=self.max_top)
         return tuple(np.asarray(x) for x in jax.device_get(out))
 
@@ -508,7 +509,7 @@ class PagedEngine(Engine):
             work = (np.zeros((size,), np.int32), np.zeros((size,), np.int32), np.full((size,), 2**30, np.int32))
             zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
             if kind == "prefill":
-                lane.cache = self._run_paged(self.paged_prefill_fn, self._state, lane.cache, zeros,
+                lane.cache = self._run_paged(self.prefill_fn, self._state, lane.cache, zeros,
                                              np.full((rows, width), -1, np.int32), sink, zeros, work)
             else:
                 p, z = _SamplingRows(rows), np.zeros((rows,), np.int32)
