@@ -112,7 +112,7 @@ def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh
     ``--context-length``, ``--dtype``, ``--random-seed``, ...), on ``mesh`` (None: one device)."""
     from areal_jax.inference.config import EngineConfig
     from areal_jax.models import load_pretrained
-    from rollout_bridge.serve import parser
+    from rollout_bridge.serve import engine_config, parser
 
     args = parser().parse_args(["--model-path", str(model_dir), *server_args])
     if args.tp_size != 1 or args.dp_size != 1:
@@ -122,9 +122,7 @@ def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh
     if args.max_running_requests % ways:
         raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of {ways}: the "
                          f"engine's mesh {dict(mesh.shape)} splits its KV slots over data x fsdp")
-    cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=args.context_length,
-                       seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
-                       max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size)
+    cfg = engine_config(args, args.context_length or EngineConfig.max_seq_len, data_parallel=ways > 1, seed=seed)
     model = load_pretrained(model_dir, dtype=args.dtype, mesh=mesh)
     return Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
 

@@ -83,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
                    help="parameter, compute and KV-cache dtype (default: the checkpoint's config)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices (heads and MLP columns split)")
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel devices (KV slots split)")
-    p.add_argument("--max-running-requests", type=int, default=32, help="KV slots: most requests decoded at once")
+    p.add_argument("--max-running-requests", type=int, default=32,
+                   help="most requests decoded at once (with --kv-cache slots: the KV slots)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for a slot; more are refused with 503 (default: unbounded)")
     p.add_argument("--context-length", type=int, default=None,
@@ -91,6 +92,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-overwrite-longer-context-len", action="store_true",
                    help="allow a --context-length above the model's max_position_embeddings (SGLang's "
                         f"{LONGER_CONTEXT_ENV}=1 does the same)")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens per KV page (SGLang's default is 1; pages of 16 keep the work lists short)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="tokens the KV pool holds (SGLang's max_total_num_tokens; default: sized from memory, at "
+                        "most --max-running-requests x --context-length)")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="share of device memory for weights and KV pool (default 0.85); on a CPU, which reports no "
+                        "device memory, the share of available host memory the pool may take (default 0.25)")
+    p.add_argument("--kv-cache", default=None, choices=["paged", "slots"],
+                   help="'paged': one page pool, admission by free pages; 'slots': one --context-length region per "
+                        "running request (not an SGLang flag; default: slots, or $AREAL_JAX_KV_CACHE)")
     p.add_argument("--chunked-prefill-size", type=int, default=1024,
                    help="prompt tokens per prefill call; longer prompts prefill in chunks (-1: never chunk)")
     p.add_argument("--random-seed", type=int, default=None,
@@ -151,12 +163,32 @@ def context_length(requested: int | None, model_max: int, allow_longer: bool) ->
     return requested
 
 
+def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool = False,
+                  seed: int | None = None) -> Any:
+    """The ``EngineConfig`` of parsed serve flags, for a context length of ``context`` tokens. Over
+    data parallelism (requests split over devices) the engine keeps the slot cache: the page pool
+    is one per engine and is not split over a data axis yet."""
+    from areal_jax.inference.config import EngineConfig, default_kv_cache
+
+    kv_cache = args.kv_cache or default_kv_cache()
+    if data_parallel and kv_cache == "paged":
+        if args.kv_cache == "paged":
+            raise SystemExit("areal-jax serve: --kv-cache paged does not split over --dp-size > 1 yet; use "
+                             "--kv-cache slots or one server per data-parallel group")
+        kv_cache = "slots"
+    return EngineConfig(num_slots=args.max_running_requests, max_seq_len=context,
+                        seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
+                        max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size,
+                        share_prompts=not args.disable_radix_cache, kv_cache=kv_cache, page_size=args.page_size,
+                        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static)
+
+
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
     """The app and its engine for parsed ``args`` (the engine is not started)."""
     if args.api_key is not None and not args.api_key.strip():
         raise SystemExit("areal-jax serve: --api-key is empty (an unset variable?); give a key, or leave the flag out "
                          "to serve without one")
-    from areal_jax.inference.engine import Engine, EngineConfig
+    from areal_jax.inference.engine import Engine
     from areal_jax.models import ModelConfig, load_pretrained, load_tokenizer
 
     model_max = ModelConfig.from_json_file(Path(args.model_path) / "config.json").max_position_embeddings
@@ -166,16 +198,14 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.max_running_requests % args.dp_size:
         raise SystemExit(f"areal-jax serve: --max-running-requests {args.max_running_requests} must be a multiple "
                          f"of --dp-size {args.dp_size}")
-    cfg = EngineConfig(num_slots=args.max_running_requests, max_seq_len=max_seq_len, seed=args.random_seed,
-                       lanes=args.lanes, max_queued_requests=args.max_queued_requests,
-                       chunked_prefill_size=args.chunked_prefill_size, share_prompts=not args.disable_radix_cache)
+    cfg = engine_config(args, max_seq_len, data_parallel=args.dp_size > 1)
     # q/k/v and gate/up as one matmul each (models.fused): HF tensors in and out keep their names.
     model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh, fuse_projections=True)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
     engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
-                    info={"tp_size": args.tp_size, "dp_size": args.dp_size},
+                    info={"tp_size": args.tp_size, "dp_size": args.dp_size, **engine.server_info()},
                     incremental_streaming_output=args.incremental_streaming_output,
                     warmup=not args.skip_server_warmup, weight_roots=args.weight_roots,
                     max_request_bytes=args.max_request_bytes, max_body_bytes=args.max_weight_bucket_bytes,

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from areal_jax.inference.types import (
@@ -198,7 +199,7 @@ async def get_weight_version(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     st = request.app[STATE]
     e = st.engine
-    return json_response(P.ServerInfo(
+    info = P.ServerInfo(
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
@@ -211,7 +212,9 @@ async def get_server_info(request: web.Request) -> web.Response:
                           "lanes": e.num_lanes, "random_seed": e.seed,
                           "max_queued_requests": e.cfg.max_queued_requests,
                           "chunked_prefill_size": e.cfg.chunked_prefill_size, "placement": e.placement(),
-                          **st.info}]))
+                          **st.info}])
+    # SGLang reports its server args and the KV pool's size (max_total_num_tokens) at the top level
+    return json_response({**msgspec.to_builtins(info), **(e.server_info() if hasattr(e, "server_info") else {})})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from areal_jax.models.config import dtype_name
 
@@ -35,6 +35,15 @@ def default_kv_buckets(max_seq_len: int) -> tuple[int, ...]:
     stride = max(16, -(-max_seq_len // 8 // 16) * 16)
     small = powers_of_two(16, stride)
     return tuple(sorted({*small, *range(stride, max_seq_len, stride), max_seq_len}))
+
+
+KV_CACHE_ENV = "AREAL_JAX_KV_CACHE"
+"""Environment variable naming the default ``EngineConfig.kv_cache`` (run a suite on either path)."""
+
+
+def default_kv_cache() -> str:
+    """``EngineConfig.kv_cache`` when none is given: ``$AREAL_JAX_KV_CACHE``, else ``"slots"``."""
+    return os.environ.get(KV_CACHE_ENV, "slots")
 
 
 def usable_cpus() -> int:
@@ -98,6 +107,23 @@ class EngineConfig:
     max_top_logprobs: int = 20
     """Most ``top_logprobs_num`` a request may ask for: every step computes this many top
     logprobs when some running request wants any."""
+    kv_cache: str = field(default_factory=lambda: default_kv_cache())
+    """``"slots"`` (the default, unless ``AREAL_JAX_KV_CACHE`` names another): every one of
+    ``num_slots`` slots owns ``max_seq_len`` positions of KV cache.
+    ``"paged"`` (``inference.paged``): one pool of ``page_size``-token pages shared by all
+    requests, admission by free pages, at most ``num_slots`` requests running (SGLang's
+    ``--max-running-requests``), ``max_seq_len`` the context length of one request."""
+    page_size: int = 16
+    """Paged: tokens per KV page (SGLang's ``--page-size``)."""
+    max_total_tokens: int | None = None
+    """Paged: tokens the KV pool holds (SGLang's ``--max-total-tokens``); with
+    ``mem_fraction_static`` it caps the size the memory allows. None: sized from memory, never
+    more than ``num_slots * max_seq_len`` (every running request at full context)."""
+    mem_fraction_static: float | None = None
+    """Paged: share of the device's memory that weights and the KV pool may take (SGLang's
+    ``--mem-fraction-static``); None: 0.85 on a device that reports its memory. On a CPU (no
+    device memory to profile) the pool takes at most this share (default 0.25) of the host's
+    available memory."""
 
     def __post_init__(self) -> None:
         if self.cache_dtype is not None:  # a name, as every config stores dtypes (hashable, serialisable)
@@ -114,6 +140,15 @@ class EngineConfig:
                              f"got {self.chunked_prefill_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None (unbounded), got {self.max_queued_requests}")
+        if self.kv_cache not in ("slots", "paged"):
+            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens={self.max_total_tokens} holds no page of {self.page_size} tokens; "
+                             "raise --max-total-tokens")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must lie strictly between 0 and 1, got {self.mem_fraction_static}")
         if self.lanes is not None and (self.lanes < 1 or self.num_slots % self.lanes):
             raise ValueError(f"lanes={self.lanes} must be >= 1 and divide num_slots={self.num_slots}")
 

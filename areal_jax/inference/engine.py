@@ -14,6 +14,9 @@ all, weight swap) take every lane's lock. Aborting or cancelling one request tak
 costs O(1): the queue is keyed by request, and a step whose request went away ignores its result.
 A weight update reads and converts the new weights outside the locks and only swaps them in
 under them.
+
+This is the slot engine (``EngineConfig.kv_cache = "slots"``); ``"paged"`` builds
+``inference.paged.PagedEngine``, which keeps this API and bookkeeping over one pool of KV pages.
 """
 
 from __future__ import annotations
@@ -74,6 +77,14 @@ class _Seq:
     """Index within ``lane.slots`` while the request holds a slot."""
     done: asyncio.Future | None = None
     updates: asyncio.Queue | None = None
+    sched: Any = None
+    """The paged engine's scheduler request (``inference.paged``); None on the slot path."""
+    computed: int = 0
+    """Paged engine: tokens of ``prompt + output`` whose keys and values are in its pages."""
+    shared: int = 0
+    """Paged engine: tokens of those in pages another request writes (a shared prompt)."""
+    source: Any = None
+    """Paged engine: the request that writes the shared pages, until they are written."""
 
     @property
     def length(self) -> int:
@@ -97,7 +108,7 @@ class _SamplingRows:
         sp = seq.req.sampling
         self.temperature[i], self.top_p[i], self.top_k[i] = sp.temperature, sp.top_p, sp.top_k
         self.top_n[i] = sp.top_logprobs_num
-        self.remaining[i] = (min(sp.max_new_tokens - len(seq.out_ids), engine.cfg.max_seq_len - seq.length)
+        self.remaining[i] = (min(sp.max_new_tokens - len(seq.out_ids), engine.max_seq_len - seq.length)
                              - int(sampled_here))
         stops = [*(sp.stop_token_ids or ()), *(() if sp.ignore_eos else sorted(engine.eos_token_ids))]
         self.stop_ids[i, :min(len(stops), DEVICE_STOP_IDS)] = stops[:DEVICE_STOP_IDS]
@@ -130,7 +141,16 @@ class _Lane:
 
 
 class Engine:
-    """Continuous-batching generation over a ``Decoder`` (see the module docstring)."""
+    """Continuous-batching generation over a ``Decoder`` (see the module docstring).
+
+    ``Engine(model, cfg)`` with ``cfg.kv_cache == "paged"`` builds the paged engine
+    (``inference.paged.PagedEngine``), which has the same API."""
+
+    def __new__(cls, model: Decoder, cfg: EngineConfig, **kwargs: Any) -> Engine:
+        if cls is Engine and cfg.kv_cache == "paged":
+            from areal_jax.inference.paged import PagedEngine
+            cls = PagedEngine
+        return super().__new__(cls)
 
     def __init__(self, model: Decoder, cfg: EngineConfig, *, eos_token_ids: list[int] | None = None,
                  mesh: Mesh | None = None, version: int = 0):
@@ -149,7 +169,7 @@ class Engine:
         self._zero_fn = jax.jit(lambda cache: jax.tree.map(lambda x: x.at[:].set(0), cache), donate_argnums=0)
         self.seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
         """Seed of requests that bring none: ``cfg.seed``, or drawn at random per engine."""
-        self.num_lanes = cfg.resolve_lanes(jax.default_backend(), mesh is not None)
+        self.num_lanes = self._resolve_lanes()
         self.lane_slots = cfg.num_slots // self.num_lanes
         self._lanes = [_Lane(i, [None] * self.lane_slots) for i in range(self.num_lanes)]
         self.share_rows = share_rows(self.lane_slots)
@@ -178,6 +198,9 @@ class Engine:
         ``paused_seconds``: wall seconds between each ``pause`` and the ``resume`` after it, the
         time weight updates keep the engine from generating."""
         self._paused_at = 0.0
+
+    def _resolve_lanes(self) -> int:
+        return self.cfg.resolve_lanes(jax.default_backend(), self.mesh is not None)
 
     # -- properties --
 
@@ -290,7 +313,7 @@ class Engine:
         if req.rid in self._live:
             raise DuplicateRequestError(f"rid {req.rid!r} is already waiting or running; give each request its own rid")
         cap = self.cfg.max_queued_requests
-        if cap is not None and len(self._waiting) >= cap and req.sampling.max_new_tokens:
+        if cap is not None and self.num_waiting >= cap and req.sampling.max_new_tokens:
             raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
         req.sampling.validate(self.vocab_size)
         if req.sampling.top_logprobs_num > self.cfg.max_top_logprobs:
@@ -299,9 +322,9 @@ class Engine:
         n = len(req.input_ids)
         if n == 0:
             raise ValueError("input_ids is empty")
-        if n >= self.cfg.max_seq_len:
+        if n >= self.max_seq_len:
             raise ValueError(f"prompt of {n} tokens does not fit: prompt + output must be at most "
-                             f"max_seq_len={self.cfg.max_seq_len} tokens")
+                             f"max_seq_len={self.max_seq_len} tokens (the context length)")
         bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -310,10 +333,14 @@ class Engine:
         if req.sampling.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
         else:
-            self._waiting[seq.stream_id] = seq
+            self._enqueue(seq)
             self._live[req.rid] = seq
             self._wake_all()
         return seq
+
+    def _enqueue(self, seq: _Seq) -> None:
+        """Put a new request at the back of the waiting queue."""
+        self._waiting[seq.stream_id] = seq
 
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         """Run ``req`` to completion; cancelling the caller aborts the request."""
@@ -419,6 +446,14 @@ class Engine:
         (the buckets of an HTTP push) while this version serves; then ``update_weights(stage=)``.
         ``hf_layout=False``: the kernels come in our own layout (see ``iter_hf_tensors``)."""
         return WeightStage(self.model, hf_layout=hf_layout)
+
+    def server_info(self) -> dict[str, Any]:
+        """The engine's limits under SGLang's /get_server_info names (``max_total_num_tokens``:
+        the tokens the KV cache holds; ``max_req_input_len``: the longest prompt)."""
+        return {"max_total_num_tokens": self.cfg.num_slots * self.max_seq_len, "page_size": 1,
+                "max_running_requests": self.cfg.num_slots, "context_length": self.max_seq_len,
+                "max_req_input_len": self.max_seq_len - 1, "chunked_prefill_size": self.cfg.chunked_prefill_size,
+                "disable_radix_cache": not self.cfg.share_prompts, "kv_cache": "slots"}
 
     @property
     def state(self) -> Any:
@@ -556,7 +591,7 @@ class Engine:
         sp = seq.req.sampling
         if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
             self._finish(seq, {"type": "stop", "matched": token})
-        elif len(seq.out_ids) >= sp.max_new_tokens or seq.length >= self.cfg.max_seq_len:
+        elif len(seq.out_ids) >= sp.max_new_tokens or seq.length >= self.max_seq_len:
             self._finish(seq, {"type": "length", "length": len(seq.out_ids)})
         return seq.finish_reason is not None
 

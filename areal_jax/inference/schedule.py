@@ -54,6 +54,10 @@ class Admission:
 
     request: Request
     shared_tokens: int
+    source: Request | None = None
+    """The running request whose pages were shared (None when nothing was): until it has
+    written its first ``shared_tokens`` tokens (a group admitted together), the new request
+    must not read them."""
 
 
 @dataclass
@@ -124,7 +128,7 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
-            table, shared = self._shared_table(req)
+            table, shared, source = self._shared_table(req)
             try:
                 table.reserve(req.length + self.headroom)
             except OutOfPages:
@@ -134,7 +138,7 @@ class Scheduler:
             req.table = table
             self.running.append(req)
             self._readers.setdefault(req.prompt, []).append(req)
-            admitted.append(Admission(req, shared))
+            admitted.append(Admission(req, shared, source))
         return admitted
 
     def grow(self, tokens: int) -> Growth:
@@ -163,7 +167,11 @@ class Scheduler:
 
     # -- helpers --
 
-    def _shared_table(self, req: Request) -> tuple[PageTable, int]:
+    def retract(self, req: Request) -> None:
+        """Send running ``req`` back to the queue's front, its pages freed and its tokens kept."""
+        self._retract(req)
+
+    def _shared_table(self, req: Request) -> tuple[PageTable, int, Request | None]:
         """A page table for ``req``: the whole prompt pages of a running request with the same
         prompt when there is one (at least the last token is left to compute, which samples the
         next), else a new empty table."""
@@ -173,8 +181,8 @@ class Scheduler:
             for owner in self._readers.get(req.prompt, ()):
                 if whole and owner.table.num_tokens >= whole:
                     child = owner.table.fork(whole)
-                    return child, child.num_tokens
-        return PageTable(self.allocator), 0
+                    return child, child.num_tokens, owner
+        return PageTable(self.allocator), 0, None
 
     def _drop_running(self, req: Request) -> None:
         self.running.remove(req)

@@ -50,7 +50,8 @@ def main() -> None:
     ckpt, n, chunk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     max_len = n + 64
     cfg = EngineConfig(num_slots=2, max_seq_len=max_len, max_prefill_batch=1, decode_steps=2, lanes=1,
-                       chunked_prefill_size=chunk, kv_buckets=(chunk, 4096, 8192, 12288, max_len))
+                       chunked_prefill_size=chunk, kv_buckets=(chunk, 4096, 8192, 12288, max_len),
+                       kv_cache="slots")  # it plans the slot engine's chunk calls
     engine = Engine(load_pretrained(ckpt), cfg)
     built = rss_mib()
     req = GenerateRequest(prompts([n], seed=4)[0], SamplingParams(max_new_tokens=2, temperature=0,

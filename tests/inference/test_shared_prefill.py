@@ -13,7 +13,9 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
 from tests.inference.reference import generate_all, prompts, reference_logprobs
 
-CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, decode_steps=4, lanes=1, seed=0)
+# The slot engine's share step (the paged engine shares whole prompt pages: test_paged_engine).
+CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, decode_steps=4, lanes=1, seed=0,
+                   kv_cache="slots")
 
 
 def _requests() -> tuple[list[list[int]], list[GenerateRequest]]:
