@@ -108,7 +108,7 @@ class AlgoConfig:
     reward-to-go is discounted by ``gamma * gae_lambda`` per masked token."""
     proximal_logprobs: str = "recompute"
     """``recompute`` (a forward pass of the proximal policy) or ``loglinear`` (approximate it,
-    ``kl.approx_proximal_logprobs``). Either way the first minibatch of a batch, trained before
+    ``proximal.approx_proximal_logprobs``). Either way the first minibatch of a batch, trained before
     any update, takes its own logprobs, which are exact and cost nothing: with
     ``ppo_n_minibatches: 1`` neither a pass nor the approximation is ever used."""
     overlong_penalty: OverlongPenalty | None = None

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
+from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance, proximal
 from areal_jax.algo.kl import kl_penalty_estimate
 from areal_jax.data.packing import attention_block_pairs, pair_budget
 from areal_jax.data.trajectory import Trajectory
@@ -154,20 +154,6 @@ class BatchPreparer:
         self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
         self._ev_fn = jax.jit(explained_variance)
 
-    @property
-    def recomputes_proximal(self) -> bool:
-        """Whether micro-batches carry ``proximal_logprobs``, recomputed with the weights before
-        the update (decoupled PPO over more than one minibatch). With one minibatch the proximal
-        policy is the policy being trained, and the loss takes its own logprobs."""
-        a = self.algo
-        return a.use_decoupled_loss and a.proximal_logprobs == "recompute" and a.ppo_n_minibatches > 1
-
-    @property
-    def first_minibatch_own_proximal(self) -> bool:
-        """Whether the first of several minibatches takes its own logprobs as the proximal ones
-        (exact and free: it is trained before any update), whatever ``proximal_logprobs`` says."""
-        return self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches > 1
-
     def plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
         t = self.train
         if t.max_seq_len is not None and max(lengths, default=0) > t.max_seq_len:
@@ -263,7 +249,7 @@ class BatchPreparer:
         host = batching.pack_rows(seqs, plan)
         arrays = self.place(host, list(host))
         # The fields of a real micro-batch and no others: a field more or less is another shape.
-        for key in ("advantages", "proximal_logprobs") if self.recomputes_proximal else ("advantages",):
+        for key in ("advantages", "proximal_logprobs") if proximal.recomputes(self.algo) else ("advantages",):
             arrays[key] = self._put(np.zeros((len(plan.rows), length), np.float32))
         budgets = self.budget_ladder(length)
         if not budgets:
@@ -300,8 +286,8 @@ class BatchPreparer:
         # updates, so theirs are recomputed now, with the weights before the first.
         # (The first minibatch's micro-batches carry the behaviour logprobs in their place, so that
         # one compiled step serves them all; ``PreparedBatch.own_proximal`` says so.)
-        own_proximal = self.first_minibatch_own_proximal
-        if self.recomputes_proximal:
+        own_proximal = proximal.first_minibatch_own(self.algo)
+        if proximal.recomputes(self.algo):
             for m in minibatches[0]:
                 m.arrays["proximal_logprobs"] = m.arrays["behavior_logprobs"]
             for m in micro[len(minibatches[0]):]:

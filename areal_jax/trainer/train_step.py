@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.algo import AlgoConfig
+from areal_jax.algo import AlgoConfig, proximal
 from areal_jax.data.packing import bucket_length, build_packed_batch
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models import Critic, Decoder
@@ -160,7 +160,7 @@ class Trainer:
             input_ids=np.ones(2, np.int32), loss_mask=np.array([0, 1], np.float32),
             behavior_logprobs=np.zeros(2, np.float32), versions=np.array([-1, 0], np.int32), reward=0.0,
             group_id=0, prompt_len=1))], [0], length)
-        extra = ("advantages", "proximal_logprobs") if self.preparer.recomputes_proximal else ("advantages",)
+        extra = ("advantages", "proximal_logprobs") if proximal.recomputes(self.algo) else ("advantages",)
         dtypes = {k: v.dtype for k, v in row.items()} | dict.fromkeys(extra, np.dtype(np.float32))
         rows, ds = self.dp_groups, self.policy.data_sharding
         batch = {k: jax.ShapeDtypeStruct((rows, length), d, sharding=ds) for k, d in dtypes.items()
@@ -272,7 +272,7 @@ class Trainer:
         the part of them spent compiling."""
         t = self.train
         lengths = [b for b in t.length_buckets if b <= t.micro_batch_tokens] if lengths is None else list(lengths)
-        forward = self.preparer.recomputes_proximal or self.ref_params is not None
+        forward = proximal.recomputes(self.algo) or self.ref_params is not None
         start, shapes, last = time.perf_counter(), 0, None
         with compile_clock() as compiling:
             for length in lengths:
