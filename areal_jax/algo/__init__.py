@@ -14,8 +14,9 @@ from areal_jax.algo.advantages import (
     terminal_token_rewards,
 )
 from areal_jax.algo.config import AlgoConfig, OverlongPenalty, compute_advantages, ppo_loss_kwargs
-from areal_jax.algo.kl import approx_proximal_logprobs, kl_k1, kl_k2, kl_k3, kl_loss_term
+from areal_jax.algo.kl import kl_k1, kl_k2, kl_k3, kl_loss_term
 from areal_jax.algo.ppo import decoupled_ppo_loss
+from areal_jax.algo.proximal import approx_proximal_logprobs
 from areal_jax.algo.value import clipped_value_loss, explained_variance
 
 __all__ = [

@@ -5,6 +5,13 @@ prompt form a group), or flat ``[num_groups * group_size]`` with ``group_size`` 
 normalised scores of the same shape. As in AReaL, a score then becomes a per-token reward on the
 answer's last token, a per-token KL penalty may join it, and GAE over the loss mask (with zero
 values when there is no critic: the reward-to-go) turns token rewards into advantages.
+
+The per-token functions take ``[rows, tokens]`` arrays in either of two layouts: one sequence per
+row, right-padded (``segments=None``), or the trainer's packed rows, where ``segments [rows,
+tokens]`` says which sequence each position belongs to (an index into the per-sequence arrays;
+-1 for padding). Each sequence's positions are contiguous and in order, so the packed layout is
+the padded one with several sequences side by side: the same recursion, restarted where a
+sequence ends.
 """
 
 from __future__ import annotations
@@ -65,6 +72,29 @@ def rloo_advantages(rewards: jax.Array, group_size: int | None = None) -> jax.Ar
     return (g - baseline).reshape(jnp.shape(rewards))
 
 
+def row_segments(shape: tuple[int, int]) -> jax.Array:
+    """``segments`` of the padded layout: row ``r``'s positions all belong to sequence ``r``."""
+    return jnp.broadcast_to(jnp.arange(shape[0], dtype=jnp.int32)[:, None], shape)
+
+
+def segment_ends(segments: jax.Array) -> jax.Array:
+    """``bool [rows, tokens]``: the last position of each run of one segment in a row (padding's
+    runs included), where a backward recursion restarts."""
+    return jnp.concatenate([segments[:, :-1] != segments[:, 1:], jnp.ones_like(segments[:, :1], bool)], axis=1)
+
+
+def per_position(per_sequence: jax.Array, segments: jax.Array) -> jax.Array:
+    """``per_sequence [S]`` spread over the positions of each sequence; 0 on padding (-1)."""
+    padded = jnp.concatenate([jnp.asarray(per_sequence), jnp.zeros(1, jnp.asarray(per_sequence).dtype)])
+    return padded[jnp.where(segments >= 0, segments, padded.shape[0] - 1)]
+
+
+def segment_sums(x: jax.Array, segments: jax.Array, num_segments: int) -> jax.Array:
+    """``[S]``: each sequence's sum of ``x [rows, tokens]`` (padding dropped)."""
+    seg = jnp.where(segments >= 0, segments, num_segments).reshape(-1)
+    return jax.ops.segment_sum(jnp.reshape(x, -1), seg, num_segments=num_segments + 1)[:num_segments]
+
+
 def gae_advantages(
     token_rewards: jax.Array,
     values: jax.Array,
@@ -73,6 +103,7 @@ def gae_advantages(
     gamma: float,
     gae_lambda: float,
     bootstrap_values: jax.Array | None = None,
+    segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Generalised advantage estimation over ``[batch, tokens]`` (or ``[tokens]``) under a loss mask.
 
@@ -84,31 +115,42 @@ def gae_advantages(
         delta_t = r_t + gamma * V_next(t) - V_t
         A_t     = delta_t + gamma * lambda * A_next(t)
 
-    where ``next(t)`` is the next masked token after ``t``. After a row's last masked token the
-    value is ``bootstrap_values[row]`` (``[batch]``, or a scalar for 1-D input): 0 for an answer
-    that ended (EOS), the critic's value of the state after the last token for one cut off at
-    the length limit (AReaL bootstraps a truncated answer from its last value). None means 0 for
-    every row. Padding values never bootstrap. Rewards off the mask are ignored.
+    where ``next(t)`` is the next masked token after ``t`` in the same sequence. After a
+    sequence's last masked token the value is its ``bootstrap_values`` entry (one per sequence:
+    per row without ``segments``, a scalar for 1-D input): 0 for an answer that ended (EOS), the
+    critic's value of the state after the last token for one cut off at the length limit (AReaL
+    bootstraps a truncated answer from its last value). None means 0 for every sequence. Padding
+    values never bootstrap. Rewards off the mask are ignored. With ``segments`` (packed rows, see
+    the module docstring) the recursion restarts at each sequence's end.
     Returns ``(advantages, returns)`` with ``returns = advantages + values``, both 0 off the mask.
     """
     squeeze = jnp.ndim(token_rewards) == 1
     rewards, values, mask = (jnp.atleast_2d(jnp.asarray(x)) for x in (token_rewards, values, loss_mask))
     mask = mask.astype(rewards.dtype)
     values = values.astype(rewards.dtype) * mask
+    padded = segments is None
+    segments = row_segments(rewards.shape) if padded else jnp.asarray(segments, jnp.int32)
+    if bootstrap_values is None:
+        restart = jnp.zeros_like(rewards)
+    else:
+        boot = jnp.reshape(jnp.asarray(bootstrap_values, rewards.dtype), (-1,))
+        restart = per_position(jnp.broadcast_to(boot, rewards.shape[:1]) if padded else boot, segments)
 
     def step(carry, xs):
         next_value, next_adv = carry
-        r, v, m = xs
+        r, v, m, end, b = xs
+        # A sequence's last position (in a packed row, the next one belongs to another sequence
+        # or to padding): what follows it is its bootstrap, not the next sequence.
+        next_value = jnp.where(end, b, next_value)
+        next_adv = jnp.where(end, 0.0, next_adv)
         adv = r + gamma * next_value - v + gamma * gae_lambda * next_adv
         live = m > 0
         return (jnp.where(live, v, next_value), jnp.where(live, adv, next_adv)), adv
 
-    # Scan over time (leading axis) from the end of the sequence towards its start; the carried
-    # "next value" starts as the bootstrap and is replaced at each masked token.
+    # Scan over time (leading axis) from the end of the row towards its start.
     zeros = jnp.zeros(rewards.shape[0], rewards.dtype)
-    last = zeros if bootstrap_values is None else jnp.broadcast_to(
-        jnp.reshape(jnp.asarray(bootstrap_values, rewards.dtype), (-1,)), zeros.shape)
-    _, adv = jax.lax.scan(step, (last, zeros), (rewards.T, values.T, mask.T), reverse=True)
+    xs = (rewards.T, values.T, mask.T, segment_ends(segments).T, restart.T)
+    _, adv = jax.lax.scan(step, (zeros, zeros), xs, reverse=True)
     adv = adv.T * mask
     returns = (adv + values) * mask
     if squeeze:
@@ -156,13 +198,19 @@ def normalize_advantages(
     return (advantages - mean) / (jnp.sqrt(var) + eps) * mask
 
 
-def terminal_token_rewards(seq_rewards: jax.Array, loss_mask: jax.Array) -> jax.Array:
-    """Put each sequence's reward on its last masked token (right-padded ``[batch, tokens]``)."""
+def terminal_token_rewards(seq_rewards: jax.Array, loss_mask: jax.Array,
+                           segments: jax.Array | None = None) -> jax.Array:
+    """Put each sequence's reward on its last masked token: ``[rows, tokens]``, right-padded with
+    one sequence per row, or packed with ``segments`` (see the module docstring)."""
     mask = jnp.asarray(loss_mask).astype(jnp.float32)
-    positions = jnp.arange(mask.shape[1])
-    last = jnp.max(jnp.where(mask > 0, positions, -1), axis=1)
-    onehot = (positions[None, :] == last[:, None]).astype(jnp.float32)
-    return onehot * jnp.reshape(seq_rewards, (-1, 1))
+    segments = row_segments(mask.shape) if segments is None else jnp.asarray(segments, jnp.int32)
+    seq_rewards = jnp.reshape(jnp.asarray(seq_rewards, jnp.float32), -1)
+    n = seq_rewards.shape[0]
+    flat = jnp.arange(mask.size).reshape(mask.shape)
+    seg = jnp.where(segments >= 0, segments, n).reshape(-1)
+    last = jax.ops.segment_max(jnp.where(mask > 0, flat, -1).reshape(-1), seg, num_segments=n + 1)
+    onehot = ((flat == per_position(last[:n], segments)) & (segments >= 0)).astype(jnp.float32)
+    return onehot * per_position(seq_rewards, segments)
 
 
 def raw_scores(rewards: jax.Array, group_size: int | None = None) -> jax.Array:

@@ -122,7 +122,7 @@ class AlgoConfig:
     reward-to-go is discounted by ``gamma * gae_lambda`` per masked token."""
     proximal_logprobs: str = "recompute"
     """``recompute`` (a forward pass of the proximal policy) or ``loglinear`` (approximate it,
-    ``kl.approx_proximal_logprobs``). Either way the first minibatch of a batch, trained before
+    ``proximal.approx_proximal_logprobs``). Either way the first minibatch of a batch, trained before
     any update, takes its own logprobs, which are exact and cost nothing: with
     ``ppo_n_minibatches: 1`` neither a pass nor the approximation is ever used."""
     overlong_penalty: OverlongPenalty | None = None
@@ -206,31 +206,46 @@ def ppo_loss_kwargs(cfg: AlgoConfig) -> dict[str, Any]:
 
 
 def _token_rewards(cfg: AlgoConfig, scores: jax.Array, loss_mask: jax.Array, token_kl: jax.Array | None,
-                   no_eos: jax.Array | None) -> jax.Array:
+                   no_eos: jax.Array | None, segments: jax.Array | None) -> jax.Array:
     """The score on each answer's last masked token (0 for an answer without EOS under
     ``mask_no_eos_with_zero``), plus ``-kl_coef * kl`` on every masked token."""
     scores = scores.reshape(-1)
     if cfg.mask_no_eos_with_zero and no_eos is not None:
         scores = jnp.where(no_eos, 0.0, scores)
-    token_rewards = adv_lib.terminal_token_rewards(scores, loss_mask)
+    token_rewards = adv_lib.terminal_token_rewards(scores, loss_mask, segments)
     if token_kl is not None:
         token_rewards = token_rewards - cfg.kl_coef * token_kl * loss_mask
     return token_rewards
 
 
+def _grouped_scores(name: str, cfg: AlgoConfig, seq_rewards: jax.Array, group_size: int | None,
+                    group_ids: jax.Array | None) -> jax.Array:
+    """The estimator's scores of ``seq_rewards [S]``, in their order. Without ``group_ids`` the
+    rewards come group after group; with them, a stable sort by group id gathers each group
+    (every group ``group_size`` long) and the scores go back to the sequences' places."""
+    norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
+    estimator = adv_lib.GROUP_ESTIMATORS[name]
+    if group_ids is None:
+        return estimator(seq_rewards, group_size, **norm)
+    order = jnp.argsort(jnp.reshape(jnp.asarray(group_ids), -1), stable=True)
+    return jnp.zeros_like(seq_rewards).at[order].set(estimator(seq_rewards[order], group_size, **norm))
+
+
 def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
-    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, runs):
+    def estimate(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, segments, group_ids,
+                 runs):
         # AReaL: normalise the task reward in its group, then add the per-token KL reward, then
         # take GAE with zero values (the reward-to-go); the KL is never divided by a group's std.
         # Without a critic every value is 0, a truncated answer's bootstrap included.
-        norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
         if runs is None:
-            scores = adv_lib.GROUP_ESTIMATORS[name](seq_rewards, group_size, **norm)
+            scores = _grouped_scores(name, cfg, seq_rewards, group_size, group_ids)
         else:  # groups of agent runs, a run's per-turn trajectories counted once
+            norm = {"eps": cfg.norm_eps, "unbiased": cfg.std_unbiased} if name in adv_lib.STD_NORMALISED else {}
             scores = adv_lib.run_group_scores(name, seq_rewards, *runs, **norm)
-        token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl, no_eos)
+        token_rewards = _token_rewards(cfg, scores, loss_mask, token_kl, no_eos, segments)
         advantages, _ = adv_lib.gae_advantages(
-            token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda
+            token_rewards, jnp.zeros_like(token_rewards), loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda,
+            segments=segments,
         )
         if name in adv_lib.TOKEN_WHITENED and not cfg.adv_norm:  # adv_norm whitens once, as AReaL
             advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
@@ -239,12 +254,14 @@ def _group_estimator(name: str) -> Callable[..., tuple[jax.Array, jax.Array | No
     return estimate
 
 
-def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, runs):
+def _gae_estimator(cfg, seq_rewards, loss_mask, group_size, values, token_kl, bootstrap, no_eos, segments,
+                   group_ids, runs):
     if values is None:
         raise ValueError("adv_estimator='gae' needs values from the critic")
-    token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl, no_eos)
+    token_rewards = _token_rewards(cfg, seq_rewards, loss_mask, token_kl, no_eos, segments)
     return adv_lib.gae_advantages(
-        token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, bootstrap_values=bootstrap
+        token_rewards, values, loss_mask, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, bootstrap_values=bootstrap,
+        segments=segments,
     )
 
 
@@ -265,11 +282,20 @@ def compute_advantages(
     response_lengths: jax.Array | None = None,
     truncated: jax.Array | None = None,
     last_values: jax.Array | None = None,
+    segments: jax.Array | None = None,
     group_ids: jax.Array | None = None,
     run_ids: jax.Array | None = None,
     discounts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Sequence rewards ``[batch]`` (grouped, group after group) to token advantages ``[batch, tokens]``.
+
+    Two layouts of the per-token arrays (``advantages`` module docstring): one sequence per row,
+    right-padded, the default; or packed rows, where ``segments [rows, tokens]`` names each
+    position's sequence (-1: padding) and the per-sequence arrays (``rewards``, ``truncated``,
+    ``last_values``, ``response_lengths``, ``group_ids``) are indexed by it. ``group_ids [batch]``
+    lets the sequences come in any order (groups are gathered by a stable sort); without it they
+    come group after group. The trainer takes the packed layout, so that advantages are computed
+    on the very rows the loss reads.
 
     In order, AReaL's (``PPOActor._compute_advantages``): DAPO overlong penalty (lengths default
     to the mask's row sums, AReaL's loss-mask count), reward bias, scale and clip; the
@@ -287,7 +313,7 @@ def compute_advantages(
     value after its last token is 0. None: every answer finished. (AReaL calls an answer
     "no EOS" when it fills the padded batch's width; we use the rollout's own finish reason.)
 
-    ``group_ids`` and ``run_ids [batch]`` (both or neither; from ``advantages.dense_run_ids``)
+    ``run_ids [batch]`` with ``group_ids`` (both dense, from ``advantages.dense_run_ids``)
     replace ``group_size`` for groups of agent runs that left several trajectories each
     (``agentic`` with ``trajectory: per_turn``): the group statistics count each run once and
     each turn gets its run's score times its ``discounts`` entry (default 1), see
@@ -297,7 +323,8 @@ def compute_advantages(
     loss_mask = jnp.asarray(loss_mask).astype(jnp.float32)
     if cfg.overlong_penalty is not None:
         if response_lengths is None:
-            response_lengths = loss_mask.sum(axis=-1)
+            response_lengths = (loss_mask.sum(axis=-1) if segments is None
+                                else adv_lib.segment_sums(loss_mask, segments, rewards.shape[0]))
         p = cfg.overlong_penalty
         if p.max_len is None:
             raise ValueError("algo.overlong_penalty.max_len is unset: a run config fills it from "
@@ -318,11 +345,11 @@ def compute_advantages(
             raise ValueError("truncated answers need last_values (the critic's value after each answer's last "
                              "token) for GAE to bootstrap from")
         bootstrap = jnp.where(truncated, jnp.reshape(jnp.asarray(last_values, jnp.float32), -1), 0.0)
-    if (group_ids is None) != (run_ids is None):
-        raise ValueError("group_ids and run_ids go together (advantages.dense_run_ids gives both)")
+    if run_ids is not None and group_ids is None:
+        raise ValueError("run_ids need group_ids (advantages.dense_run_ids gives both)")
     runs = None if run_ids is None else (group_ids, run_ids, discounts)
     advantages, returns = ESTIMATORS[cfg.adv_estimator](
-        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated, runs)
+        cfg, rewards, loss_mask, group_size, values, token_kl, bootstrap, truncated, segments, group_ids, runs)
     if cfg.adv_norm:
         advantages = adv_lib.normalize_advantages(advantages, loss_mask, cfg.norm_eps, unbiased=cfg.std_unbiased)
     return advantages, returns

@@ -118,6 +118,12 @@ def pack_rows(seqs: Sequence[Mapping[str, np.ndarray]], plan: MicroBatchPlan) ->
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
+def row_sequences(plan: MicroBatchPlan, segment_ids: np.ndarray) -> np.ndarray:
+    """``int32 [rows, length]``: each position's index into the batch (-1 on padding), from the
+    packed rows' ``segment_ids`` (1..k per row): what per-sequence quantities are looked up by."""
+    return np.stack([np.array([-1, *row], np.int32)[seg] for row, seg in zip(plan.rows, segment_ids, strict=True)])
+
+
 def unpack_rows(values: np.ndarray, plan: MicroBatchPlan, lengths: Sequence[int]) -> dict[int, np.ndarray]:
     """Slice per-position ``values [rows, length]`` back into each trajectory's ``[n]`` array."""
     out = {}

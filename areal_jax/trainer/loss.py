@@ -13,14 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from areal_jax.algo import (
-    AlgoConfig,
-    approx_proximal_logprobs,
-    clipped_value_loss,
-    decoupled_ppo_loss,
-    kl_loss_term,
-    ppo_loss_kwargs,
-)
+from areal_jax.algo import AlgoConfig, clipped_value_loss, decoupled_ppo_loss, kl_loss_term, ppo_loss_kwargs
+from areal_jax.algo.proximal import loss_proximal_logprobs
 from areal_jax.models import Critic, Decoder, chunked_logprobs
 
 Batch = dict[str, jax.Array]
@@ -84,23 +78,8 @@ def micro_batch_loss(
                                        attention_block=attention_block)
     mask = batch["loss_mask"]
     behavior = batch["behavior_logprobs"]
-    own = jax.lax.stop_gradient(logprobs)
-    if not algo.use_decoupled_loss:
-        proximal = behavior  # ignored by the loss; naive PPO ratios against the behavior policy
-    elif algo.ppo_n_minibatches == 1:
-        # Nothing has been updated yet: the proximal policy is this one, and its logprobs are
-        # exact and free, so neither a recompute nor the loglinear estimate is used (AReaL's
-        # loglinear would put its estimate here).
-        proximal = own
-    else:
-        if algo.proximal_logprobs == "loglinear":
-            later = approx_proximal_logprobs(behavior, logprobs, batch["versions"], scalars["proximal_version"])
-        else:  # recomputed; a batch without them (a direct call) has not been updated either
-            later = batch.get("proximal_logprobs", own)
-        # ``own_proximal``: the batch's first minibatch, trained before any update, whose proximal
-        # policy is this one (its ``proximal_logprobs`` only hold the place: one compiled step
-        # serves every minibatch).
-        proximal = jnp.where(scalars.get("own_proximal", 0.0) > 0, own, later)
+    proximal = loss_proximal_logprobs(algo, logprobs, behavior, batch["versions"], batch.get("proximal_logprobs"),
+                                      scalars.get("proximal_version"), scalars.get("own_proximal", 0.0))
     loss, stats = decoupled_ppo_loss(
         logprobs, proximal, behavior, batch["advantages"], mask,
         seq_ids=packed_seq_ids(batch["segment_ids"]), **ppo_loss_kwargs(algo),

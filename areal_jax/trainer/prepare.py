@@ -1,19 +1,28 @@
 """The pre-update half of a train step: a batch of trajectories becomes packed micro-batches on
 the device, scored with the weights before the update, with advantages (and returns).
 
-In order: plan the micro-batches (``trainer/batching.py``) and place each on the mesh, once;
-recompute the proximal logprobs with the current policy on exactly those micro-batches, for every
-minibatch but the first (trained before any update, its loss takes its own logprobs), unless
-they are approximated from versions inside the loss; reference logprobs for a KL reward penalty
-(on the behaviour logprobs) when there is a reference; the critic's values when there is a
-critic; then advantages (and returns) group-wise on the host, placed on the mesh next to the
-rest. Nothing is updated.
+A batch changes layout once: each trajectory is shifted to the position convention
+(``batching.shifted_fields``) and packed into the micro-batches' rows on the host, and from there
+on everything stays in those rows. The forward passes' outputs (proximal, reference logprobs,
+values) are per position already; the KL penalty, the critic's values and the advantages (group
+normalisation by group id, GAE restarted at each packed sequence's end, batch whitening) are
+computed on the packed rows, with a segment id per position naming its trajectory; and the
+advantages go to the device in the same rows. Nothing is unpacked; ``PreparedBatch``'s
+per-trajectory views unpack only when someone inspects them.
 
-Multi-host: every process holds the whole batch of trajectories and plans it the same way (the
-plan is deterministic), but packs and places only the rows of each micro-batch that live on its
-own devices (``jax.make_array_from_callback``: the callback is asked for local shards only).
-Per-token outputs that the host needs back (reference logprobs, values) are gathered from every
-process; the statistics are replicated scalars.
+In order: plan the micro-batches (``trainer/batching.py``), pack and place each on the mesh,
+once; recompute the proximal logprobs with the current policy on exactly those micro-batches,
+for every minibatch but the first (trained before any update, its loss takes its own logprobs),
+unless they are approximated from versions inside the loss; reference logprobs for a KL reward
+penalty (on the behaviour logprobs) when there is a reference; the critic's values when there is
+a critic; then advantages (and returns) on the host, placed on the mesh next to the rest.
+Nothing is updated.
+
+Multi-host: every process holds the whole batch of trajectories and plans and packs it the same
+way (the plan is deterministic; advantages need the whole batch), but places only the rows of
+each micro-batch that live on its own devices (``jax.make_array_from_callback``: the callback is
+asked for local shards only). Per-token outputs that the host needs back (reference logprobs,
+values) are gathered from every process; the statistics are replicated scalars.
 """
 
 from __future__ import annotations
@@ -27,10 +36,10 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance
+from areal_jax.algo import AlgoConfig, compute_advantages, explained_variance, proximal
 from areal_jax.algo.advantages import dense_run_ids
 from areal_jax.algo.kl import kl_penalty_estimate
-from areal_jax.data.packing import attention_block_pairs, bucket_length, build_packed_batch, pair_budget
+from areal_jax.data.packing import attention_block_pairs, pair_budget
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer import batching
 from areal_jax.trainer.config import TrainConfig
@@ -55,6 +64,10 @@ class MicroBatch:
     """What the loss aggregation divides by, counted here (see ``loss_units``)."""
     mask_count: float = 0.0
     """Trained tokens here: the critic's value loss is a token mean."""
+    host: dict[str, np.ndarray] = field(default_factory=dict)
+    """The same rows on the host, whole (every process): the packed fields, ``sequence`` (each
+    position's trajectory index, -1 on padding) and, once prepared, ``advantages`` (and with a
+    critic ``values`` and ``returns``), all in the position convention."""
 
     def inputs(self, keys: Sequence[str]) -> dict[str, Any]:
         return {k: self.arrays[k] for k in keys if k in self.arrays}
@@ -67,24 +80,34 @@ class PreparedBatch:
     trajectories: list[Trajectory]
     version: int
     minibatches: list[list[MicroBatch]]
-    advantages: list[np.ndarray]
-    """Per trajectory, index-``i`` convention (0 off the loss mask)."""
     stats: dict[str, float] = field(default_factory=dict)
-    values: list[np.ndarray] | None = None
-    """With a critic: its pre-update value of each token, index-``i`` convention (0 off the mask)."""
-    returns: list[np.ndarray] | None = None
-    """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
     own_proximal: bool = False
     """The first minibatch's loss takes its own logprobs as the proximal ones (it is trained
     before any update); its ``proximal_logprobs`` only hold the place."""
 
+    def per_trajectory(self, key: str) -> list[np.ndarray] | None:
+        """The host field ``key`` of every micro-batch, unpacked per trajectory in the index-``i``
+        convention (0 at index 0); None when the micro-batches do not have it. For inspection:
+        training reads the packed rows."""
+        micro = [m for mb in self.minibatches for m in mb]
+        if key not in micro[0].host:
+            return None
+        return unpack(micro, [m.host[key] for m in micro], [len(t) for t in self.trajectories])
 
-def local_rows(sharding: Sharding, shape: tuple[int, ...]) -> list[int]:
-    """The rows of a ``[rows, length]`` array on ``sharding`` that live on this process's devices."""
-    rows: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
-        rows.update(range(*index[0].indices(shape[0])))
-    return sorted(rows)
+    @property
+    def advantages(self) -> list[np.ndarray]:
+        """Per trajectory, index-``i`` convention (0 off the loss mask)."""
+        return self.per_trajectory("advantages")
+
+    @property
+    def values(self) -> list[np.ndarray] | None:
+        """With a critic: its pre-update value of each token, index-``i`` convention (0 off the mask)."""
+        return self.per_trajectory("values")
+
+    @property
+    def returns(self) -> list[np.ndarray] | None:
+        """With a critic: the GAE returns the value loss regresses on, index-``i`` convention."""
+        return self.per_trajectory("returns")
 
 
 def fetch(tree: Any) -> Any:
@@ -94,15 +117,6 @@ def fetch(tree: Any) -> Any:
     if all(not isinstance(x, jax.Array) or x.is_fully_addressable for x in leaves):
         return jax.device_get(tree)
     return jax.tree.map(lambda x: gather_to_host(x) if isinstance(x, jax.Array) else x, tree)
-
-
-def plan_counts(trajectories: Sequence[Trajectory], plan: batching.MicroBatchPlan,
-                aggregation: str) -> tuple[float, float]:
-    """``(loss units, trained tokens)`` of one micro-batch, from the trajectories (no packing):
-    what ``loss_units`` counts on the packed arrays."""
-    counts = [float((np.asarray(trajectories[i].loss_mask)[1:] > 0).sum()) for row in plan.rows for i in row]
-    tokens = sum(counts)
-    return (float(sum(c > 0 for c in counts)) if aggregation == "seq_mean_token_mean" else tokens), tokens
 
 
 def loss_units(arrays: dict[str, Any], aggregation: str) -> float:
@@ -145,26 +159,12 @@ class BatchPreparer:
         self._ev_fn = jax.jit(explained_variance)
 
     @property
-    def recomputes_proximal(self) -> bool:
-        """Whether micro-batches carry ``proximal_logprobs``, recomputed with the weights before
-        the update (decoupled PPO over more than one minibatch). With one minibatch the proximal
-        policy is the policy being trained, and the loss takes its own logprobs."""
-        a = self.algo
-        return a.use_decoupled_loss and a.proximal_logprobs == "recompute" and a.ppo_n_minibatches > 1
-
-    @property
     def step_extra_keys(self) -> tuple[str, ...]:
         """The per-token fields a micro-batch carries for the step beyond the trajectories' own:
         advantages, recomputed proximal logprobs, and the reference's logprobs for a KL loss term
         (a field more or less is another compiled shape, so warm-up batches carry the same)."""
-        return ("advantages", *(("proximal_logprobs",) if self.recomputes_proximal else ()),
+        return ("advantages", *(("proximal_logprobs",) if proximal.recomputes(self.algo) else ()),
                 *(("ref_logprobs",) if self.algo.kl_loss_coef > 0 else ()))
-
-    @property
-    def first_minibatch_own_proximal(self) -> bool:
-        """Whether the first of several minibatches takes its own logprobs as the proximal ones
-        (exact and free: it is trained before any update), whatever ``proximal_logprobs`` says."""
-        return self.algo.use_decoupled_loss and self.algo.ppo_n_minibatches > 1
 
     def plan(self, lengths: Sequence[int], indices: Sequence[int]) -> list[batching.MicroBatchPlan]:
         t = self.train
@@ -176,36 +176,27 @@ class BatchPreparer:
             lengths, indices, dp_groups=self.dp_groups, token_budget=t.micro_batch_tokens,
             min_micro_batches=t.min_micro_batches, buckets=t.length_buckets)
 
-    def place(self, seqs: Sequence[dict[str, np.ndarray]], plan: batching.MicroBatchPlan,
-              keys: Sequence[str] | None = None) -> dict[str, jax.Array]:
-        """The ``[rows, length]`` arrays of ``plan`` over the per-token fields ``seqs`` (only
-        ``keys`` when given), on the mesh's batch sharding: this process packs only the rows its
-        devices hold, and each goes to its devices once."""
-        shape = (len(plan.rows), plan.length)
-        packed = {r: build_packed_batch(seqs, plan.rows[r], plan.length) for r in local_rows(self.data_sharding, shape)}
-        keys = list(next(iter(packed.values()))) if keys is None else list(keys)
+    def place(self, host: dict[str, np.ndarray], keys: Sequence[str]) -> dict[str, jax.Array]:
+        """The host ``[rows, length]`` arrays ``keys`` on the mesh's batch sharding: each process
+        sends only the rows its devices hold, each to its devices once."""
+        return {k: self._put(host[k]) for k in keys}
 
-        def array(key: str) -> jax.Array:
-            def shard(index: tuple[slice, ...]) -> np.ndarray:
-                rows = range(*index[0].indices(shape[0]))
-                return np.stack([packed[r][key] for r in rows])[:, index[1]]
-
-            return jax.make_array_from_callback(shape, self.data_sharding, shard)
-
-        return {k: array(k) for k in keys}
-
-    def pack(self, trajectories: Sequence[Trajectory], indices: Sequence[int]) -> list[MicroBatch]:
-        """The micro-batches of ``trajectories[indices]``, placed on the mesh (with their attention
-        block pairs when the preparer plans them)."""
-        seqs = [batching.shifted_fields(t) for t in trajectories]
+    def pack(self, trajectories: Sequence[Trajectory], indices: Sequence[int],
+             seqs: Sequence[dict[str, np.ndarray]] | None = None) -> list[MicroBatch]:
+        """The micro-batches of ``trajectories[indices]``, packed on the host and placed on the
+        mesh (with their attention block pairs when the preparer plans them). ``seqs``: the
+        trajectories' ``batching.shifted_fields``, when the caller has them already."""
+        seqs = [batching.shifted_fields(t) for t in trajectories] if seqs is None else seqs
         out = []
         for p in self.plan([len(t) for t in trajectories], indices):
-            units, tokens = plan_counts(trajectories, p, self.algo.loss_aggregation)
-            arrays = self.place(seqs, p)
+            host = batching.pack_rows(seqs, p)
+            arrays = self.place(host, list(host))
+            host["sequence"] = batching.row_sequences(p, host["segment_ids"])
             pairs = self.attention_pairs([[len(trajectories[i]) for i in row] for row in p.rows], p.length)
             if pairs is not None:
                 arrays["attention_pairs"] = self._put(pairs)
-            out.append(MicroBatch(p, arrays, units, tokens))
+            out.append(MicroBatch(p, arrays, loss_units(host, self.algo.loss_aggregation),
+                                  float((host["loss_mask"] > 0).sum()), host))
         return out
 
     def attention_pairs(self, rows: Sequence[Sequence[int]], length: int) -> np.ndarray | None:
@@ -267,7 +258,8 @@ class BatchPreparer:
                                    reward=0.0, group_id=0, prompt_len=1) for n in lengths if n > 1]
         seqs = [batching.shifted_fields(t) for t in trajectories]
         plan = batching.MicroBatchPlan(tuple(tuple(range(len(trajectories))) for _ in range(self.dp_groups)), length)
-        arrays = self.place(seqs, plan)
+        host = batching.pack_rows(seqs, plan)
+        arrays = self.place(host, list(host))
         # The fields of a real micro-batch and no others: a field more or less is another shape.
         for key in self.step_extra_keys:
             arrays[key] = self._put(np.zeros((len(plan.rows), length), np.float32))
@@ -290,13 +282,14 @@ class BatchPreparer:
                 reference: Any = None, critic: Learner | None = None) -> PreparedBatch:
         """Pack the batch, recompute proximal (and, with ``reference`` params, reference)
         logprobs with the current weights, score it with ``critic`` if given, and compute
-        advantages (and returns)."""
+        advantages (and returns), all on the packed rows."""
         trajectories = list(trajectories)
         n_mb = self.algo.ppo_n_minibatches
         if len(trajectories) < n_mb:
             raise ValueError(f"{len(trajectories)} trajectories cannot fill ppo_n_minibatches={n_mb}")
-        lengths = [len(t) for t in trajectories]
-        minibatches = [self.pack(trajectories, idx) for idx in np.array_split(np.arange(len(trajectories)), n_mb)]
+        seqs = [batching.shifted_fields(t) for t in trajectories]
+        minibatches = [self.pack(trajectories, idx, seqs)
+                       for idx in np.array_split(np.arange(len(trajectories)), n_mb)]
         micro = [m for mb in minibatches for m in mb]
         stats: dict[str, float] = {}
         # The first minibatch is trained before any update, so for it the proximal policy is the
@@ -305,8 +298,8 @@ class BatchPreparer:
         # updates, so theirs are recomputed now, with the weights before the first.
         # (The first minibatch's micro-batches carry the behaviour logprobs in their place, so that
         # one compiled step serves them all; ``PreparedBatch.own_proximal`` says so.)
-        own_proximal = self.first_minibatch_own_proximal
-        if self.recomputes_proximal:
+        own_proximal = proximal.first_minibatch_own(self.algo)
+        if proximal.recomputes(self.algo):
             for m in minibatches[0]:
                 m.arrays["proximal_logprobs"] = m.arrays["behavior_logprobs"]
             for m in micro[len(minibatches[0]):]:
@@ -317,99 +310,105 @@ class BatchPreparer:
                 m.arrays["ref_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS), reference)
         if reference is not None and self.algo.kl_coef > 0:
             if self.algo.kl_loss_coef > 0:
-                ref = unpack(micro, fetch([m.arrays["ref_logprobs"] for m in micro]), lengths)
+                ref = fetch([m.arrays["ref_logprobs"] for m in micro])
             else:
-                ref = self.logprobs(policy, micro, lengths, reference)
+                ref = fetch([policy.forward(m.inputs(LOGPROB_KEYS), reference) for m in micro])
             # Against the behaviour (inference) logprobs even when proximal ones were recomputed,
             # as AReaL's PPOActor.compute_advantages: it takes recomputed logprobs only for naive
             # PPO with recompute_logprob, a mode this trainer does not have (its naive PPO is
-            # against the behaviour policy).
-            token_kl = [np.asarray(kl_penalty_estimate(self.algo.kl_estimator, t.behavior_logprobs, r)) * t.loss_mask
-                        for r, t in zip(ref, trajectories, strict=True)]
-            stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(t.loss_mask.sum() for t in trajectories))
-        values = last_values = None
+            # against the behaviour policy). Position j holds target j + 1's logprobs on both sides.
+            token_kl = [np.asarray(kl_penalty_estimate(self.algo.kl_estimator, m.host["behavior_logprobs"], r))
+                        * m.host["loss_mask"] for m, r in zip(micro, ref, strict=True)]
+            stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(m.mask_count for m in micro))
+        raw_values = None
         if critic is not None:
             for m in micro:
                 m.arrays["old_values"] = critic.forward(m.inputs(FORWARD_KEYS))
-            # Position j's output is the value before token j + 1; unshifting puts it at index
-            # j + 1, so values[i] is token i's value: the GAE convention (and 0 on the prompt).
-            # The last position's output, the value after the whole answer, is what a truncated
-            # answer bootstraps from.
-            raw = unpack_key(micro, "old_values", lengths, unshift=False)
-            values = [batching.unshift(v) * t.loss_mask for v, t in zip(raw, trajectories, strict=True)]
-            last_values = [float(v[len(t) - 1]) for v, t in zip(raw, trajectories, strict=True)]
-        advantages, returns, adv_stats = self.advantages(trajectories, token_kl, values, last_values)
-        stats.update(adv_stats)
-        per_token = {"advantages": advantages} if returns is None else {"advantages": advantages, "returns": returns}
-        seqs = [{"input_ids": t.input_ids, **{k: batching.shift_token_values(v[i]) for k, v in per_token.items()}}
-                for i, t in enumerate(trajectories)]
-        for m in micro:
-            m.arrays.update(self.place(seqs, m.plan, keys=list(per_token)))
-        return PreparedBatch(trajectories, version, minibatches, advantages, stats, values, returns,
-                             own_proximal=own_proximal)
+            # Position j's output is the value before token j + 1, which is where the position
+            # convention keeps token j + 1's mask and reward: GAE reads them side by side. The
+            # last position of a sequence (mask 0) holds the value after the whole answer, what a
+            # truncated answer bootstraps from.
+            raw_values = fetch([m.arrays["old_values"] for m in micro])
+        stats.update(self.advantages(micro, trajectories, token_kl, raw_values))
+        return PreparedBatch(trajectories, version, minibatches, stats, own_proximal=own_proximal)
 
-    def advantages(
-        self, trajectories: list[Trajectory], token_kl: list[np.ndarray] | None,
-        values: list[np.ndarray] | None = None, last_values: list[float] | None = None,
-    ) -> tuple[list[np.ndarray], list[np.ndarray] | None, dict[str, float]]:
-        """Advantages, returns (None without a critic) and their stats, index-``i`` convention.
-        Groups are gathered by ``group_id``; ``values`` are the critic's, GAE's input, and
-        ``last_values`` its value after each whole answer, which truncated answers bootstrap from."""
-        order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, i))
+    def advantages(self, micro: list[MicroBatch], trajectories: Sequence[Trajectory],
+                   token_kl: list[np.ndarray] | None = None,
+                   raw_values: list[np.ndarray] | None = None) -> dict[str, float]:
+        """Advantages (and with a critic returns) of the batch packed in ``micro``, computed on its
+        rows: ``host["advantages"]`` (``"values"``, ``"returns"``) of each micro-batch, placed on the
+        mesh as ``advantages`` (``returns``). ``token_kl`` and ``raw_values`` are per micro-batch,
+        in its rows: the KL penalty per position and the critic's outputs. Returns stats.
+
+        The micro-batches' rows are stacked into one block (rows of a shorter bucket padded at the
+        end, the row count rounded up to a power of two, so few shapes compile); each position's
+        ``sequence`` says which trajectory it belongs to, and groups are gathered by ``group_id``."""
         sizes: dict[int, int] = {}
         for t in trajectories:
             sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
         group_size = next(iter(sizes.values()))
         # Groups of agent runs with per-turn trajectories: statistics per run, any group sizes.
-        runs = dense_run_ids([trajectories[i].group_id for i in order], [trajectories[i].run_id for i in order])
+        runs = dense_run_ids([t.group_id for t in trajectories], [t.run_id for t in trajectories])
         if runs is not None:
-            group_size, runs_kw = None, {"group_ids": np.array(runs[0]), "run_ids": np.array(runs[1]),
-                                         "discounts": np.array([trajectories[i].discount for i in order])}
+            group_size, groups_kw = None, {"group_ids": np.array(runs[0], np.int32),
+                                           "run_ids": np.array(runs[1], np.int32),
+                                           "discounts": np.array([t.discount for t in trajectories], np.float32)}
         else:
-            runs_kw = {}
+            groups_kw = {"group_ids": np.array([t.group_id for t in trajectories], np.int32)}
         if runs is None and len(set(sizes.values())) > 1 and self.algo.adv_estimator not in ("reinforce_pp", "gae"):
             raise ValueError(f"groups must all have the same size for adv_estimator={self.algo.adv_estimator!r}; "
                              f"got sizes by group_id {sizes}")
-        width = bucket_length(max(len(t) for t in trajectories), self.train.length_buckets)
-        pad = lambda x: np.pad(x, (0, width - len(x)))
-        mask = np.stack([pad(trajectories[i].loss_mask) for i in order])
-        rewards = np.array([trajectories[i].reward for i in order], np.float32)
-        kl = None if token_kl is None else np.stack([pad(token_kl[i]) for i in order])
-        vals = None if values is None else np.stack([pad(values[i]) for i in order])
+        counts = [len(m.plan.rows) for m in micro]
+        rows, width = 1 << max(sum(counts) - 1, 0).bit_length(), max(m.plan.length for m in micro)
+
+        def stack(parts: Sequence[np.ndarray], fill: float = 0) -> np.ndarray:
+            out = np.full((rows, width), fill, np.asarray(parts[0]).dtype)
+            r = 0
+            for part in parts:
+                out[r:r + part.shape[0], :part.shape[1]] = part
+                r += part.shape[0]
+            return out
+
+        mask = stack([m.host["loss_mask"] for m in micro])
+        sequence = stack([m.host["sequence"] for m in micro], -1)
+        kl = None if token_kl is None else stack(token_kl)
+        vals = last_values = None
+        if raw_values is not None:
+            raw = stack([np.asarray(v, np.float32) for v in raw_values])
+            vals = raw * mask
+            # Each trajectory's last position (its positions are contiguous in one row).
+            flat = sequence.reshape(-1)
+            seq_ids, last = np.unique(flat[::-1], return_index=True)
+            last_values = np.zeros(len(trajectories), np.float32)
+            keep = seq_ids >= 0
+            last_values[seq_ids[keep]] = raw.reshape(-1)[flat.size - 1 - last[keep]]
         # The overlong penalty measures the loss mask's count (AReaL's), not the answer's length:
         # a multi-turn answer's environment tokens are not the policy's.
-        truncated = np.array([trajectories[i].truncated for i in order])
-        boot = {} if last_values is None else {"last_values": np.array([last_values[i] for i in order], np.float32)}
-        adv, ret = self._adv_fn(self.algo, rewards, mask, group_size=group_size, token_kl=kl,
-                                values=vals, truncated=truncated, **boot, **runs_kw)
+        adv, ret = self._adv_fn(
+            self.algo, np.array([t.reward for t in trajectories], np.float32), mask, group_size=group_size,
+            token_kl=kl, values=vals, truncated=np.array([t.truncated for t in trajectories]),
+            last_values=last_values, segments=sequence, **groups_kw)
         stats: dict[str, float] = {}
         if ret is not None:
             count = max(float(mask.sum()), 1.0)
             stats["explained_variance"] = float(self._ev_fn(vals, ret, mask))
             stats["value_mean"] = float((vals * mask).sum() / count)
             stats["return_mean"] = float((np.asarray(ret) * mask).sum() / count)
-
-        def unpad(x: jax.Array | None) -> list[np.ndarray] | None:
-            if x is None:
-                return None
-            x = np.asarray(x)
-            out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
-            for row, i in enumerate(order):
-                out[i] = x[row, : len(trajectories[i])].astype(np.float32)
-            return out
-
-        return unpad(adv), unpad(ret), stats
+        per_token = {"advantages": adv} if ret is None else {"advantages": adv, "returns": ret, "values": vals}
+        r = 0
+        for m, n in zip(micro, counts, strict=True):
+            for key, block in per_token.items():
+                m.host[key] = np.asarray(block[r:r + n, :m.plan.length], np.float32)
+            m.arrays.update(self.place(m.host, [k for k in per_token if k != "values"]))
+            r += n
+        return stats
 
 
 def unpack(micro: list[MicroBatch], values: list[np.ndarray], lengths: Sequence[int],
            unshift: bool = True) -> list[np.ndarray]:
     """Per-trajectory arrays from per-micro-batch ``[rows, length]`` outputs (index-``i``
-    convention when ``unshift``)."""
+    convention when ``unshift``): for callers that want trajectories back, never the train step."""
     per: dict[int, np.ndarray] = {}
     for m, v in zip(micro, values, strict=True):
         per.update(batching.unpack_rows(v, m.plan, lengths))
     return [batching.unshift(per[i]) if unshift else per[i] for i in range(len(lengths))]
-
-
-def unpack_key(micro: list[MicroBatch], key: str, lengths: Sequence[int], unshift: bool = True) -> list[np.ndarray]:
-    return unpack(micro, fetch([m.arrays[key] for m in micro]), lengths, unshift)

@@ -38,9 +38,10 @@ import numpy as np
 import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
-from areal_jax.trainer.evaluate import device_split, evaluate, local_devices, open_rollout, start_fleet_early
+from areal_jax.trainer.evaluate import evaluate
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.rl_steps import describe_push, follow, push_weights, run_steps
+from areal_jax.trainer.rollout import device_split, local_devices, open_rollout, start_fleet_early
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from areal_jax.algo import AlgoConfig
+from areal_jax.algo import AlgoConfig, proximal
 from areal_jax.data.packing import bucket_length, build_packed_batch
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models import Critic, Decoder
@@ -274,7 +274,7 @@ class Trainer:
         the part of them spent compiling."""
         t = self.train
         lengths = [b for b in t.length_buckets if b <= t.micro_batch_tokens] if lengths is None else list(lengths)
-        forward = self.preparer.recomputes_proximal or self.ref_params is not None
+        forward = proximal.recomputes(self.algo) or self.ref_params is not None
         start, shapes, last = time.perf_counter(), 0, None
         with compile_clock() as compiling:
             for length in lengths:

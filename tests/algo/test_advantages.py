@@ -208,5 +208,52 @@ def test_compute_advantages_takes_uneven_groups_of_runs():
                                 group_ids=np.array(g), run_ids=np.array(r), discounts=np.array(w, np.float32))
     scores = _np_run_group_scores("grpo", rewards, g, r, w)
     np.testing.assert_allclose(np.asarray(adv), scores[:, None] * mask, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="go together"):
-        compute_advantages(AlgoConfig(), np.array(rewards, np.float32), mask, group_ids=np.array(g))
+    with pytest.raises(ValueError, match="need group_ids"):
+        compute_advantages(AlgoConfig(), np.array(rewards, np.float32), mask, run_ids=np.array(r))
+def _np_sequence_gae(r, v, m, gamma, lam, boot):
+    """One sequence: the recursion over its masked tokens only, from ``boot`` after the last."""
+    adv, next_v, next_a = np.zeros_like(r), boot, 0.0
+    for t in reversed(range(len(r))):
+        if m[t] > 0:
+            next_a = r[t] + gamma * next_v - v[t] + gamma * lam * next_a
+            adv[t], next_v = next_a, v[t]
+    return adv
+
+
+def test_packed_segments_equal_each_sequence_alone():
+    """Packed rows (``segments``: sequences side by side, then padding): the terminal reward
+    lands on each sequence's last masked token and GAE restarts at each sequence's end from its
+    own bootstrap, as if each sequence were alone (NumPy, one sequence at a time). Masks have
+    gaps (multi-turn), padding values are garbage."""
+    rng = np.random.default_rng(3)
+    lengths, rows = [5, 4, 6, 3], [[0, 1], [2, 3]]
+    masks = [np.array([0, 1, 0, 1, 1]), np.array([0, 0, 1, 1]), np.array([0, 1, 1, 0, 1, 0]), np.array([0, 1, 1])]
+    seq_rewards = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    boot = np.array([0.7, 0.0, -0.4, 0.2], np.float32)
+    values = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    kl = [rng.normal(size=n).astype(np.float32) for n in lengths]
+    width = 12
+    mask, segments = np.zeros((2, width), np.float32), np.full((2, width), -1, np.int32)
+    vals, tok = np.full((2, width), 50.0, np.float32), np.zeros((2, width), np.float32)
+    place = {}
+    for r, row in enumerate(rows):
+        start = 0
+        for s in row:
+            sl = slice(start, start + lengths[s])
+            mask[r, sl], segments[r, sl], vals[r, sl], tok[r, sl] = masks[s], s, values[s], kl[s]
+            place[s] = (r, sl)
+            start += lengths[s]
+    terminal = np.asarray(terminal_token_rewards(seq_rewards, mask, segments))
+    token_rewards = terminal + tok * mask
+    gamma, lam = 0.9, 0.8
+    adv, ret = jax.jit(lambda r, v, m, b, s: gae_advantages(r, v, m, gamma=gamma, gae_lambda=lam,
+                                                             bootstrap_values=b, segments=s))(
+        token_rewards, vals, mask, boot, segments)
+    for s, (r, sl) in place.items():
+        want_terminal = np.zeros(lengths[s], np.float32)
+        want_terminal[np.flatnonzero(masks[s])[-1]] = seq_rewards[s]
+        np.testing.assert_array_equal(terminal[r, sl], want_terminal)
+        want = _np_sequence_gae(want_terminal + kl[s] * masks[s], values[s] * masks[s], masks[s], gamma, lam, boot[s])
+        np.testing.assert_allclose(adv[r, sl], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(ret[r, sl], (want + values[s]) * masks[s], rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(adv)[segments < 0] == 0) and np.all(terminal[segments < 0] == 0)

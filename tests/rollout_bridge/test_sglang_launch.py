@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.trainer.evaluate import open_rollout
+from areal_jax.trainer.rollout import open_rollout
 from areal_jax.trainer.run_config import load_run_config
 from rollout_bridge.launcher import LaunchError
 from rollout_bridge.sglang_launch import SGLANG_VERSION, SGLangOptions, sglang_command

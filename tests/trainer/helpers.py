@@ -6,13 +6,16 @@ weights and reports ``log_softmax(logits / T)`` logprobs, the rollout side's con
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from areal_jax.algo import AlgoConfig, compute_advantages
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.models import Decoder, ModelConfig
 
@@ -88,3 +91,33 @@ def assert_every_version_served(metrics: list[dict], servers: int = 1) -> None:
         assert len(m["served_versions"]) == servers and set(m["served_versions"]) <= want, \
             (m["step"], m["served_versions"])
     assert metrics[-1].get("eval_accuracy") is not None
+
+
+def padded_advantages(
+    algo: AlgoConfig, trajectories: Sequence[Trajectory], token_kl: Sequence[np.ndarray] | None = None,
+    values: Sequence[np.ndarray] | None = None, last_values: Sequence[float] | None = None, width: int = 256,
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """The trainer's advantages by the layout it used before it computed them on its packed rows,
+    kept as the reference: trajectories sorted by group, one per row right-padded to ``width``,
+    in the index-``i`` convention (``token_kl``, ``values`` per trajectory the same way;
+    ``last_values``: the critic's value after each whole answer), ``compute_advantages`` on that
+    block, unpadded. Returns per-trajectory advantages and returns (None without a critic)."""
+    order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, i))
+    group_size = Counter(t.group_id for t in trajectories)[trajectories[0].group_id]
+    pad = lambda x: np.pad(np.asarray(x, np.float32), (0, width - len(x)))
+    stack = lambda xs: None if xs is None else np.stack([pad(xs[i]) for i in order])
+    boot = {} if last_values is None else {"last_values": np.array([last_values[i] for i in order], np.float32)}
+    adv, ret = compute_advantages(
+        algo, np.array([trajectories[i].reward for i in order], np.float32), stack([t.loss_mask for t in trajectories]),
+        group_size=group_size, token_kl=stack(token_kl), values=stack(values),
+        truncated=np.array([trajectories[i].truncated for i in order]), **boot)
+
+    def unpad(x: Any) -> list[np.ndarray] | None:
+        if x is None:
+            return None
+        out: list[np.ndarray] = [np.zeros(0)] * len(trajectories)
+        for row, i in enumerate(order):
+            out[i] = np.asarray(x)[row, :len(trajectories[i])]
+        return out
+
+    return unpad(adv), unpad(ret)

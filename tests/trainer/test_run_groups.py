@@ -18,7 +18,7 @@ def test_preparer_normalises_per_turn_trajectories_over_runs() -> None:
     for t, r, w in zip(trajs, runs, discounts, strict=True):
         t.run_id, t.discount, t.reward = r, w, w * run_reward[(t.group_id, r)]
     trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
-    adv, _, _ = trainer.preparer.advantages(trajs, None)
+    adv = trainer.prepare_batch(trajs, 0).advantages  # computed on the packed rows, read back per trajectory
     # group 0's runs earned 1 and 0: mean 0.5, std sqrt(0.5); group 1's both earned 1: std 0
     expect = [w * (run_reward[(t.group_id, r)] - m) / (s + 1e-5)
               for t, r, w, (m, s) in zip(trajs, runs, discounts,

@@ -11,7 +11,7 @@ from areal_jax.algo import AlgoConfig, OverlongPenalty, compute_advantages
 from areal_jax.models import logprobs_from_logits
 from areal_jax.trainer import TrainConfig, Trainer, batching
 from areal_jax.trainer.prepare import LOGPROB_KEYS, POLICY_KEYS
-from tests.trainer.helpers import random_trajectories, tiny_model
+from tests.trainer.helpers import padded_advantages, random_trajectories, tiny_model
 
 TEMPERATURE = 0.8
 
@@ -215,7 +215,7 @@ def test_kl_reference_only_when_kl_coef_positive() -> None:
     trainer.train_batch(trajs, 0)
     prepared = trainer.prepare_batch(trajs, 1)
     assert abs(prepared.stats["kl_ref_mean"]) > 1e-4
-    without, _, _ = trainer.preparer.advantages(trajs, None)
+    without, _ = padded_advantages(trainer.algo, trajs)
     diff = max(np.abs(a - b).max() for a, b in zip(prepared.advantages, without, strict=True))
     assert diff > 1e-3  # the penalty changed the rewards the advantages came from
     for a, b in zip(jax.tree.leaves(initial), jax.tree.leaves(jax.device_get(trainer.ref_params)), strict=True):
@@ -240,7 +240,7 @@ def test_kl_penalty_takes_behavior_logprobs(decoupled: bool) -> None:
     def penalty(candidate: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
         log_ratio = [r - c for c, r in zip(candidate, ref, strict=True)]
         kl = [(np.exp(d) - d - 1) * t.loss_mask for d, t in zip(log_ratio, trajs, strict=True)]  # k3
-        return sum(k.sum() for k in kl) / mask_sum, trainer.preparer.advantages(trajs, kl)[0]
+        return sum(k.sum() for k in kl) / mask_sum, padded_advantages(trainer.algo, trajs, kl)[0]
 
     behavior_kl, behavior_adv = penalty([t.behavior_logprobs for t in trajs])
     current_kl, _ = penalty(trainer.compute_logprobs(trajs))
@@ -384,7 +384,7 @@ def test_advantages_count_trained_tokens_and_see_truncation() -> None:
         t.truncated = True
     algo = AlgoConfig(overlong_penalty=OverlongPenalty(buffer_len=4, max_len=10), mask_no_eos_with_zero=True)
     trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
-    got, _, _ = trainer.preparer.advantages(trajs, None)
+    got = trainer.prepare_batch(trajs, 0).advantages
     masks = np.stack([np.pad(t.loss_mask, (0, 64 - len(t))) for t in trajs])
     rewards = np.array([t.reward for t in trajs], np.float32)
     truncated = np.array([t.truncated for t in trajs])

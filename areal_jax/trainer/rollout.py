@@ -1,0 +1,144 @@
+"""Rollout setup: ``open_rollout`` is the one place that turns the rollout config into a running
+client: embedded servers started as child processes (stopped again on exit, and named when one
+dies), the URLs of servers already running, ours or SGLang, or an engine inside this process
+(``backend: local``, placed by ``local_devices``). ``device_split`` says which devices a
+config's embedded servers take, before the trainer's JAX starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from areal_jax.trainer.run_config import RunConfig
+
+
+def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
+    """``(trainer devices, engine devices)`` of ``backend: local``: all of this process's
+    devices for both (``shared``), or disjoint groups (``split``)."""
+    import jax
+
+    from rollout_bridge.local import split_devices
+
+    if jax.process_count() > 1:
+        from areal_jax.config import ConfigError
+
+        raise ConfigError(f"rollout.backend=local runs its engine inside one process, and this run has "
+                          f"{jax.process_count()} processes: on several hosts use rollout.backend=embedded or servers "
+                          "(an engine on every host's chips is not built yet; BUILD.md, 'A TPU pod')")
+    devices = jax.local_devices()
+    if cfg.rollout.local.placement == "split":
+        return split_devices(devices, cfg.rollout.local.engine_devices)
+    return devices, devices
+
+
+def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
+    """The in-process engine's mesh: the trainer's (shared; None on one device, which lets the
+    engine run lanes), or ``rollout.local.engine_mesh`` over its own devices (split)."""
+    from sharding import make_mesh
+
+    _, devices = local_devices(cfg)
+    if cfg.rollout.local.placement == "split":
+        return make_mesh(cfg.rollout.local.engine_mesh, devices)
+    mesh = trainer_mesh if trainer_mesh is not None else make_mesh(cfg.mesh, devices)
+    return mesh if mesh.size > 1 else None
+
+
+class EarlyFleet:
+    """Embedded (or SGLang) servers starting in a thread while the trainer loads and builds
+    (``start_fleet_early``); ``open_rollout`` takes them over, or ``stop`` ends them if the run
+    fails before it gets there."""
+
+    def __init__(self, fleet: Any, task: asyncio.Future) -> None:
+        self.fleet, self.task, self.taken = fleet, task, False
+
+    def stop(self) -> None:
+        """End the servers (again once their start returns, should it still be under way)."""
+        self.fleet.stop()
+        self.task.add_done_callback(lambda _: self.fleet.stop())
+
+
+def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> EarlyFleet | None:
+    """Start the configured server processes now, in a thread, so that their start (a process
+    importing JAX, loading the model, warming its engine) overlaps the trainer's own; None where
+    the rollout has no processes of ours to start (``local``, or given ``servers``)."""
+    if cfg.rollout.backend not in ("embedded", "sglang"):
+        return None
+    fleet = _make_fleet(cfg, serve_dir, log_dir)
+    # run_in_executor starts the thread now, not at the caller's next await: the caller goes on
+    # with blocking work (loading the model, building the trainer) meanwhile.
+    return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, fleet.start))
+
+
+def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
+    from rollout_bridge.launcher import ServerFleet
+
+    rollout = cfg.rollout
+    split = device_split(cfg)
+    command = None
+    if rollout.backend == "sglang":
+        from rollout_bridge.sglang_launch import sglang_command
+
+        def command(i: int, port: int) -> list[str]:
+            return sglang_command(rollout.sglang, str(serve_dir), port, seed=cfg.seed + i, api_key=rollout.api_key)
+    return ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
+                       seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
+                       weight_roots=[Path(serve_dir).absolute().parent, local_run_dir(cfg).absolute(),
+                                     *([rollout.weights_dir] if rollout.weights_dir else [])],
+                       placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
+
+
+@contextlib.asynccontextmanager
+async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
+                       trainer_mesh: Any = None, early: EarlyFleet | None = None) -> AsyncIterator[tuple[Any, Any]]:
+    """``(client, fleet)``: an ``HttpRolloutClient`` on the configured servers, or with ``backend:
+    local`` a ``LocalRolloutClient`` over an engine in this process (shared placement: on
+    ``trainer_mesh``); ``fleet`` is the ``ServerFleet`` of embedded servers this started (else
+    None). ``early``: servers already starting (``start_fleet_early``), taken over here."""
+    from rollout_bridge.client import HttpRolloutClient
+
+    rollout = cfg.rollout
+    if rollout.backend == "local":
+        from rollout_bridge.local import LocalRolloutClient, build_engine
+
+        engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args,
+                                         mesh=_local_engine_mesh(cfg, trainer_mesh), seed=cfg.seed)
+        async with LocalRolloutClient(engine) as client:
+            yield client, None
+        return
+    fleet = None
+    try:
+        if early is not None:
+            early.taken, fleet = True, early.fleet
+            addresses = await early.task
+        elif rollout.backend in ("embedded", "sglang"):
+            fleet = _make_fleet(cfg, serve_dir, log_dir)
+            addresses = await asyncio.to_thread(fleet.start)
+        else:
+            addresses = list(rollout.servers)
+        async with HttpRolloutClient(addresses, api_key=rollout.api_key) as client:
+            yield client, fleet
+    finally:
+        if fleet is not None:
+            fleet.stop()
+
+
+def local_run_dir(cfg: RunConfig) -> Path:
+    """This process's own directory of the run (the run directory itself, unless it is a URL)."""
+    from areal_jax.trainer import run_dir
+
+    return run_dir.local_run_dir(cfg.run_dir, cfg.local_dir)
+
+
+def device_split(cfg: RunConfig) -> tuple[Any, list[Any]] | None:
+    """``(trainer placement, server placements)`` from ``rollout.server_devices``, or None when
+    the config splits nothing."""
+    from rollout_bridge.placement import split_devices
+
+    rollout = cfg.rollout
+    if not rollout.server_devices or rollout.backend not in ("embedded", "sglang"):
+        return None
+    return split_devices(rollout.platform(), rollout.server_devices, rollout.num_servers)  # type: ignore[arg-type]
