@@ -174,6 +174,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     "stream": False, "sampling_params": [p["sampling_params"] for p in parts]}
                 server.inflight.update(subs)
                 sent_version, headers = server.version, {}
+                epoch, clean = server.updates, server.updating == 0
                 try:
                     status, body = await self._request(server, "POST", "/generate", json_body=payload,
                                                        timeout=self.cfg.generate_timeout_s, session=self.gen_session,
@@ -205,10 +206,16 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     errors = await self._after_error(key, server, errors, what, wake)
                     continue
                 failed, idle = None, 0
+                crossed, kept = not clean or server.updates != epoch, server.kept_update > epoch
                 for a, reply in zip(live, replies, strict=True):
                     ids, lps, finish = _parse_reply(reply)
-                    a.take(ids, lps, self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids)),
-                           reply.get("text") or "", finish)
+                    versions = self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids),
+                                           crossed=crossed, kept=kept)
+                    if versions is None:  # which weights made them is unknown: make them again
+                        log.info("request %s: %s answered %d tokens across a weight update without saying "
+                                 "which weights made them; re-sent", a.rid, server.url, len(ids))
+                        continue
+                    a.take(ids, lps, versions, reply.get("text") or "", finish)
                     if finish.get("type") != "abort":
                         a.done = True
                         continue
@@ -258,25 +265,38 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         await _sleep(wake, min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
         return errors
 
-    def _stamp(self, server: _Server, sent_version: int, meta: dict[str, Any], n: int) -> list[int]:
-        """Per-token versions of one reply. The reply's own labels (its ``weight_versions``
-        spans, else its ``weight_version``) decide where they stand for a version this client
-        knows and the server keeps labels: a token sampled by weights older than the record (a
-        restart not noticed yet) is never stamped newer, and one sampled after a push that landed
-        mid-answer gets that push's version. Elsewhere (a server that ignores labels, a label
-        this client never gave), the version the server held when the segment was sent, by the
-        client's record. A reply whose label proves older weights than the record has the
+    def _stamp(self, server: _Server, sent_version: int, meta: dict[str, Any], n: int, *,
+               crossed: bool = False, kept: bool = False) -> list[int] | None:
+        """Per-token versions of one reply, never other than the weights that made the tokens;
+        None when they cannot be known (the caller drops the tokens and asks again).
+
+        ``crossed``: a weight change on this server began after the request was sent, or was in
+        progress then; ``kept``: one of them ran under a pause that kept the request running.
+        The reply's own labels decide where they stand for a version this client gave the server
+        and the server keeps labels (a reply reporting such a label proves it): per-token spans
+        (``weight_versions``, our server) are exact; a single ``weight_version`` is the label
+        served when the server answered (SGLang), so it bounds the tokens: all of them when
+        nothing crossed, and when a change crossed, also when the label is still the one sent
+        under (an answer the pause aborted) or the change could not run beside the request (a
+        pause that aborts, or SGLang's update lock: the request ran wholly after it). Without a
+        label, the version the server held when the segment was sent, by the client's record,
+        unless a change crossed. A reply whose label proves older weights than the record has the
         server's version checked at once (``check_versions``)."""
-        labels = P.span_labels(meta, n)
         label = meta.get("weight_version")
-        if labels is None and label is not None:
-            labels = [str(label)] * n
-        if labels is None or not server.keeps_labels:
-            return [sent_version] * n
-        now = server.labels.get(str(label)) if label is not None else None
-        if now is not None and now < server.version:
+        label = None if label is None else str(label)
+        lv = server.labels.get(label) if label is not None else None
+        if lv is not None and label != server.first_label:
+            server.keeps_labels = True  # it reports a label this client gave it
+        if server.keeps_labels and lv is not None and lv < server.version and not crossed:
             self._recheck(server)
-        return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in labels]
+        spans = P.span_labels(meta, n)
+        if spans is not None and server.keeps_labels:
+            return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in spans]
+        if server.keeps_labels and lv is not None:
+            if crossed and kept and lv > sent_version:
+                return None  # it may have run on both sides of the change
+            return [lv] * n
+        return None if crossed and n else [sent_version] * n
 
     async def abort(self, rid: str) -> None:
         """Stop one request for good: it returns what it has with an abort finish reason, whether

@@ -108,6 +108,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return error_response(503, SHUTDOWN_MESSAGE)
     req = P.decode_generate(await request.read())
     if isinstance(req, list):
+        if req[0].stream:
+            return await _stream_batch(request, st, req, t0)
         return json_response(await _generate_batch(st, req, t0))
     ereq = engine_request(st, req)
     prompt = await input_logprobs(st, req)
@@ -119,16 +121,60 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await stream_events(request, st.engine.stream(ereq), render)
 
 
-async def _generate_batch(st: ServerState, reqs: list[P.GenerateReqInput], t0: float) -> list[P.GenerateReqOutput]:
-    """SGLang's batch form: every input runs as its own engine request, all at once; the replies
-    come back in input order. One that fails ends the others (they are aborted) and the call
-    answers with its error."""
+def _batch_requests(st: ServerState, reqs: list[P.GenerateReqInput]) -> list[GenerateRequest]:
     ereqs = []
     for i, req in enumerate(reqs):
         try:
             ereqs.append(engine_request(st, req))
         except P.ProtocolError as e:
             raise P.ProtocolError(f"{e.field} (batch input {i})", e.message) from None
+    return ereqs
+
+
+async def _stream_batch(request: web.Request, st: ServerState, reqs: list[P.GenerateReqInput],
+                        t0: float) -> web.StreamResponse:
+    """A batch with ``stream``: every input runs as its own engine request, and their events go
+    out as they come, interleaved, each with its input's ``index`` (SGLang's form)."""
+    ereqs = _batch_requests(st, reqs)
+    renders = [_StreamRender(st, req, t0, await input_logprobs(st, req)) for req in reqs]
+
+    def render(item: tuple[int, GenerateOutput]) -> list[P.GenerateReqOutput]:
+        i, part = item
+        events = renders[i](part)
+        for e in events:
+            e.index = i
+        return events
+
+    return await stream_events(request, _interleaved([st.engine.stream(e) for e in ereqs]), render)
+
+
+async def _interleaved(streams: list[Any]) -> Any:
+    """(index, output) from every stream as each has one; closing it closes (aborts) them all."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    part = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, part
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+async def _generate_batch(st: ServerState, reqs: list[P.GenerateReqInput], t0: float) -> list[P.GenerateReqOutput]:
+    """SGLang's batch form: every input runs as its own engine request, all at once; the replies
+    come back in input order. One that fails ends the others (they are aborted) and the call
+    answers with its error."""
+    ereqs = _batch_requests(st, reqs)
     prompts = [await input_logprobs(st, req) for req in reqs]
 
     async def one(ereq: GenerateRequest) -> GenerateOutput:

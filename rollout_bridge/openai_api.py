@@ -48,8 +48,8 @@ def _native(st: ServerState, body: dict[str, Any], input_ids: list[int], max_tok
     _refuse(body, "stop", None, "stop strings are not supported; use stop_token_ids")
     if isinstance(body.get("stop"), list) and body["stop"]:
         raise P.ProtocolError("stop", "stop strings are not supported; use stop_token_ids")
-    if max_tokens is None:
-        max_tokens = st.engine.max_seq_len - len(input_ids)
+    if max_tokens is None:  # as SGLang: what the context leaves, one token short of it
+        max_tokens = max(st.engine.max_seq_len - len(input_ids) - 1, 0)
     sp: dict[str, Any] = {"max_new_tokens": max_tokens}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                          ("sampling_seed", "seed"), ("stop_token_ids", "stop_token_ids"),

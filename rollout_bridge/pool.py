@@ -12,10 +12,11 @@ re-loaded at once from the last disk checkpoint when there is one, else at the n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,10 @@ import msgspec
 from rollout_bridge import protocol as P
 
 log = logging.getLogger("rollout_bridge.client")
+
+KEEPING_PAUSE_MODES = ("in_place", "retract")
+"""Pause modes that keep the requests running on the server (SGLang's): a weight change under one
+can give a request tokens of both weights."""
 
 
 class RolloutError(RuntimeError):
@@ -98,6 +103,16 @@ class _Server:
     paused: bool = False
     """The server is paused, by what it last answered or reported. While the fleet runs, a paused
     server takes no requests: they would wait there until someone continues it."""
+    pause_mode: str | None = None
+    """The mode of this client's pause in effect on it (None while it runs)."""
+    updates: int = 0
+    """Weight changes this client began on it (a push, a load, a relabel): a reply to a request
+    sent before the last one began may hold tokens of the weights before it."""
+    updating: int = 0
+    """Weight changes in progress on it: a request sent now may run under either weights."""
+    kept_update: int = -1
+    """``updates`` at the last change made while a pause kept its requests (``in_place``,
+    ``retract``): a request that ran before it may hold tokens of both weights."""
 
 
 class ServerPool:
@@ -117,15 +132,34 @@ class ServerPool:
         self._health_task: asyncio.Task | None = None
         self._current = v0
         self._last_disk: tuple[str, int] | None = None
-        self._paused = False
-        """This client paused the fleet and has not continued it yet."""
         self._continued = asyncio.Event()
-        """Set while the fleet is not paused by this client: generation waits on it before sending."""
+        """Set while the fleet is not paused by this client (``_paused`` reads it): generation
+        waits on it before sending."""
         self._continued.set()
         self._rechecks: dict[str, asyncio.Task] = {}
         """Version checks a reply asked for (``_recheck``), by server URL."""
 
+    @property
+    def _paused(self) -> bool:
+        """This client paused the fleet and has not continued it yet."""
+        return not self._continued.is_set()
+
     # -- versions --
+
+    @contextlib.contextmanager
+    def _changing(self, servers: Sequence[_Server]) -> Iterator[None]:
+        """A weight change (push, load, relabel) runs on ``servers``: counted for the stamps of
+        the replies it may cross (``HttpRolloutClient._stamp``)."""
+        for s in servers:
+            s.updates += 1
+            s.updating += 1
+            if s.pause_mode in KEEPING_PAUSE_MODES:
+                s.kept_update = s.updates
+        try:
+            yield
+        finally:
+            for s in servers:
+                s.updating -= 1
 
     @property
     def current_version(self) -> int:
@@ -203,8 +237,9 @@ class ServerPool:
         if self._last_disk is None or self._last_disk[1] < self._current:
             return
         path, version = self._last_disk
-        _, st, reply = await self._call_one(s, "/update_weights_from_disk", self._disk_body(path, version),
-                                            self.cfg.weight_timeout_s)
+        with self._changing([s]):
+            _, st, reply = await self._call_one(s, "/update_weights_from_disk", self._disk_body(path, version),
+                                                self.cfg.weight_timeout_s)
         if st == 200 and not (isinstance(reply, dict) and reply.get("success") is False):
             self._record(s, version, reply)
             log.info("server %s reloaded version %d from %s", s.url, version, path)
@@ -225,6 +260,7 @@ class ServerPool:
         if self._paused and paused is False:
             _, st, _ = await self._call_one(s, "/pause_generation", {"mode": "abort"}, self.cfg.control_timeout_s)
             s.paused = st == 200
+            s.pause_mode = "abort" if s.paused else None
         elif not self._paused and paused is not False:  # paused, or a server that does not say
             if s.version >= self._current:
                 _, st, reply = await self._call_one(s, "/continue_generation", {}, self.cfg.control_timeout_s)
@@ -395,7 +431,8 @@ class ServerPool:
         if version is not None:
             for s in targets:  # a label seen while the call runs is not mistaken for a restart
                 s.labels[str(version)] = version
-        results = await asyncio.gather(*(self._call_one(s, path, body, timeout, **kw) for s in targets))
+        with self._changing(targets) if version is not None else contextlib.nullcontext():
+            results = await asyncio.gather(*(self._call_one(s, path, body, timeout, **kw) for s in targets))
         failed = [(s, st, r) for s, st, r in results
                   if st != 200 or (isinstance(r, dict) and r.get("success") is False)]
         reached = [(s, st, r) for s, st, r in results if st != 0]
@@ -413,18 +450,21 @@ class ServerPool:
         ``continue_generation``, this client sends no request: a server that reports no
         per-token versions (stock SGLang) would run one it got while paused under the weights
         pushed meanwhile, and its tokens would carry the version recorded when it was sent."""
-        self._paused = True
         self._continued.clear()
+        for s in self.servers:  # before the call: a server that paused but failed to say so counts
+            s.pause_mode = mode
         for r in await self._broadcast("/pause_generation", {"mode": mode}, timeout=self.cfg.control_timeout_s):
             self._server(r["server"]).paused = True
 
     async def continue_generation(self) -> None:
-        self._paused = False
         self._continued.set()
         replies = await self._broadcast("/continue_generation", {}, timeout=self.cfg.control_timeout_s, strict=False)
         for r in replies:  # a server whose continue failed stays paused: out of rotation
             ok = r["status"] == 200 and not (isinstance(r["reply"], dict) and r["reply"].get("success") is False)
-            self._server(r["server"]).paused = not ok
+            s = self._server(r["server"])
+            s.paused = not ok
+            if ok:
+                s.pause_mode = None
         failed = [r for r in replies if self._server(r["server"]).paused]
         if failed:
             raise RolloutError("/continue_generation: " + "; ".join(
@@ -503,7 +543,8 @@ class ServerPool:
                 return s, 0, str(e)
             return s, status, reply
 
-        results = await asyncio.gather(*(one(s) for s in targets))
+        with self._changing(targets) if last and not hold else contextlib.nullcontext():
+            results = await asyncio.gather(*(one(s) for s in targets))
         if last and not hold:
             self._pushed(version, [(s, r) for s, st, r in results if st == 200])
         return self._weight_replies("/update_weights_from_tensor", results)
@@ -520,8 +561,9 @@ class ServerPool:
         targets = [s for s in self.servers if s.healthy and s.url not in skip]
         if not targets:
             raise AllServersDownError("/commit_weights: no healthy server")
-        results = await asyncio.gather(*(self._call_one(s, "/commit_weights", body, self.cfg.weight_timeout_s)
-                                         for s in targets))
+        with self._changing(targets):
+            results = await asyncio.gather(*(self._call_one(s, "/commit_weights", body, self.cfg.weight_timeout_s)
+                                             for s in targets))
         self._pushed(version, [(s, r) for s, st, r in results if st == 200])
         return self._weight_replies("/commit_weights", results)
 

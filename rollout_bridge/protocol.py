@@ -177,6 +177,8 @@ class GenerateReqOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_ids: list[int]
     meta_info: MetaInfo
     prompt_token_ids: list[int] | None = None
+    index: int | None = None
+    """A streamed batch's events: the input this event answers (SGLang interleaves them)."""
 
 
 # --- control endpoints ---------------------------------------------------------------------------
@@ -212,6 +214,58 @@ class UpdateWeightsResult(msgspec.Struct, kw_only=True):
     num_paused_requests: int = 0
     """SGLang's field: requests held paused in place across the update (none here: the update
     swaps the weights between steps, see ``weights_api``)."""
+
+
+class UpdateWeightsFromTensorReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's JSON form of /update_weights_from_tensor: ``serialized_named_tensors`` holds, per
+    tensor-parallel rank, (name, tensor) pairs pickled by torch's multiprocessing serializer
+    (CUDA IPC handles for a trainer on the same machine). Checked for its shape, then refused:
+    this server unpickles nothing (``WEIGHTS_JSON_REFUSED``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+
+
+class UpdateWeightsFromDistributedReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /update_weights_from_distributed: tensors broadcast over a torch.distributed
+    (NCCL) group set up by /init_weights_update_group. Checked for its shape, then refused."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+
+class InitWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /init_weights_update_group (an NCCL group with the trainer). Checked, then refused."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+WEIGHTS_JSON_REFUSED = {
+    "tensor": "the JSON form carries pickled torch tensors (CUDA IPC handles) and this server unpickles "
+              "nothing; send each bucket as safetensors bytes with Content-Type: application/octet-stream "
+              "(query: weight_version, transfer_id, bucket, last; HttpRolloutClient.push_tensor_bucket), "
+              "or load a checkpoint with /update_weights_from_disk",
+    "distributed": "this JAX server joins no torch.distributed (NCCL) group, so there is nothing to receive "
+                   "the broadcast on; push safetensors buckets to /update_weights_from_tensor "
+                   "(Content-Type: application/octet-stream) or load a checkpoint with /update_weights_from_disk",
+}
+"""Why each JSON weight form is refused, and what to send instead."""
 
 
 class TensorBucketParams(msgspec.Struct, kw_only=True):
@@ -313,7 +367,8 @@ def decode_generate(body: bytes) -> GenerateReqInput | list[GenerateReqInput]:
     """A /generate body: one request, or SGLang's batch form (``input_ids`` a list of token-id
     lists, or ``text`` a list of strings) as one request per input, in order. In a batch each
     field of ``BATCH_PER_INPUT`` is one value for every input or a list with one per input
-    (``rid`` only a list: rids are unique); a batch cannot stream."""
+    (``rid`` only a list: rids are unique). A batch with ``stream`` streams its inputs' events
+    interleaved, each with its input's ``index``, as SGLang does."""
     try:
         return decode(body, GenerateReqInput)
     except ProtocolError as e:
@@ -338,9 +393,6 @@ def _batch_members(raw: dict[str, Any], key: str, other: str) -> list[GenerateRe
         raise ProtocolError(key, "an empty batch; send at least one input")
     if raw.get(other) is not None:
         raise ProtocolError(other, "send either text or input_ids, not both")
-    if raw.get("stream"):
-        raise ProtocolError("stream", f"a batch ({key} as a list) cannot stream here; send stream: false, "
-                            "or one request per stream")
     per: dict[str, list[Any]] = {}
     for name in BATCH_PER_INPUT:
         value = raw.get(name)
@@ -397,9 +449,9 @@ def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length:
     for t in sp.stop_token_ids or ():
         if not 0 <= t < vocab_size:
             raise ProtocolError("sampling_params.stop_token_ids", f"token id {t} is outside [0, {vocab_size})")
-    if len(ids) >= context_length:
-        raise ProtocolError(
-            "input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_length}")
+    if len(ids) >= context_length:  # SGLang's rule and words (TokenizerManager._validate_one_request)
+        raise ProtocolError("input_ids", f"The input ({len(ids)} tokens) is longer than the model's context "
+                            f"length ({context_length} tokens).")
     if sp.max_new_tokens < 0:
         raise ProtocolError("sampling_params.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
     for name, accepted in UNSUPPORTED_AT_DEFAULT.items():
@@ -417,11 +469,13 @@ def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length:
                             ("return_text_in_logprobs", (None, False))):
             if getattr(req, name) not in unset:
                 raise ProtocolError(name, "needs return_logprob: true")
-    if len(ids) + sp.max_new_tokens > context_length:
+    if len(ids) + sp.max_new_tokens >= context_length:  # SGLang's: the total stays below the context length
         raise ProtocolError(
             "sampling_params.max_new_tokens",
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
-            f"length {context_length}; lower max_new_tokens to {context_length - len(ids)}")
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {len(ids) + sp.max_new_tokens} tokens: {len(ids)} tokens from the input "
+            f"messages and {sp.max_new_tokens} tokens for the completion. Lower max_new_tokens to at most "
+            f"{context_length - len(ids) - 1}.")
 
 
 def version_spans(labels: list[str]) -> list[WeightVersionSpan]:

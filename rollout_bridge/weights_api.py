@@ -210,9 +210,12 @@ def _decode_bucket(body: bytes | bytearray) -> dict[str, np.ndarray]:
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """One bucket of a bucketed push (see ``protocol``); the last bucket applies them all."""
     st = request.app[STATE]
+    if request.content_type == "application/json":
+        P.decode(await request.read(), P.UpdateWeightsFromTensorReqInput)
+        return _refused("tensor")
     if request.content_type != "application/octet-stream":
         raise P.ProtocolError("Content-Type", "send one bucket as safetensors bytes with "
-                              "Content-Type: application/octet-stream (the JSON form is not served)")
+                              "Content-Type: application/octet-stream")
     try:
         q = msgspec.convert(dict(request.query), P.TensorBucketParams, strict=False)
     except msgspec.ValidationError as e:
@@ -277,6 +280,22 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return await _apply(st, label, stage=staged.stage, flush=q.flush_cache)
 
 
+def _refused(form: str) -> web.Response:
+    """SGLang's failed-update reply (400, ``success: false``) saying why ``form`` is not served."""
+    return json_response(P.UpdateWeightsResult(success=False, message=P.WEIGHTS_JSON_REFUSED[form]), 400)
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """SGLang's NCCL weight broadcast: a well-formed request is refused, saying why (400)."""
+    P.decode(await request.read(), P.UpdateWeightsFromDistributedReqInput)
+    return _refused("distributed")
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    P.decode(await request.read(), P.InitWeightsUpdateGroupReqInput)
+    return _refused("distributed")
+
+
 async def commit_weights(request: web.Request) -> web.Response:
     """Serve the weights of a transfer sent with ``hold`` (see ``protocol``): only the swap is
     left to do, inside a pause of its own when ``pause_mode`` asks for one."""
@@ -307,3 +326,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     app.router.add_post("/commit_weights", commit_weights)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)
