@@ -285,11 +285,11 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         label = meta.get("weight_version")
         label = None if label is None else str(label)
         lv = server.labels.get(label) if label is not None else None
-        if lv is not None and label != server.first_label:
-            server.keeps_labels = True  # it reports a label this client gave it
+        spans = P.span_labels(meta, n)
+        if (lv is not None and label != server.first_label) or spans is not None:
+            server.keeps_labels = True  # it reports a label this client gave it, or labels per token
         if server.keeps_labels and lv is not None and lv < server.version and not crossed:
             self._recheck(server)
-        spans = P.span_labels(meta, n)
         if spans is not None and server.keeps_labels:
             return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in spans]
         if server.keeps_labels and lv is not None:

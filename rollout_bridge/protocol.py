@@ -324,6 +324,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     port: int
     internal_states: list[dict[str, Any]] = msgspec.field(default_factory=list)
     incremental_streaming_output: bool = False
+    weight_update_mode: str = "swap"
+    """``swap`` (updates go in between steps) or ``drain`` (they wait for the requests in flight)."""
     disaggregation_mode: str = "null"
 
 

@@ -47,8 +47,10 @@ from rollout_bridge.state import (  # noqa: F401 - re-exported: the app's state 
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
     DEFAULT_WEIGHT_VERSION,
+    GENERATION_PATHS,
     SHUTDOWN_MESSAGE,
     STATE,
+    WEIGHT_UPDATE_MODES,
     EngineFailed,
     ServerState,
     checked,
@@ -79,6 +81,9 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         if not hmac.compare_digest(got, f"Bearer {st.api_key}".encode()):
             return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     try:
+        if request.path in GENERATION_PATHS:
+            async with st.generation():  # a draining weight update holds new requests
+                return await handler(_bounded(st, request))
         return await handler(_bounded(st, request))
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, f"request body too large: {e.text}")
@@ -202,7 +207,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
-        incremental_streaming_output=st.incremental_streaming_output,
+        incremental_streaming_output=st.incremental_streaming_output, weight_update_mode=st.weight_update_mode,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
                           "num_slots": e.lane_slots * e.num_lanes, "free_slots": e.num_free_slots,
                           "live_requests": e.num_live,
@@ -276,6 +281,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     st = request.app[STATE]
     req = P.decode(await request.read(), P.PauseGenerationReqInput)
     await st.engine.pause(req.mode)
+    await st.wake_gate()
     return json_response({"success": True, "message": f"Generation paused ({req.mode})."})
 
 
@@ -291,15 +297,18 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               weight_roots: Sequence[str | os.PathLike] | None = None,
               weight_transfer_timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S, manage_engine: bool = True,
-              incremental_streaming_output: bool = False, warmup: bool = False) -> web.Application:
+              incremental_streaming_output: bool = False, warmup: bool = False,
+              weight_update_mode: str = "swap") -> web.Application:
     """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine.
     ``weight_roots``: where ``/update_weights_from_disk`` may load from (default: the parent
     directory of ``model_path``; none without a model path). ``max_request_bytes`` bounds a JSON
     body, ``max_body_bytes`` a weight bucket; ``weight_transfer_timeout_s`` drops an unfinished
     bucketed transfer that went quiet.
-    ``incremental_streaming_output``: see ``ServerState``. With ``warmup``, the engine compiles
+    ``incremental_streaming_output``, ``weight_update_mode``: see ``ServerState``. With ``warmup``, the engine compiles
     every step shape (``Engine.warmup``) after the server starts listening and before it starts
     the engine; until then /health is a 503 and requests get a 503."""
+    if weight_update_mode not in WEIGHT_UPDATE_MODES:
+        raise ValueError(f"weight_update_mode must be one of {WEIGHT_UPDATE_MODES}, got {weight_update_mode!r}")
     if warmup and not manage_engine:
         raise ValueError("warmup needs manage_engine: the engine compiles before it starts")
     if weight_roots is None:
@@ -310,7 +319,7 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
                      info=dict(info or {}), incremental_streaming_output=incremental_streaming_output,
                      weight_roots=resolve_weight_roots(weight_roots), max_request_bytes=max_request_bytes,
                      max_body_bytes=max_body_bytes,
-                     weight_transfer_timeout_s=weight_transfer_timeout_s)
+                     weight_transfer_timeout_s=weight_transfer_timeout_s, weight_update_mode=weight_update_mode)
     st.relabel(weight_version)
     app[STATE] = st
     r = app.router

@@ -53,7 +53,6 @@ def test_batch_form_answers_in_input_order_and_refuses_what_it_cannot_serve(tiny
             refused = [
                 ({**body, "rid": ["a", "b"]}, "rid: has 2 entries for a batch of 3"),
                 ({**body, "rid": "a"}, "rid: a batch of 3 inputs needs a list of 3 rids"),
-                ({**body, "stream": True}, "stream: a batch"),
                 ({**body, "sampling_params": [{"max_new_tokens": 2}] * 2}, "sampling_params: has 2 entries"),
                 ({**body, "input_ids": [[5], [100000], [6]]}, "input_ids (batch input 1): token id 100000"),
                 ({**body, "sampling_params": [{}, {"temprature": 1.0}, {}]},
