@@ -506,7 +506,7 @@ class ServerPool:
                                  skip: Any = (), layout: str = "hf", hold: bool = False,
                                  partial: bool = False) -> list[dict[str, Any]]:
         """One safetensors bucket of a version (its bytes, or the pieces of them in order, as
-        ``protocol.tensor_bucket_parts`` makes them) to every embedded server but those in
+        ``safetensors_codec.tensor_bucket_parts`` makes them) to every embedded server but those in
         ``skip`` (URLs that failed an earlier bucket of this transfer, see ``HttpBucketSink``);
         after the ``last`` one, the servers that applied it are recorded as holding ``version``.
         ``layout``: ``hf``, or ``native`` for kernels in our own layout (``protocol``). ``hold``

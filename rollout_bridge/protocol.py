@@ -28,15 +28,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from areal_jax.models.safetensors_codec import (  # noqa: F401 - the bucket codec, re-exported for both sides
-    ST_DTYPES,
-    encode_tensor_bucket,
-    layout_nbytes,
-    safetensors_header,
-    safetensors_views,
-    tensor_bucket_parts,
-    tensor_bytes,
-)
+from areal_jax.models.safetensors_codec import safetensors_views
 
 CONTEXT_UNLIMITED_TOP_K = 1 << 30
 """SGLang's spelling of "top_k disabled" in its schema; -1 means the same."""

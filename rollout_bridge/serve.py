@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bridge.launcher import PARENT_PID_ENV
-from rollout_bridge.server import (
+from rollout_bridge.server import build_app, start_server
+from rollout_bridge.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
     DEFAULT_WEIGHT_VERSION,
-    build_app,
-    start_server,
 )
 
 log = logging.getLogger("rollout_bridge.serve")

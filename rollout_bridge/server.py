@@ -42,7 +42,7 @@ from areal_jax.inference.types import (
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import generate_api, openai_api, weights_api
 from rollout_bridge import protocol as P
-from rollout_bridge.state import (  # noqa: F401 - re-exported: the app's state and helpers, defined once
+from rollout_bridge.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from areal_jax.models.safetensors_codec import encode_tensor_bucket
 from rollout_bridge import protocol as P
 
 MAX_REQUEST = 16 * 1024
@@ -34,7 +35,8 @@ class Server:
     def __init__(self, model_dir: Path):
         from areal_jax.inference.engine import Engine, EngineConfig
         from areal_jax.models import load_pretrained, load_tokenizer
-        from rollout_bridge.server import STATE, build_app, start_server
+        from rollout_bridge.server import build_app, start_server
+        from rollout_bridge.state import STATE
 
         model = load_pretrained(model_dir)
         self.engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=32),
@@ -211,7 +213,7 @@ def test_weight_buckets_malformed_out_of_order_and_hostile(server: Server) -> No
     @given(q=query, tensors=st.lists(tensor, max_size=3), corrupt=st.integers(0, 3))
     def prop(q: dict, tensors: list, corrupt: int) -> None:
         arrays = {name: np.zeros(shape, dtype) for name, dtype, shape in tensors}
-        body = P.encode_tensor_bucket(arrays) if arrays else b""
+        body = encode_tensor_bucket(arrays) if arrays else b""
         if corrupt == 1 and len(body) > 8:  # a header length past the body
             body = (len(body) * 4).to_bytes(8, "little") + body[8:]
         elif corrupt == 2:  # a header that claims data the body lacks
@@ -270,7 +272,7 @@ def test_malformed_buckets_are_a_400() -> None:
     body, never an exception that would be a 500."""
     from rollout_bridge.weights_api import _decode_bucket
 
-    good = P.encode_tensor_bucket({"w": np.arange(6, dtype=np.float32)})
+    good = encode_tensor_bucket({"w": np.arange(6, dtype=np.float32)})
 
     def with_header(header: Any, data: bytes = b"\0" * 24) -> bytes:
         raw = json.dumps(header).encode()
