@@ -40,7 +40,7 @@ from areal_jax.inference.types import (
     QueueFullError,
 )
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
-from rollout_bridge import generate_api, openai_api, weights_api
+from rollout_bridge import generate_api, metrics, openai_api, weights_api
 from rollout_bridge import protocol as P
 from rollout_bridge.state import (
     DEFAULT_MAX_BODY_BYTES,
@@ -219,46 +219,6 @@ async def get_server_info(request: web.Request) -> web.Response:
                           **st.info}]))
 
 
-async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text format, SGLang's metric names where it has them."""
-    st = request.app[STATE]
-    e = st.engine
-    now, tokens = time.monotonic(), e.stats["generated_tokens"]
-    t_prev, tok_prev = st.metrics_mark
-    throughput = (tokens - tok_prev) / (now - t_prev) if t_prev else 0.0
-    st.metrics_mark = (now, tokens)
-    name = (st.served_model_name or st.model_path).replace("\\", "\\\\").replace('"', '\\"')
-    label = st.weight_version.replace("\\", "\\\\").replace('"', '\\"')
-    rows = [
-        ("sglang:num_running_reqs", "gauge", "The number of running requests.", e.num_running, ""),
-        ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", e.num_waiting, ""),
-        ("sglang:gen_throughput", "gauge", "The generation throughput (token/s) since the last scrape.",
-         throughput, ""),
-        ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", e.stats["prompt_tokens"], ""),
-        ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", tokens, ""),
-        ("areal_jax:shared_prompt_tokens_total", "counter", "Prompt tokens not prefilled: copied from a request "
-         "admitted with the same tokens.", e.stats["shared_prompt_tokens"], ""),
-        ("areal_jax:prefill_padded_tokens_total", "counter", "Token rows computed by prefill calls, padding "
-         "included (each call pads its rows to one length).", e.stats["prefill_padded_tokens"], ""),
-        ("areal_jax:prefill_seconds_total", "counter", "Seconds in compiled prefill calls (prompts, and the "
-         "prefixes of requests resumed after a pause), summed over lanes.", e.stats["prefill_seconds"], ""),
-        ("areal_jax:decode_seconds_total", "counter", "Seconds in compiled decode calls, summed over lanes.",
-         e.stats["decode_seconds"], ""),
-        ("areal_jax:paused_seconds_total", "counter", "Seconds paused (from each pause_generation to the "
-         "continue_generation after it): weight updates that keep the server from generating.",
-         e.stats["paused_seconds"], ""),
-        ("sglang:num_requests_total", "counter", "Number of finished requests.", e.stats["finished_requests"], ""),
-        ("areal_jax:weight_version", "gauge", "Weight updates applied (internal version); the label is "
-         "weight_version.", e.version, f',weight_version="{label}"'),
-    ]
-    lines = []
-    for metric, kind, help_, value, extra in rows:
-        lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}",
-                  f'{metric}{{model_name="{name}"{extra}}} {float(value)}']
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
-
-
 # --- control -----------------------------------------------------------------------------------
 
 async def flush_cache(request: web.Request) -> web.Response:
@@ -330,7 +290,7 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
                      ("/get_weight_version", get_weight_version), ("/weight_version", get_weight_version)):
         r.add_get(path, fn)
         r.add_post(path, fn)
-    r.add_get("/metrics", metrics)
+    r.add_get("/metrics", metrics.metrics)
     r.add_post("/flush_cache", flush_cache)
     r.add_get("/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)

@@ -91,14 +91,14 @@ def test_generate_many_matches_generate_and_resumes_a_paused_group(tiny_dir: Pat
 
             # a group of four long answers, paused mid-way
             sent: list[Any] = []
-            real = client._request  # noqa: SLF001 - count what goes over the wire
+            real = client.pool.request  # count what goes over the wire
 
             async def counting(server: Any, method: str, path: str, **kw: Any) -> Any:
                 if path == "/generate":
                     sent.append(kw["json_body"])
                 return await real(server, method, path, **kw)
 
-            client._request = counting  # type: ignore[method-assign]  # noqa: SLF001
+            client.pool.request = counting  # type: ignore[method-assign]
             prompt = PROMPTS[1]
             long = {"max_new_tokens": 90, "temperature": 1.0, "ignore_eos": True}
             task = asyncio.create_task(client.generate_many([prompt] * 4, long, rids=["l0", "l1", "l2", "l3"]))
@@ -121,7 +121,7 @@ def test_generate_many_matches_generate_and_resumes_a_paused_group(tiny_dir: Pat
                 assert set(vs.tolist()) == {0, 1} and (np.diff(vs) >= 0).all()
                 k = int((vs == 0).sum())
                 assert resend == prompt + r.output_ids[:k]  # the re-send carried the tokens so far
-            client._request = real  # type: ignore[method-assign]  # noqa: SLF001
+            client.pool.request = real  # type: ignore[method-assign]
 
     asyncio.run(main())
 
@@ -131,13 +131,13 @@ def test_generate_many_off_sends_one_request_per_answer(tiny_dir: Path) -> None:
         async with running_server(tiny_dir) as (addr, _), \
                 HttpRolloutClient([addr], config=_cfg(batch_requests=False)) as client:
             sent: list[Any] = []
-            real = client._request  # noqa: SLF001
+            real = client.pool.request
 
             async def counting(server: Any, method: str, path: str, **kw: Any) -> Any:
                 sent.append(kw.get("json_body"))
                 return await real(server, method, path, **kw)
 
-            client._request = counting  # type: ignore[method-assign]  # noqa: SLF001
+            client.pool.request = counting  # type: ignore[method-assign]
             res = await client.generate_many(PROMPTS, {"max_new_tokens": 3, "ignore_eos": True})
             assert [len(r.output_ids) for r in res] == [3, 3, 3]
             assert sorted(b["input_ids"] for b in sent) == sorted(PROMPTS)  # three single-form requests
