@@ -15,6 +15,7 @@ from aiohttp import web
 from areal_jax.inference.types import GenerateOutput, GenerateRequest
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import protocol as P
+from rollout_bridge import validation as V
 from rollout_bridge.detokenize import IncrementalDetokenizer
 from rollout_bridge.state import SHUTDOWN_MESSAGE, STATE, ServerState, checked, error_response, json_response
 
@@ -31,7 +32,7 @@ def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
         req.input_ids = list(st.tokenizer.encode(req.text, add_special_tokens=False))
     elif req.text is not None:
         raise P.ProtocolError("text", "send either text or input_ids, not both")
-    P.validate_generate(req, vocab_size=engine.vocab_size, context_length=engine.max_seq_len)
+    V.validate_generate(req, vocab_size=engine.vocab_size, context_length=engine.max_seq_len)
     sp = req.sampling_params
     esp = EngineSamplingParams(
         max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
@@ -106,7 +107,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     if st.shutting_down:
         return error_response(503, SHUTDOWN_MESSAGE)
-    req = P.decode_generate(await request.read())
+    req = V.decode_generate(await request.read())
     if isinstance(req, list):
         if req[0].stream:
             return await _stream_batch(request, st, req, t0)
