@@ -159,7 +159,7 @@ def test_json_endpoints_answer_4xx_with_a_message(server: Server, path: str) -> 
         _check(server, status, reply, (path, body))
 
     prop()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
 
 
 @pytest.mark.slow
@@ -195,7 +195,7 @@ def test_raw_bytes_to_every_endpoint(server: Server) -> None:
         _check(server, status, reply, (route, body, content_type, query))
 
     prop()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
 
 
 @pytest.mark.slow
@@ -226,7 +226,7 @@ def test_weight_buckets_malformed_out_of_order_and_hostile(server: Server) -> No
         _check(server, status, reply, (q, [(n, np.dtype(d).name, s) for n, d, s in tensors], corrupt))
 
     prop()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
     assert server.engine.version == 0  # no hostile bucket was applied as weights
 
 
@@ -245,7 +245,7 @@ def test_oversized_bodies_are_a_413_and_the_server_lives(server: Server) -> None
                  headers={"Content-Type": "application/json"}, encode_chunked=True)
     assert conn.getresponse().status == 413
     conn.close()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
 
 
 def test_edge_values_are_refused_by_name(server: Server) -> None:
@@ -299,11 +299,11 @@ def test_many_idle_connections_do_not_stop_the_server(server: Server) -> None:
             if i % 2:  # half of them start a request and never finish it
                 s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"inp")
             idle.append(s)
-        assert server.call("GET", "/health")[0] == 200
+        assert server.call("GET", "/health_generate")[0] == 200  # it still generates
         status, reply = server.call("POST", "/generate", _json_bytes(
             {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}))
         assert status == 200 and len(json.loads(reply)["output_ids"]) == 3
     finally:
         for s in idle:
             s.close()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
