@@ -82,7 +82,8 @@ def _abort_running(f: FakeSGLang, n: int) -> None:
 
 async def _pause(request: web.Request) -> web.Response:
     f: FakeSGLang = request.app[FAKE]
-    _abort_running(f, 2)  # mode "abort": what runs returns with its tokens so far
+    if (await request.json()).get("mode", "abort") == "abort":
+        _abort_running(f, 2)  # what runs returns with its tokens so far; in_place keeps it running
     f.paused = True
     f.resumed.clear()
     return web.json_response({"success": True})
@@ -182,5 +183,31 @@ def test_abort_all_requests_without_a_pause(adopts_labels: bool) -> None:
         else:  # which weights made the aborted two is unknown: they were made again, by version 2
             assert r.output_versions == [2] * 8, r.output_versions
         # before: [1] * 8 in both (the re-send ran under version 2, stamped with the record at its send)
+
+    asyncio.run(main())
+
+
+def test_a_pause_that_keeps_a_request_running_across_an_update() -> None:
+    """Under an ``in_place`` pause a running request stays on the server across the update and
+    finishes under the new weights: its tokens come from both, and a reply without per-token
+    versions cannot say which. They are made again rather than stamped with either version."""
+
+    async def main() -> None:
+        fake = FakeSGLang(adopts_labels=True)
+        async with serving_app(_app(fake)) as addr, HttpRolloutClient([addr], config=CFG) as client:
+            await client.update_weights_from_disk("/ckpt/v1", version=1)
+            assert (await client.generate([1, 2], {"max_new_tokens": 2})).output_versions == [1, 1]
+            fake.hold_rid = "kept"
+            task = asyncio.create_task(client.generate([5, 6, 7], {"max_new_tokens": N}, rid="kept"))
+            while "kept" not in fake.running:
+                await asyncio.sleep(0.01)
+            await client.pause("in_place")
+            assert "kept" in fake.running  # still there, its KV and tokens so far kept
+            await client.update_weights_from_disk("/ckpt/v2", version=2)
+            await client.continue_generation()
+            body = next(c for c in fake.calls if c["rid"] == "kept")
+            fake.running["kept"].set_result(fake.reply(body, N, {"type": "length"}))  # labelled "2"
+            r = await task
+        assert r.resends == 1 and r.output_versions == [2] * N, (r.resends, r.output_versions)
 
     asyncio.run(main())
