@@ -210,7 +210,7 @@ class HttpRolloutClient(RolloutClient):
                     "stream": False, "sampling_params": [p["sampling_params"] for p in parts]}
                 server.inflight.update(subs)
                 sent_version, headers = server.version, {}
-                epoch, clean = server.updates, server.updating == 0
+                epoch, clean, continues = server.updates, server.updating == 0, server.continues
                 try:
                     status, body = await self.pool.request(
                         server, "POST", "/generate", json_body=payload, timeout=self.cfg.generate_timeout_s,
@@ -243,10 +243,15 @@ class HttpRolloutClient(RolloutClient):
                     continue
                 failed, idle = None, 0
                 crossed, kept = not clean or server.updates != epoch, server.kept_update > epoch
+                # Crossed only by changes made under this client's pause that aborts, and answered
+                # before its continue: the request ran (and was aborted) before the change, or
+                # it would still be held.
+                settled = (clean and server.continues == continues and server.free_update <= epoch
+                           and not kept)
                 for a, reply in zip(live, replies, strict=True):
                     ids, lps, finish = _parse_reply(reply)
                     versions = self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids),
-                                           crossed=crossed, kept=kept)
+                                           crossed=crossed and not settled, kept=kept)
                     if versions is None:  # which weights made them is unknown: make them again
                         log.info("request %s: %s answered %d tokens across a weight update without saying "
                                  "which weights made them; re-sent", a.rid, server.url, len(ids))

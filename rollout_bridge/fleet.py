@@ -54,6 +54,8 @@ class FleetState(Transport):
             s.updating += 1
             if s.pause_mode in KEEPING_PAUSE_MODES:
                 s.kept_update = s.updates
+            if s.pause_mode is None:
+                s.free_update = s.updates
         try:
             yield
         finally:
@@ -162,6 +164,7 @@ class FleetState(Transport):
             s.pause_mode = "abort" if s.paused else None
         elif not self._paused and paused is not False:  # paused, or a server that does not say
             if s.version >= self._current:
+                s.continues += 1
                 _, st, reply = await self.call_one(s, "/continue_generation", {}, self.cfg.control_timeout_s)
                 s.paused = st != 200
                 if s.paused:

@@ -92,6 +92,8 @@ class ServerPool(Routing):
 
     async def continue_generation(self) -> None:
         self.continued.set()
+        for s in self.servers:  # before the call: a held request may run as soon as it lands
+            s.continues += 1
         replies = await self._broadcast("/continue_generation", {}, timeout=self.cfg.control_timeout_s, strict=False)
         for r in replies:  # a server whose continue failed stays paused: out of rotation
             ok = r["status"] == 200 and not (isinstance(r["reply"], dict) and r["reply"].get("success") is False)

@@ -92,6 +92,12 @@ class ServerRecord:
     sent before the last one began may hold tokens of the weights before it."""
     updating: int = 0
     """Weight changes in progress on it: a request sent now may run under either weights."""
+    continues: int = 0
+    """``/continue_generation`` calls this client sent it: a request held by a pause runs only
+    after one."""
+    free_update: int = -1
+    """``updates`` at the last change begun while this client had not paused it: a request that
+    reached it after that change began may have run under the new weights with no continue."""
     kept_update: int = -1
     """``updates`` at the last change made while a pause kept its requests (``in_place``,
     ``retract``): a request that ran before it may hold tokens of both weights."""
