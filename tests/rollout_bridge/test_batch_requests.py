@@ -4,6 +4,7 @@ client's ``generate_many``, which asks for a group's answers in one request (rea
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,16 @@ import pytest
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from tests.inference.reference import reference_greedy
-from tests.rollout_bridge.bridge_helpers import running_server
+from tests.rollout_bridge.bridge_helpers import ServerThread, running_server
 
 PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ServerThread]:
+    """One server for the tests here that use the default configuration."""
+    with ServerThread(tiny_dir) as srv:
+        yield srv
 
 
 def _cfg(**kw: Any) -> ClientConfig:
@@ -28,13 +36,15 @@ async def _post(s: aiohttp.ClientSession, addr: str, body: dict[str, Any]) -> tu
         return r.status, await r.json()
 
 
-def test_batch_form_answers_in_input_order_and_refuses_what_it_cannot_serve(tiny_dir: Path) -> None:
+def test_batch_form_answers_in_input_order_and_refuses_what_it_cannot_serve(server: ServerThread,
+                                                                            tiny_dir: Path) -> None:
+    addr, engine = server.addr, server.engine
     model = load_pretrained(tiny_dir)
     eos = model.config.eos_token_ids
     budgets = [3, 7, 5]
 
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, engine), aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession() as s:
             body = {"input_ids": PROMPTS, "rid": ["a", "b", "c"], "return_logprob": True,
                     "sampling_params": [{"max_new_tokens": n, "temperature": 0.0} for n in budgets]}
             status, replies = await _post(s, addr, body)
@@ -126,10 +136,11 @@ def test_generate_many_matches_generate_and_resumes_a_paused_group(tiny_dir: Pat
     asyncio.run(main())
 
 
-def test_generate_many_off_sends_one_request_per_answer(tiny_dir: Path) -> None:
+def test_generate_many_off_sends_one_request_per_answer(server: ServerThread) -> None:
+    addr = server.addr
+
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, _), \
-                HttpRolloutClient([addr], config=_cfg(batch_requests=False)) as client:
+        async with HttpRolloutClient([addr], config=_cfg(batch_requests=False)) as client:
             sent: list[Any] = []
             real = client.pool.request
 
