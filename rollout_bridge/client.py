@@ -34,13 +34,13 @@ from typing import Any
 import aiohttp
 
 from rollout_bridge import protocol as P
-from rollout_bridge.pool import (
+from rollout_bridge.pool import ServerPool
+from rollout_bridge.records import (
     AllServersDownError,
     ClientConfig,
     RolloutError,
-    ServerPool,
+    ServerRecord,
     WeightUpdateError,
-    _Server,
     reply_message,
 )
 
@@ -99,20 +99,56 @@ class RolloutClient(abc.ABC):
 
 
 
-class HttpRolloutClient(ServerPool, RolloutClient):
-    """Generation over a ``ServerPool`` (see the module docstring)."""
+class HttpRolloutClient(RolloutClient):
+    """Generation over the servers of the ``ServerPool`` it holds (``pool``; see the module
+    docstring). The pool's API (versions, health, control calls, weight pushes) is reached
+    through the client too: ``client.pause(...)`` is ``client.pool.pause(...)``."""
 
     def __init__(self, addresses: list[str], *, api_key: str | None = None, config: ClientConfig | None = None):
-        super().__init__(addresses, api_key=api_key, config=config)
+        self.pool = ServerPool(addresses, api_key=api_key, config=config)
         self._answers: dict[str, _Answer] = {}
         """Answers being generated, by rid: what ``abort`` may stop."""
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "pool" or name.startswith("__"):  # not set yet (or a protocol probe): no recursion
+            raise AttributeError(name)
+        return getattr(self.pool, name)
+
+    @property
+    def cfg(self) -> ClientConfig:
+        return self.pool.cfg
+
+    @property
+    def servers(self) -> list[ServerRecord]:
+        return self.pool.servers
+
     async def __aenter__(self) -> HttpRolloutClient:
-        await self.start()
+        await self.pool.start()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self.pool.pause(mode)
+
+    async def continue_generation(self) -> None:
+        await self.pool.continue_generation()
+
+    async def update_weights_from_disk(self, model_path: str, *, version: int, abort_all_requests: bool = False,
+                                       flush_cache: bool = True) -> list[dict[str, Any]]:
+        return await self.pool.update_weights_from_disk(model_path, version=version,
+                                                        abort_all_requests=abort_all_requests,
+                                                        flush_cache=flush_cache)
+
+    async def flush_cache(self) -> None:
+        await self.pool.flush_cache()
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
                        rid: str | None = None) -> GenerateResult:
@@ -156,11 +192,11 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                 # abort ends the wait too.
                 server = None
                 while live and server is None:
-                    if not self._continued.is_set():
-                        await _first_of(self._continued, wake)
+                    if not self.pool.continued.is_set():
+                        await _first_of(self.pool.continued, wake)
                     else:
-                        server = await self._pick(key)
-                        if not self._continued.is_set():
+                        server = await self.pool.pick(key)
+                        if not self.pool.continued.is_set():
                             server = None
                     # aborted while paused or routing? From here to the send there is no await, so an
                     # abort either sees the request in flight (and stops it there) or is seen here.
@@ -174,25 +210,26 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     "stream": False, "sampling_params": [p["sampling_params"] for p in parts]}
                 server.inflight.update(subs)
                 sent_version, headers = server.version, {}
+                epoch, clean, continues = server.updates, server.updating == 0, server.continues
                 try:
-                    status, body = await self._request(server, "POST", "/generate", json_body=payload,
-                                                       timeout=self.cfg.generate_timeout_s, session=self.gen_session,
-                                                       reply_headers=headers)
+                    status, body = await self.pool.request(
+                        server, "POST", "/generate", json_body=payload, timeout=self.cfg.generate_timeout_s,
+                        session=self.pool.gen_session, reply_headers=headers)
                 except TimeoutError:
                     # The server may still be working on it: stop it there before re-sending elsewhere.
                     for sub in subs:
-                        await self._call_one(server, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
-                    self._mark_down(server, f"/generate timed out after {self.cfg.generate_timeout_s:g}s")
+                        await self.pool.call_one(server, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
+                    self.pool.mark_down(server, f"/generate timed out after {self.cfg.generate_timeout_s:g}s")
                     continue
                 except (aiohttp.ClientError, OSError) as e:
-                    self._mark_down(server, e)
+                    self.pool.mark_down(server, e)
                     continue
                 finally:
                     server.inflight.difference_update(subs)
                 if status == 503:  # full queue: wait and re-send, the server is fine
                     busy += 1
                     await _sleep(wake, _retry_after(headers, self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3)))
-                    self._sticky.pop(key, None)
+                    self.pool.sticky.pop(key, None)
                     continue
                 busy = 0
                 if status == 400 or status == 401:
@@ -205,10 +242,21 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     errors = await self._after_error(key, server, errors, what, wake)
                     continue
                 failed, idle = None, 0
+                crossed, kept = not clean or server.updates != epoch, server.kept_update > epoch
+                # Crossed only by changes made under this client's pause that aborts, and answered
+                # before its continue: the request ran (and was aborted) before the change, or
+                # it would still be held.
+                settled = (clean and server.continues == continues and server.free_update <= epoch
+                           and not kept)
                 for a, reply in zip(live, replies, strict=True):
                     ids, lps, finish = _parse_reply(reply)
-                    a.take(ids, lps, self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids)),
-                           reply.get("text") or "", finish)
+                    versions = self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids),
+                                           crossed=crossed and not settled, kept=kept)
+                    if versions is None:  # which weights made them is unknown: make them again
+                        log.info("request %s: %s answered %d tokens across a weight update without saying "
+                                 "which weights made them; re-sent", a.rid, server.url, len(ids))
+                        continue
+                    a.take(ids, lps, versions, reply.get("text") or "", finish)
                     if finish.get("type") != "abort":
                         a.done = True
                         continue
@@ -230,7 +278,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
                     await _sleep(wake, wait)
         finally:
             for a in answers:
-                self._sticky.pop(a.rid, None)
+                self.pool.sticky.pop(a.rid, None)
                 if self._answers.get(a.rid) is a:
                     del self._answers[a.rid]
         return [a.result() for a in answers]
@@ -245,7 +293,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         wake.clear()
         return [a for a in answers if not a.done]
 
-    async def _after_error(self, rid: str, server: _Server, errors: int, what: str, wake: asyncio.Event) -> int:
+    async def _after_error(self, rid: str, server: ServerRecord, errors: int, what: str, wake: asyncio.Event) -> int:
         """A server failed this request (5xx, or an abort with a 5xx status): count it, give up
         past ``max_error_resends``, else wait (doubling) and let the next attempt go round-robin.
         The server stays in rotation: one failed request does not make it dead."""
@@ -254,29 +302,42 @@ class HttpRolloutClient(ServerPool, RolloutClient):
             raise RolloutError(f"request {rid}: {server.url}/generate {what} (gave up after {errors} server errors)")
         log.warning("request %s: %s/generate %s; re-sending (error %d of at most %d)", rid, server.url, what,
                     errors, self.cfg.max_error_resends + 1)
-        self._sticky.pop(rid, None)
+        self.pool.sticky.pop(rid, None)
         await _sleep(wake, min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
         return errors
 
-    def _stamp(self, server: _Server, sent_version: int, meta: dict[str, Any], n: int) -> list[int]:
-        """Per-token versions of one reply. The reply's own labels (its ``weight_versions``
-        spans, else its ``weight_version``) decide where they stand for a version this client
-        knows and the server keeps labels: a token sampled by weights older than the record (a
-        restart not noticed yet) is never stamped newer, and one sampled after a push that landed
-        mid-answer gets that push's version. Elsewhere (a server that ignores labels, a label
-        this client never gave), the version the server held when the segment was sent, by the
-        client's record. A reply whose label proves older weights than the record has the
+    def _stamp(self, server: ServerRecord, sent_version: int, meta: dict[str, Any], n: int, *,
+               crossed: bool = False, kept: bool = False) -> list[int] | None:
+        """Per-token versions of one reply, never other than the weights that made the tokens;
+        None when they cannot be known (the caller drops the tokens and asks again).
+
+        ``crossed``: a weight change on this server began after the request was sent, or was in
+        progress then; ``kept``: one of them ran under a pause that kept the request running.
+        The reply's own labels decide where they stand for a version this client gave the server
+        and the server keeps labels (a reply reporting such a label proves it): per-token spans
+        (``weight_versions``, our server) are exact; a single ``weight_version`` is the label
+        served when the server answered (SGLang), so it bounds the tokens: all of them when
+        nothing crossed, and when a change crossed, also when the label is still the one sent
+        under (an answer the pause aborted) or the change could not run beside the request (a
+        pause that aborts, or SGLang's update lock: the request ran wholly after it). Without a
+        label, the version the server held when the segment was sent, by the client's record,
+        unless a change crossed. A reply whose label proves older weights than the record has the
         server's version checked at once (``check_versions``)."""
-        labels = P.span_labels(meta, n)
         label = meta.get("weight_version")
-        if labels is None and label is not None:
-            labels = [str(label)] * n
-        if labels is None or not server.keeps_labels:
-            return [sent_version] * n
-        now = server.labels.get(str(label)) if label is not None else None
-        if now is not None and now < server.version:
-            self._recheck(server)
-        return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in labels]
+        label = None if label is None else str(label)
+        lv = server.labels.get(label) if label is not None else None
+        spans = P.span_labels(meta, n)
+        if (lv is not None and label != server.first_label) or spans is not None:
+            server.keeps_labels = True  # it reports a label this client gave it, or labels per token
+        if server.keeps_labels and lv is not None and lv < server.version and not crossed:
+            self.pool.recheck(server)
+        if spans is not None and server.keeps_labels:
+            return [sent_version if lab is None else server.labels.get(lab, sent_version) for lab in spans]
+        if server.keeps_labels and lv is not None:
+            if crossed and kept and lv > sent_version:
+                return None  # it may have run on both sides of the change
+            return [lv] * n
+        return None if crossed and n else [sent_version] * n
 
     async def abort(self, rid: str) -> None:
         """Stop one request for good: it returns what it has with an abort finish reason, whether
@@ -289,7 +350,7 @@ class HttpRolloutClient(ServerPool, RolloutClient):
         a.wake.set()
         for s in self.servers:
             for sub in [r for r in s.inflight if r == rid or r.startswith(f"{rid}-r")]:
-                await self._call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
+                await self.pool.call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
 
 
 IMMEDIATE_IDLE_RESENDS = 2

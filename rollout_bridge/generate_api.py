@@ -15,6 +15,8 @@ from aiohttp import web
 from areal_jax.inference.types import GenerateOutput, GenerateRequest
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import protocol as P
+from rollout_bridge import validation as V
+from rollout_bridge.detokenize import IncrementalDetokenizer
 from rollout_bridge.state import SHUTDOWN_MESSAGE, STATE, ServerState, checked, error_response, json_response
 
 log = logging.getLogger("rollout_bridge.server")
@@ -30,7 +32,7 @@ def engine_request(st: ServerState, req: P.GenerateReqInput) -> GenerateRequest:
         req.input_ids = list(st.tokenizer.encode(req.text, add_special_tokens=False))
     elif req.text is not None:
         raise P.ProtocolError("text", "send either text or input_ids, not both")
-    P.validate_generate(req, vocab_size=engine.vocab_size, context_length=engine.max_seq_len)
+    V.validate_generate(req, vocab_size=engine.vocab_size, context_length=engine.max_seq_len)
     sp = req.sampling_params
     esp = EngineSamplingParams(
         max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
@@ -74,11 +76,14 @@ async def input_logprobs(st: ServerState, req: P.GenerateReqInput) -> dict[str, 
 
 
 def _reply(st: ServerState, out: GenerateOutput, req: P.GenerateReqInput, t0: float,
-           prompt: dict[str, Any] | None = None) -> P.GenerateReqOutput:
+           prompt: dict[str, Any] | None = None, text: str | None = None) -> P.GenerateReqOutput:
+    """SGLang's reply for ``out``; ``text`` if given (a stream's, decoded incrementally), else
+    ``out``'s tokens decoded."""
     ids = list(out.output_ids)
-    text = ""
-    if st.tokenizer is not None and ids:
-        text = st.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
+    if text is None:
+        text = ""
+        if st.tokenizer is not None and ids:
+            text = st.tokenizer.decode(ids, skip_special_tokens=req.sampling_params.skip_special_tokens)
     versions = list(out.output_versions or [])
     tok = _token_text(st, req)
     meta = P.MetaInfo(
@@ -102,8 +107,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     if st.shutting_down:
         return error_response(503, SHUTDOWN_MESSAGE)
-    req = P.decode_generate(await request.read())
+    req = V.decode_generate(await request.read())
     if isinstance(req, list):
+        if req[0].stream:
+            return await _stream_batch(request, st, req, t0)
         return json_response(await _generate_batch(st, req, t0))
     ereq = engine_request(st, req)
     prompt = await input_logprobs(st, req)
@@ -111,21 +118,64 @@ async def generate(request: web.Request) -> web.StreamResponse:
         # A client that disconnects cancels this handler, and the cancel aborts the request.
         out = checked(await st.engine.generate(ereq))
         return json_response(_reply(st, out, req, t0, prompt))
-    render = (_Increments(st, req, t0, prompt) if st.incremental_streaming_output
-              else lambda part: _reply(st, part, req, t0, prompt))
+    render = _StreamRender(st, req, t0, prompt)
     return await stream_events(request, st.engine.stream(ereq), render)
 
 
-async def _generate_batch(st: ServerState, reqs: list[P.GenerateReqInput], t0: float) -> list[P.GenerateReqOutput]:
-    """SGLang's batch form: every input runs as its own engine request, all at once; the replies
-    come back in input order. One that fails ends the others (they are aborted) and the call
-    answers with its error."""
+def _batch_requests(st: ServerState, reqs: list[P.GenerateReqInput]) -> list[GenerateRequest]:
     ereqs = []
     for i, req in enumerate(reqs):
         try:
             ereqs.append(engine_request(st, req))
         except P.ProtocolError as e:
             raise P.ProtocolError(f"{e.field} (batch input {i})", e.message) from None
+    return ereqs
+
+
+async def _stream_batch(request: web.Request, st: ServerState, reqs: list[P.GenerateReqInput],
+                        t0: float) -> web.StreamResponse:
+    """A batch with ``stream``: every input runs as its own engine request, and their events go
+    out as they come, interleaved, each with its input's ``index`` (SGLang's form)."""
+    ereqs = _batch_requests(st, reqs)
+    renders = [_StreamRender(st, req, t0, await input_logprobs(st, req)) for req in reqs]
+
+    def render(item: tuple[int, GenerateOutput]) -> list[P.GenerateReqOutput]:
+        i, part = item
+        events = renders[i](part)
+        for e in events:
+            e.index = i
+        return events
+
+    return await stream_events(request, _interleaved([st.engine.stream(e) for e in ereqs]), render)
+
+
+async def _interleaved(streams: list[Any]) -> Any:
+    """(index, output) from every stream as each has one; closing it closes (aborts) them all."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    part = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, part
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+async def _generate_batch(st: ServerState, reqs: list[P.GenerateReqInput], t0: float) -> list[P.GenerateReqOutput]:
+    """SGLang's batch form: every input runs as its own engine request, all at once; the replies
+    come back in input order. One that fails ends the others (they are aborted) and the call
+    answers with its error."""
+    ereqs = _batch_requests(st, reqs)
     prompts = [await input_logprobs(st, req) for req in reqs]
 
     async def one(ereq: GenerateRequest) -> GenerateOutput:
@@ -139,30 +189,41 @@ async def _generate_batch(st: ServerState, reqs: list[P.GenerateReqInput], t0: f
     return [_reply(st, t.result(), req, t0, prompt) for t, req, prompt in zip(tasks, reqs, prompts, strict=True)]
 
 
-class _Increments:
-    """Renders cumulative engine outputs as the text, tokens and logprobs new since the previous
-    event (``weight_versions`` spans index this event's ``output_ids``)."""
+class _StreamRender:
+    """Renders the engine's stream (the tokens new at each output) as SGLang's events: with
+    ``incremental_streaming_output`` each event carries the text, tokens and logprobs new since
+    the previous one (``weight_versions`` spans index this event's ``output_ids``); without it,
+    every event repeats the answer so far, as stock SGLang does. The text is decoded
+    incrementally (``IncrementalDetokenizer``): a few tokens per event, whatever the answer's
+    length; half of a multi-byte character waits for the rest."""
 
     def __init__(self, st: ServerState, req: P.GenerateReqInput, t0: float, prompt: dict[str, Any]):
         self.st, self.req, self.t0, self.prompt = st, req, t0, prompt
-        self.text, self.n = "", 0
+        self.detok = (IncrementalDetokenizer(st.tokenizer, skip_special_tokens=req.sampling_params.skip_special_tokens)
+                      if st.tokenizer is not None else None)
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.tops: list[Any] | None = [] if req.top_logprobs_num else None
 
     def __call__(self, part: GenerateOutput) -> list[P.GenerateReqOutput]:
-        full = _reply(self.st, part, self.req, self.t0, self.prompt)
-        text = full.text if part.finished else full.text.rstrip("\ufffd")  # half a character: later
-        start, self.n = self.n, len(full.output_ids)
-        delta, self.text = text[len(self.text):], text
-        if start == self.n and not delta and not part.finished:
-            return []
-        meta = full.meta_info
-        self.prompt = {}  # the prompt's logprobs go with the first event only
-        if meta.output_token_logprobs is not None:
-            meta.output_token_logprobs = meta.output_token_logprobs[start:]
-        if meta.output_top_logprobs is not None:
-            meta.output_top_logprobs = meta.output_top_logprobs[start:]
-        versions = [self.st.label_of(v) for v in (part.output_versions or [])[start:]]
-        meta.weight_versions = P.version_spans(versions) if len(versions) == self.n - start else []
-        return [P.GenerateReqOutput(text=delta, output_ids=full.output_ids[start:], meta_info=meta)]
+        delta = self.detok.push(part.output_ids, final=part.finished) if self.detok is not None else ""
+        if self.st.incremental_streaming_output:
+            if not part.output_ids and not delta and not part.finished:
+                return []
+            reply = _reply(self.st, part, self.req, self.t0, self.prompt, text=delta)
+            self.prompt = {}  # the prompt's logprobs go with the first event only
+            return [reply]
+        self.text += delta
+        self.ids += part.output_ids
+        self.logprobs += part.output_logprobs
+        self.versions += part.output_versions
+        if self.tops is not None:
+            self.tops += part.output_top_logprobs or []
+        so_far = GenerateOutput(part.rid, part.prompt_tokens, self.ids, self.logprobs, self.versions,
+                                part.finish_reason, part.weight_version, self.tops)
+        return [_reply(self.st, so_far, self.req, self.t0, self.prompt, text=self.text)]
 
 
 async def stream_events(request: web.Request, parts: Any, render: Any) -> web.StreamResponse:

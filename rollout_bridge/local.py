@@ -44,6 +44,7 @@ from areal_jax.inference.engine import PAUSE_MODES, Engine
 from areal_jax.inference.types import EngineDeadError, GenerateRequest, QueueFullError
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
 from rollout_bridge import protocol as P
+from rollout_bridge import validation as V
 from rollout_bridge.client import ClientConfig, GenerateResult, RolloutClient, RolloutError
 
 __all__ = ["LOCAL", "HandoverMetrics", "LocalRolloutClient", "build_engine", "handover", "split_devices"]
@@ -254,7 +255,7 @@ class LocalRolloutClient(RolloutClient):
         """SGLang-named params checked by the HTTP server's rules; a bad one raises ``RolloutError``."""
         try:
             sp = msgspec.convert(dict(sampling_params or {}), P.SamplingParams)
-            P.validate_generate(P.GenerateReqInput(input_ids=input_ids, sampling_params=sp),
+            V.validate_generate(P.GenerateReqInput(input_ids=input_ids, sampling_params=sp),
                                 vocab_size=self.engine.vocab_size, context_length=self.engine.max_seq_len)
         except (msgspec.ValidationError, P.ProtocolError) as e:
             raise RolloutError(f"the local engine rejected the request: {e}") from None

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from areal_jax.inference.types import GenerateOutput
 from rollout_bridge import protocol as P
+from rollout_bridge.detokenize import IncrementalDetokenizer
 from rollout_bridge.generate_api import engine_request, stream_events
 from rollout_bridge.state import STATE, ServerState, checked
 
@@ -47,8 +48,8 @@ def _native(st: ServerState, body: dict[str, Any], input_ids: list[int], max_tok
     _refuse(body, "stop", None, "stop strings are not supported; use stop_token_ids")
     if isinstance(body.get("stop"), list) and body["stop"]:
         raise P.ProtocolError("stop", "stop strings are not supported; use stop_token_ids")
-    if max_tokens is None:
-        max_tokens = st.engine.max_seq_len - len(input_ids)
+    if max_tokens is None:  # as SGLang: what the context leaves, one token short of it
+        max_tokens = max(st.engine.max_seq_len - len(input_ids) - 1, 0)
     sp: dict[str, Any] = {"max_new_tokens": max_tokens}
     for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
                          ("sampling_seed", "seed"), ("stop_token_ids", "stop_token_ids"),
@@ -106,18 +107,18 @@ def _finish(out: GenerateOutput) -> tuple[str | None, Any]:
 
 
 class _Deltas:
-    """Turns cumulative engine outputs into the text and tokens new since the last one."""
+    """The text of the engine's stream outputs (each holds the tokens new since the one before),
+    decoded incrementally: a few tokens per output, whatever the answer's length."""
 
     def __init__(self, st: ServerState):
-        self.st, self.text, self.n = st, "", 0
+        self.detok = IncrementalDetokenizer(st.tokenizer) if st.tokenizer is not None else None
 
     def __call__(self, out: GenerateOutput) -> tuple[str, list[int], list[float], int]:
-        text = _decode(self.st, out.output_ids)
-        if not out.finished and text.endswith("\ufffd"):  # half a multi-byte character: wait
-            return "", [], [], len(self.text)
-        start, offset = self.n, len(self.text)
-        delta, self.text, self.n = text[len(self.text):], text, len(out.output_ids)
-        return delta, out.output_ids[start:], out.output_logprobs[start:], offset
+        """(new text, new tokens, their logprobs, characters before the new text)."""
+        if self.detok is None:
+            return "", out.output_ids, out.output_logprobs, 0
+        offset = self.detok.text_len
+        return self.detok.push(out.output_ids, final=out.finished), out.output_ids, out.output_logprobs, offset
 
 
 def _completion_logprobs(st: ServerState, ids: list[int], lps: list[float], offset: int) -> dict[str, Any]:

@@ -18,7 +18,9 @@ SGLang or ours. JSON field names, types and defaults are SGLang's (0.5.x, ``io_s
   ``POST /commit_weights`` (``{"transfer_id", "weight_version", "pause_mode"}``) names the
   transfer, pausing (``pause_mode``) and continuing around the swap itself.
 
-Validation raises ``ProtocolError`` whose message names the field; servers answer it with 400.
+Decoding raises ``ProtocolError`` whose message names the field; servers answer it with 400.
+What a /generate request must satisfy beyond its types, and its batch form, are in
+``rollout_bridge.validation``.
 """
 
 from __future__ import annotations
@@ -28,15 +30,7 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
-from areal_jax.models.safetensors_codec import (  # noqa: F401 - the bucket codec, re-exported for both sides
-    ST_DTYPES,
-    encode_tensor_bucket,
-    layout_nbytes,
-    safetensors_header,
-    safetensors_views,
-    tensor_bucket_parts,
-    tensor_bytes,
-)
+from areal_jax.models.safetensors_codec import safetensors_views
 
 CONTEXT_UNLIMITED_TOP_K = 1 << 30
 """SGLang's spelling of "top_k disabled" in its schema; -1 means the same."""
@@ -49,7 +43,6 @@ class ProtocolError(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
 
 
 # --- /generate ---------------------------------------------------------------------------------
@@ -177,6 +170,8 @@ class GenerateReqOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     output_ids: list[int]
     meta_info: MetaInfo
     prompt_token_ids: list[int] | None = None
+    index: int | None = None
+    """A streamed batch's events: the input this event answers (SGLang interleaves them)."""
 
 
 # --- control endpoints ---------------------------------------------------------------------------
@@ -212,6 +207,58 @@ class UpdateWeightsResult(msgspec.Struct, kw_only=True):
     num_paused_requests: int = 0
     """SGLang's field: requests held paused in place across the update (none here: the update
     swaps the weights between steps, see ``weights_api``)."""
+
+
+class UpdateWeightsFromTensorReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's JSON form of /update_weights_from_tensor: ``serialized_named_tensors`` holds, per
+    tensor-parallel rank, (name, tensor) pairs pickled by torch's multiprocessing serializer
+    (CUDA IPC handles for a trainer on the same machine). Checked for its shape, then refused:
+    this server unpickles nothing (``WEIGHTS_JSON_REFUSED``)."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    disable_draft_model: bool | None = None
+
+
+class UpdateWeightsFromDistributedReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /update_weights_from_distributed: tensors broadcast over a torch.distributed
+    (NCCL) group set up by /init_weights_update_group. Checked for its shape, then refused."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+
+
+class InitWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /init_weights_update_group (an NCCL group with the trainer). Checked, then refused."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+WEIGHTS_JSON_REFUSED = {
+    "tensor": "the JSON form carries pickled torch tensors (CUDA IPC handles) and this server unpickles "
+              "nothing; send each bucket as safetensors bytes with Content-Type: application/octet-stream "
+              "(query: weight_version, transfer_id, bucket, last; HttpRolloutClient.push_tensor_bucket), "
+              "or load a checkpoint with /update_weights_from_disk",
+    "distributed": "this JAX server joins no torch.distributed (NCCL) group, so there is nothing to receive "
+                   "the broadcast on; push safetensors buckets to /update_weights_from_tensor "
+                   "(Content-Type: application/octet-stream) or load a checkpoint with /update_weights_from_disk",
+}
+"""Why each JSON weight form is refused, and what to send instead."""
 
 
 class TensorBucketParams(msgspec.Struct, kw_only=True):
@@ -270,6 +317,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     port: int
     internal_states: list[dict[str, Any]] = msgspec.field(default_factory=list)
     incremental_streaming_output: bool = False
+    weight_update_mode: str = "swap"
+    """``swap`` (updates go in between steps) or ``drain`` (they wait for the requests in flight)."""
     disaggregation_mode: str = "null"
 
 
@@ -286,12 +335,12 @@ def decode(body: bytes, cls: type) -> Any:
     try:
         return dec.decode(body or b"{}")
     except msgspec.ValidationError as e:
-        raise _field_error(e, cls) from None
+        raise field_error(e, cls) from None
     except msgspec.DecodeError as e:
         raise ProtocolError("body", f"not valid JSON ({e})") from None
 
 
-def _field_error(e: msgspec.ValidationError, cls: type, where: str = "") -> ProtocolError:
+def field_error(e: msgspec.ValidationError, cls: type, where: str = "") -> ProtocolError:
     """msgspec's "... - at `$.sampling_params`" as a ``ProtocolError`` naming the field."""
     msg = str(e)
     field = "body"
@@ -305,62 +354,6 @@ def _field_error(e: msgspec.ValidationError, cls: type, where: str = "") -> Prot
     return ProtocolError(field + where, msg)
 
 
-BATCH_PER_INPUT = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
-"""Fields a /generate batch may give as a list, one entry per input; any other is shared."""
-
-
-def decode_generate(body: bytes) -> GenerateReqInput | list[GenerateReqInput]:
-    """A /generate body: one request, or SGLang's batch form (``input_ids`` a list of token-id
-    lists, or ``text`` a list of strings) as one request per input, in order. In a batch each
-    field of ``BATCH_PER_INPUT`` is one value for every input or a list with one per input
-    (``rid`` only a list: rids are unique); a batch cannot stream."""
-    try:
-        return decode(body, GenerateReqInput)
-    except ProtocolError as e:
-        try:
-            raw = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            raise e from None
-        if not isinstance(raw, dict):
-            raise
-        ids, text = raw.get("input_ids"), raw.get("text")
-        if isinstance(ids, list) and ids and isinstance(ids[0], list):
-            return _batch_members(raw, "input_ids", "text")
-        if isinstance(text, list):
-            return _batch_members(raw, "text", "input_ids")
-        raise
-
-
-def _batch_members(raw: dict[str, Any], key: str, other: str) -> list[GenerateReqInput]:
-    inputs = raw[key]
-    n = len(inputs)
-    if not n:
-        raise ProtocolError(key, "an empty batch; send at least one input")
-    if raw.get(other) is not None:
-        raise ProtocolError(other, "send either text or input_ids, not both")
-    if raw.get("stream"):
-        raise ProtocolError("stream", f"a batch ({key} as a list) cannot stream here; send stream: false, "
-                            "or one request per stream")
-    per: dict[str, list[Any]] = {}
-    for name in BATCH_PER_INPUT:
-        value = raw.get(name)
-        if isinstance(value, list):
-            if len(value) != n:
-                raise ProtocolError(name, f"has {len(value)} entries for a batch of {n} inputs; give one per "
-                                    f"input{'' if name == 'rid' else ', or one value for all'}")
-            per[name] = value
-        elif name == "rid" and value is not None:
-            raise ProtocolError("rid", f"a batch of {n} inputs needs a list of {n} rids (rids are unique), or none")
-    members = []
-    for i in range(n):
-        member = {**raw, key: inputs[i], **{name: v[i] for name, v in per.items()}}
-        try:
-            members.append(msgspec.convert(member, GenerateReqInput))
-        except msgspec.ValidationError as e:
-            raise _field_error(e, GenerateReqInput, f" (batch input {i})") from None
-    return members
-
-
 def cls_fields(cls: type, field: str) -> tuple[str, ...]:
     if field.startswith("sampling_params"):
         return SamplingParams.__struct_fields__
@@ -369,59 +362,6 @@ def cls_fields(cls: type, field: str) -> tuple[str, ...]:
 
 def encode(obj: Any) -> bytes:
     return msgspec.json.encode(obj)
-
-
-def validate_generate(req: GenerateReqInput, *, vocab_size: int, context_length: int) -> None:
-    """Checks beyond types; each failure names its field. ``input_ids`` must be set by now."""
-    sp = req.sampling_params
-    ids = req.input_ids
-    if ids is None or len(ids) == 0:
-        raise ProtocolError("input_ids", "empty prompt; send at least one token id (or non-empty text)")
-    bad = next((t for t in ids if t < 0 or t >= vocab_size), None)
-    if bad is not None:
-        raise ProtocolError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if sp.temperature < 0:
-        raise ProtocolError("sampling_params.temperature", f"must be >= 0, got {sp.temperature}")
-    if not 0 < sp.top_p <= 1:
-        raise ProtocolError("sampling_params.top_p", f"must be in (0, 1], got {sp.top_p}")
-    if sp.top_k == 0 or sp.top_k < -1:
-        raise ProtocolError("sampling_params.top_k", f"must be -1 (all) or >= 1, got {sp.top_k}")
-    if sp.n != 1:
-        raise ProtocolError("sampling_params.n", "only n=1 is served; send n requests with their own rids")
-    if sp.stop:
-        raise ProtocolError("sampling_params.stop", "stop strings are not supported; use stop_token_ids")
-    for name, neutral in (("min_p", 0.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                          ("repetition_penalty", 1.0), ("min_new_tokens", 0)):
-        if getattr(sp, name) != neutral:
-            raise ProtocolError(f"sampling_params.{name}", f"not supported by this server (only {neutral})")
-    for t in sp.stop_token_ids or ():
-        if not 0 <= t < vocab_size:
-            raise ProtocolError("sampling_params.stop_token_ids", f"token id {t} is outside [0, {vocab_size})")
-    if len(ids) >= context_length:
-        raise ProtocolError(
-            "input_ids", f"prompt of {len(ids)} tokens does not fit the context length {context_length}")
-    if sp.max_new_tokens < 0:
-        raise ProtocolError("sampling_params.max_new_tokens", f"must be >= 0, got {sp.max_new_tokens}")
-    for name, accepted in UNSUPPORTED_AT_DEFAULT.items():
-        value = getattr(req, name)
-        if value is not None and not any(value == a and type(value) is type(a) for a in accepted):
-            raise ProtocolError(name, f"not supported by this server; leave it out (got {value!r})")
-    start = req.logprob_start_len
-    if start is not None and start != -1 and not 0 <= start < len(ids):
-        raise ProtocolError("logprob_start_len", f"must be -1 or in [0, {len(ids)}) for a prompt of {len(ids)} "
-                            f"tokens, got {start}")
-    if req.top_logprobs_num is not None and req.top_logprobs_num < 0:
-        raise ProtocolError("top_logprobs_num", f"must be >= 0, got {req.top_logprobs_num}")
-    if not req.return_logprob:
-        for name, unset in (("logprob_start_len", (None, -1)), ("top_logprobs_num", (None, 0)),
-                            ("return_text_in_logprobs", (None, False))):
-            if getattr(req, name) not in unset:
-                raise ProtocolError(name, "needs return_logprob: true")
-    if len(ids) + sp.max_new_tokens > context_length:
-        raise ProtocolError(
-            "sampling_params.max_new_tokens",
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context "
-            f"length {context_length}; lower max_new_tokens to {context_length - len(ids)}")
 
 
 def version_spans(labels: list[str]) -> list[WeightVersionSpan]:

@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout_bridge.launcher import PARENT_PID_ENV
-from rollout_bridge.server import (
+from rollout_bridge.server import build_app, start_server
+from rollout_bridge.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
     DEFAULT_WEIGHT_VERSION,
-    build_app,
-    start_server,
 )
 
 log = logging.getLogger("rollout_bridge.serve")
@@ -117,6 +116,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--incremental-streaming-output", action="store_true",
                    help="a streamed /generate sends only what is new in each event (default: the answer so far, "
                         "as SGLang does)")
+    p.add_argument("--weight-update-mode", choices=("swap", "drain"), default="swap",
+                   help="swap: a weight update goes in between two steps and the requests in flight go on under "
+                        "it, their replies saying which tokens each version made (default; what asynchronous RL "
+                        "wants); drain: it waits for them to finish and holds new ones, as SGLang's update does")
     p.add_argument("--lanes", type=int, default=None,
                    help="slot groups decoded concurrently (not an SGLang flag; default: 2 on a multi-core CPU "
                         "without tp/dp, else 1)")
@@ -209,7 +212,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
                     incremental_streaming_output=args.incremental_streaming_output,
                     warmup=not args.skip_server_warmup, weight_roots=args.weight_roots,
                     max_request_bytes=args.max_request_bytes, max_body_bytes=args.max_weight_bucket_bytes,
-                    weight_transfer_timeout_s=args.weight_transfer_timeout)
+                    weight_transfer_timeout_s=args.weight_transfer_timeout,
+                    weight_update_mode=args.weight_update_mode)
     return app, engine
 
 

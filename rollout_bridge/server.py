@@ -41,15 +41,17 @@ from areal_jax.inference.types import (
     QueueFullError,
 )
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
-from rollout_bridge import generate_api, openai_api, weights_api
+from rollout_bridge import generate_api, metrics, openai_api, weights_api
 from rollout_bridge import protocol as P
-from rollout_bridge.state import (  # noqa: F401 - re-exported: the app's state and helpers, defined once
+from rollout_bridge.state import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_REQUEST_BYTES,
     DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S,
     DEFAULT_WEIGHT_VERSION,
+    GENERATION_PATHS,
     SHUTDOWN_MESSAGE,
     STATE,
+    WEIGHT_UPDATE_MODES,
     EngineFailed,
     ServerState,
     checked,
@@ -80,6 +82,9 @@ async def _auth_and_errors(request: web.Request, handler: Any) -> web.StreamResp
         if not hmac.compare_digest(got, f"Bearer {st.api_key}".encode()):
             return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
     try:
+        if request.path in GENERATION_PATHS:
+            async with st.generation():  # a draining weight update holds new requests
+                return await handler(_bounded(st, request))
         return await handler(_bounded(st, request))
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(413, f"request body too large: {e.text}")
@@ -203,7 +208,7 @@ async def get_server_info(request: web.Request) -> web.Response:
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
-        incremental_streaming_output=st.incremental_streaming_output,
+        incremental_streaming_output=st.incremental_streaming_output, weight_update_mode=st.weight_update_mode,
         internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
                           "num_slots": e.lane_slots * e.num_lanes, "free_slots": e.num_free_slots,
                           "live_requests": e.num_live,
@@ -215,46 +220,6 @@ async def get_server_info(request: web.Request) -> web.Response:
                           **st.info}])
     # SGLang reports its server args and the KV pool's size (max_total_num_tokens) at the top level
     return json_response({**msgspec.to_builtins(info), **(e.server_info() if hasattr(e, "server_info") else {})})
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text format, SGLang's metric names where it has them."""
-    st = request.app[STATE]
-    e = st.engine
-    now, tokens = time.monotonic(), e.stats["generated_tokens"]
-    t_prev, tok_prev = st.metrics_mark
-    throughput = (tokens - tok_prev) / (now - t_prev) if t_prev else 0.0
-    st.metrics_mark = (now, tokens)
-    name = (st.served_model_name or st.model_path).replace("\\", "\\\\").replace('"', '\\"')
-    label = st.weight_version.replace("\\", "\\\\").replace('"', '\\"')
-    rows = [
-        ("sglang:num_running_reqs", "gauge", "The number of running requests.", e.num_running, ""),
-        ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.", e.num_waiting, ""),
-        ("sglang:gen_throughput", "gauge", "The generation throughput (token/s) since the last scrape.",
-         throughput, ""),
-        ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.", e.stats["prompt_tokens"], ""),
-        ("sglang:generation_tokens_total", "counter", "Number of generation tokens processed.", tokens, ""),
-        ("areal_jax:shared_prompt_tokens_total", "counter", "Prompt tokens not prefilled: copied from a request "
-         "admitted with the same tokens.", e.stats["shared_prompt_tokens"], ""),
-        ("areal_jax:prefill_padded_tokens_total", "counter", "Token rows computed by prefill calls, padding "
-         "included (each call pads its rows to one length).", e.stats["prefill_padded_tokens"], ""),
-        ("areal_jax:prefill_seconds_total", "counter", "Seconds in compiled prefill calls (prompts, and the "
-         "prefixes of requests resumed after a pause), summed over lanes.", e.stats["prefill_seconds"], ""),
-        ("areal_jax:decode_seconds_total", "counter", "Seconds in compiled decode calls, summed over lanes.",
-         e.stats["decode_seconds"], ""),
-        ("areal_jax:paused_seconds_total", "counter", "Seconds paused (from each pause_generation to the "
-         "continue_generation after it): weight updates that keep the server from generating.",
-         e.stats["paused_seconds"], ""),
-        ("sglang:num_requests_total", "counter", "Number of finished requests.", e.stats["finished_requests"], ""),
-        ("areal_jax:weight_version", "gauge", "Weight updates applied (internal version); the label is "
-         "weight_version.", e.version, f',weight_version="{label}"'),
-    ]
-    lines = []
-    for metric, kind, help_, value, extra in rows:
-        lines += [f"# HELP {metric} {help_}", f"# TYPE {metric} {kind}",
-                  f'{metric}{{model_name="{name}"{extra}}} {float(value)}']
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
 
 
 # --- control -----------------------------------------------------------------------------------
@@ -279,6 +244,7 @@ async def pause_generation(request: web.Request) -> web.Response:
     st = request.app[STATE]
     req = P.decode(await request.read(), P.PauseGenerationReqInput)
     await st.engine.pause(req.mode)
+    await st.wake_gate()
     return json_response({"success": True, "message": f"Generation paused ({req.mode})."})
 
 
@@ -294,15 +260,18 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               weight_roots: Sequence[str | os.PathLike] | None = None,
               weight_transfer_timeout_s: float = DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S, manage_engine: bool = True,
-              incremental_streaming_output: bool = False, warmup: bool = False) -> web.Application:
+              incremental_streaming_output: bool = False, warmup: bool = False,
+              weight_update_mode: str = "swap") -> web.Application:
     """The aiohttp app over ``engine``; with ``manage_engine`` it starts and stops the engine.
     ``weight_roots``: where ``/update_weights_from_disk`` may load from (default: the parent
     directory of ``model_path``; none without a model path). ``max_request_bytes`` bounds a JSON
     body, ``max_body_bytes`` a weight bucket; ``weight_transfer_timeout_s`` drops an unfinished
     bucketed transfer that went quiet.
-    ``incremental_streaming_output``: see ``ServerState``. With ``warmup``, the engine compiles
+    ``incremental_streaming_output``, ``weight_update_mode``: see ``ServerState``. With ``warmup``, the engine compiles
     every step shape (``Engine.warmup``) after the server starts listening and before it starts
     the engine; until then /health is a 503 and requests get a 503."""
+    if weight_update_mode not in WEIGHT_UPDATE_MODES:
+        raise ValueError(f"weight_update_mode must be one of {WEIGHT_UPDATE_MODES}, got {weight_update_mode!r}")
     if warmup and not manage_engine:
         raise ValueError("warmup needs manage_engine: the engine compiles before it starts")
     if weight_roots is None:
@@ -313,7 +282,7 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
                      info=dict(info or {}), incremental_streaming_output=incremental_streaming_output,
                      weight_roots=resolve_weight_roots(weight_roots), max_request_bytes=max_request_bytes,
                      max_body_bytes=max_body_bytes,
-                     weight_transfer_timeout_s=weight_transfer_timeout_s)
+                     weight_transfer_timeout_s=weight_transfer_timeout_s, weight_update_mode=weight_update_mode)
     st.relabel(weight_version)
     app[STATE] = st
     r = app.router
@@ -324,7 +293,7 @@ def build_app(engine: Any, tokenizer: Any = None, api_key: str | None = None, *,
                      ("/get_weight_version", get_weight_version), ("/weight_version", get_weight_version)):
         r.add_get(path, fn)
         r.add_post(path, fn)
-    r.add_get("/metrics", metrics)
+    r.add_get("/metrics", metrics.metrics)
     r.add_post("/flush_cache", flush_cache)
     r.add_get("/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)

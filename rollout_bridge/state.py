@@ -6,6 +6,8 @@ the app (``server``) import it; it imports none of them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +22,9 @@ DEFAULT_MAX_REQUEST_BYTES = 32 * 1024**2
 DEFAULT_MAX_BODY_BYTES = 4 * 1024**3
 DEFAULT_WEIGHT_TRANSFER_TIMEOUT_S = 300.0
 SHUTDOWN_MESSAGE = "server shutting down"
+WEIGHT_UPDATE_MODES = ("swap", "drain")
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+"""The endpoints whose requests a draining weight update waits for (``ServerState.generation``)."""
 
 
 @dataclass
@@ -63,6 +68,57 @@ class ServerState:
     """A streamed /generate sends each event's new text, tokens and logprobs only (SGLang's
     ``--incremental-streaming-output``); without it every event repeats the answer so far, as
     stock SGLang does by default."""
+
+    weight_update_mode: str = "swap"
+    """How a weight update meets the requests in flight. ``swap`` (default, what asynchronous RL
+    wants): the new weights go in between two steps and the requests go on under them, their
+    replies saying which tokens each version sampled. ``drain`` (SGLang's model-update lock):
+    new requests wait, the update waits for those in flight to finish, so no answer crosses
+    versions; a paused server is not drained (what it holds would never finish), as in SGLang."""
+    generating: int = 0
+    """Generation requests admitted past the drain gate and not finished."""
+    draining: bool = False
+    gate: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    @contextlib.asynccontextmanager
+    async def generation(self) -> AsyncIterator[None]:
+        """Around one generation request: waits while an update drains (``drain`` mode)."""
+        async with self.gate:
+            await self.gate.wait_for(lambda: not self.draining)
+            self.generating += 1
+        try:
+            yield
+        finally:
+            async with self.gate:
+                self.generating -= 1
+                self.gate.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def updating(self) -> AsyncIterator[None]:
+        """Around one weight change: in ``drain`` mode on a running server, new requests wait and
+        the change waits for those in flight (SGLang's writer lock); else nothing is held."""
+        if self.weight_update_mode != "drain":
+            yield
+            return
+        async with self.gate:
+            self.draining = True
+            try:
+                await self.gate.wait_for(lambda: self.generating == 0 or self.paused)
+            except BaseException:
+                self.draining = False
+                self.gate.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self.gate:
+                self.draining = False
+                self.gate.notify_all()
+
+    async def wake_gate(self) -> None:
+        """A pause changes what a drain waits for: let it look again."""
+        async with self.gate:
+            self.gate.notify_all()
 
     @property
     def paused(self) -> bool:

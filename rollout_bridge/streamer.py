@@ -40,8 +40,8 @@ import numpy as np
 
 from areal_jax.models.hf_io import HFTensorStream
 from areal_jax.models.hf_write import is_url, size_groups, write_hf_dir
-from rollout_bridge.pool import WeightUpdateError
-from rollout_bridge.protocol import layout_nbytes, tensor_bucket_parts
+from areal_jax.models.safetensors_codec import layout_nbytes, tensor_bucket_parts
+from rollout_bridge.records import WeightUpdateError
 
 Tensors = Iterable[tuple[str, np.ndarray]]
 Bucket = list[tuple[str, np.ndarray]]

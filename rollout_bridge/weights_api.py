@@ -1,11 +1,14 @@
 """The embedded server's weight endpoints: ``/update_weights_from_disk``, ``/update_weight_version``
 and our bucketed ``/update_weights_from_tensor`` with its ``/commit_weights`` (see ``protocol``).
 
-Unlike SGLang, whose update endpoints take its model-update lock and so first drain the requests
-in flight, an update here does not wait for them: they go on under the new weights from the next
-step, and their replies say which tokens each version sampled (``meta_info.weight_versions``).
-A caller that wants no answer to cross versions pauses first (``/pause_generation``, or
-``/commit_weights`` with ``pause_mode``).
+By default (``weight_update_mode="swap"``) an update does not wait for the requests in flight:
+they go on under the new weights from the next step, and their replies say which tokens each
+version sampled (``meta_info.weight_versions``): what asynchronous RL wants, no answer waits for
+an update or is thrown away. With ``weight_update_mode="drain"`` (``--weight-update-mode drain``)
+an update behaves as SGLang's, which take its model-update lock: new requests wait, the update
+waits for those in flight to finish, so no answer crosses versions (a paused server is not
+drained). Either way, a caller that wants answers cut at the update pauses first
+(``/pause_generation``, or ``/commit_weights`` with ``pause_mode``).
 
 A new version is read and converted while the engine keeps generating and swapped in between
 steps (a bucketed transfer only once every tensor of the model arrived, unless it says
@@ -130,10 +133,11 @@ async def _apply(st: ServerState, label: str | None, *, stage: Any = None, model
     label = st.weight_version if label is None else label
     t0 = time.perf_counter()
     try:
-        if state is not None:
-            await st.engine.swap_weights(state, version=st.engine.version + 1)
-        else:
-            await st.engine.update_weights(model_dir=model_dir, stage=stage, version=st.engine.version + 1)
+        async with st.updating():  # drain mode: the requests in flight finish first
+            if state is not None:
+                await st.engine.swap_weights(state, version=st.engine.version + 1)
+            else:
+                await st.engine.update_weights(model_dir=model_dir, stage=stage, version=st.engine.version + 1)
     except Exception as e:  # the engine keeps the old weights serving
         log.warning("weight update to %r failed: %s", label, e)
         return json_response(P.UpdateWeightsResult(success=False, message=f"{type(e).__name__}: {e}",
@@ -172,7 +176,8 @@ async def update_weight_version(request: web.Request) -> web.Response:
     async with st.weight_lock:
         if req.abort_all_requests:
             await st.engine.abort(abort_all=True)
-        st.relabel(req.new_version)
+        async with st.updating():
+            st.relabel(req.new_version)
     return json_response({"success": True, "message": f"Weight version updated to {req.new_version!r}.",
                   "new_version": req.new_version})
 
@@ -210,9 +215,12 @@ def _decode_bucket(body: bytes | bytearray) -> dict[str, np.ndarray]:
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """One bucket of a bucketed push (see ``protocol``); the last bucket applies them all."""
     st = request.app[STATE]
+    if request.content_type == "application/json":
+        P.decode(await request.read(), P.UpdateWeightsFromTensorReqInput)
+        return _refused("tensor")
     if request.content_type != "application/octet-stream":
         raise P.ProtocolError("Content-Type", "send one bucket as safetensors bytes with "
-                              "Content-Type: application/octet-stream (the JSON form is not served)")
+                              "Content-Type: application/octet-stream")
     try:
         q = msgspec.convert(dict(request.query), P.TensorBucketParams, strict=False)
     except msgspec.ValidationError as e:
@@ -277,6 +285,22 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return await _apply(st, label, stage=staged.stage, flush=q.flush_cache)
 
 
+def _refused(form: str) -> web.Response:
+    """SGLang's failed-update reply (400, ``success: false``) saying why ``form`` is not served."""
+    return json_response(P.UpdateWeightsResult(success=False, message=P.WEIGHTS_JSON_REFUSED[form]), 400)
+
+
+async def update_weights_from_distributed(request: web.Request) -> web.Response:
+    """SGLang's NCCL weight broadcast: a well-formed request is refused, saying why (400)."""
+    P.decode(await request.read(), P.UpdateWeightsFromDistributedReqInput)
+    return _refused("distributed")
+
+
+async def init_weights_update_group(request: web.Request) -> web.Response:
+    P.decode(await request.read(), P.InitWeightsUpdateGroupReqInput)
+    return _refused("distributed")
+
+
 async def commit_weights(request: web.Request) -> web.Response:
     """Serve the weights of a transfer sent with ``hold`` (see ``protocol``): only the swap is
     left to do, inside a pause of its own when ``pause_mode`` asks for one."""
@@ -307,3 +331,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/update_weight_version", update_weight_version)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     app.router.add_post("/commit_weights", commit_weights)
+    app.router.add_post("/update_weights_from_distributed", update_weights_from_distributed)
+    app.router.add_post("/init_weights_update_group", init_weights_update_group)

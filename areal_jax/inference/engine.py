@@ -76,7 +76,8 @@ class _Seq:
     slot: int | None = None
     """Index within ``lane.slots`` while the request holds a slot."""
     done: asyncio.Future | None = None
-    updates: asyncio.Queue | None = None
+    updated: asyncio.Event | None = None
+    """Set when a streamed request has new tokens or finished; its reader takes what is new."""
     sched: Any = None
     """The paged engine's scheduler request (``inference.paged``); None on the slot path."""
     computed: int = 0
@@ -329,7 +330,7 @@ class Engine:
         if bad:
             raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         seq = _Seq(req, next(self._counter), done=asyncio.get_running_loop().create_future(),
-                   updates=asyncio.Queue() if streaming else None)
+                   updated=asyncio.Event() if streaming else None)
         if req.sampling.max_new_tokens == 0:
             self._finish(seq, {"type": "length", "length": 0})
         else:
@@ -352,13 +353,21 @@ class Engine:
             raise
 
     async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateOutput]:
-        """Yield cumulative outputs as tokens arrive (one per step); the last one is finished."""
+        """Yield the tokens new since the previous output as they arrive: each output's
+        ``output_ids``, ``output_logprobs``, ``output_versions`` (and top logprobs) hold only the
+        new ones; the last output is finished (and may hold none). A slow reader gets the steps it
+        missed in one output, so nothing queues up and each output costs what it carries."""
         seq = self._admit(req, streaming=True)
+        sent = 0
         try:
             while True:
-                out = await seq.updates.get()
-                yield out
-                if out.finished:
+                await seq.updated.wait()
+                seq.updated.clear()
+                n, finished = len(seq.out_ids), seq.finish_reason is not None
+                if n > sent or finished:
+                    yield self._snapshot(seq, sent, n)
+                    sent = n
+                if finished:
                     return
         finally:
             self._abort_seq(seq, "client cancelled")
@@ -537,10 +546,12 @@ class Engine:
 
     # -- bookkeeping --
 
-    def _snapshot(self, seq: _Seq) -> GenerateOutput:
-        return GenerateOutput(seq.req.rid, len(seq.req.input_ids), list(seq.out_ids), list(seq.logprobs),
-                              list(seq.versions), seq.finish_reason, self._version,
-                              list(seq.tops) if seq.req.sampling.top_logprobs_num else None)
+    def _snapshot(self, seq: _Seq, start: int = 0, end: int | None = None) -> GenerateOutput:
+        """The request's output tokens ``[start:end]`` (all by default)."""
+        part = slice(start, end)
+        return GenerateOutput(seq.req.rid, len(seq.req.input_ids), seq.out_ids[part], seq.logprobs[part],
+                              seq.versions[part], seq.finish_reason, self._version,
+                              seq.tops[part] if seq.req.sampling.top_logprobs_num else None)
 
     def _release(self, seq: _Seq) -> None:
         if seq.lane is not None:
@@ -554,11 +565,10 @@ class Engine:
         if self._live.get(seq.req.rid) is seq:
             del self._live[seq.req.rid]
         self.stats["finished_requests"] += 1
-        out = self._snapshot(seq)
         if not seq.done.done():
-            seq.done.set_result(out)
-        if seq.updates is not None:
-            seq.updates.put_nowait(out)
+            seq.done.set_result(self._snapshot(seq))
+        if seq.updated is not None:
+            seq.updated.set()
 
     def _abort_seq(self, seq: _Seq, message: str, status_code: int | None = None) -> bool:
         """End one request with an abort, wherever it is (O(1)); False if it had finished. A
@@ -835,8 +845,8 @@ class Engine:
             self._notify(seq)
 
     def _notify(self, seq: _Seq) -> None:
-        if seq.updates is not None and seq.finish_reason is None:
-            seq.updates.put_nowait(self._snapshot(seq))
+        if seq.updated is not None:
+            seq.updated.set()
 
     async def _timed(self, stat: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` in a worker thread, its seconds added to ``stats[stat]``."""

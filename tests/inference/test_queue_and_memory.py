@@ -128,12 +128,12 @@ def test_default_seed_differs_per_engine_explicit_seed_reproduces(ckpt: Path) ->
 def test_disk_update_reads_outside_the_locks(engine: Engine, ckpt: Path, ckpt_v1: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Decoding goes on while the new checkpoint is read; only the swap stops it."""
-    reading = threading.Event()
+    reading, release = threading.Event(), threading.Event()
     real_load = weights_module.stage_checkpoint
 
-    def slow_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a slow disk, same loader
+    def slow_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a disk that answers when let
         reading.set()
-        time.sleep(1.0)
+        release.wait(120)
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(weights_module, "stage_checkpoint", slow_load)
@@ -144,13 +144,15 @@ def test_disk_update_reads_outside_the_locks(engine: Engine, ckpt: Path, ckpt_v1
             update = asyncio.create_task(engine.update_weights(model_dir=str(ckpt_v1), version=1))
             while not reading.is_set():
                 await asyncio.sleep(0.01)
-            # a whole request runs while the checkpoint is being read (the read takes 1 s)
-            out = await asyncio.wait_for(engine.generate(GenerateRequest([5, 6, 7], LONG)), 0.8)
+            # a whole request runs while the checkpoint is being read (the read waits for it)
+            out = await engine.generate(GenerateRequest([5, 6, 7], LONG))
             assert not update.done() and out.output_versions == [0] * 40
+            release.set()
             await update
             out = await engine.generate(GenerateRequest([5, 6, 7], SamplingParams(max_new_tokens=2)))
             assert engine.version == 1 and out.output_versions == [1, 1]
         finally:
+            release.set()
             monkeypatch.setattr(weights_module, "stage_checkpoint", real_load)
             await engine.update_weights(model_dir=str(ckpt), version=0)
             await engine.stop()
@@ -263,33 +265,39 @@ def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Deco
     prompt = prompts([60], seed=13)[0]
     sp = SamplingParams(max_new_tokens=3, temperature=0)
     generate_all(engine, [GenerateRequest(prompt, sp)])  # compile every chunk shape first
-    first_chunk = threading.Event()
+    first_chunk, release = threading.Event(), threading.Event()
+    chunks: list[int] = []
     real_chunk = engine._run_chunk
 
-    def slow_chunk(*args):  # noqa: ANN002, ANN202 - a slow device, same computation
+    def held_chunk(*args):  # noqa: ANN002, ANN202 - a device that finishes the first chunk when let
+        chunks.append(1)
         first_chunk.set()
-        time.sleep(0.5)
+        release.wait(120)
         return real_chunk(*args)
 
-    engine._run_chunk = slow_chunk
+    engine._run_chunk = held_chunk
 
-    async def go() -> tuple[float, list[int]]:
+    async def go() -> tuple[int, list[int]]:
         await engine.start()
         try:
             task = asyncio.create_task(engine.generate(GenerateRequest(prompt, sp)))
             while not first_chunk.is_set():
                 await asyncio.sleep(0.01)
-            t0 = time.perf_counter()
-            await engine.pause("in_place")  # 3 chunks of 0.5 s were left
-            waited = time.perf_counter() - t0
+            pause = asyncio.create_task(engine.pause("in_place"))  # 3 more chunks were left
+            while engine.paused is None:
+                await asyncio.sleep(0.01)
+            release.set()  # the chunk in flight ends; the pause must not wait for the others
+            await pause
+            done_chunks = len(chunks)
             assert engine.num_running == 0 and engine.num_waiting == 1
             engine._run_chunk = real_chunk
             await engine.resume()
-            return waited, (await task).output_ids
+            return done_chunks, (await task).output_ids
         finally:
+            release.set()
             await engine.stop()
-    waited, ids = run(go())
-    assert waited < 0.9, waited
+    done_chunks, ids = run(go())
+    assert done_chunks == 1, done_chunks  # the pause came after the first of 4 chunks, not all
     assert ids == reference_greedy(model, prompt, 3)
 
 

@@ -11,7 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import load, save_file
 
 from areal_jax.models.hf_device import from_hf, read_safetensors, to_hf
-from rollout_bridge.protocol import decode_tensor_bucket, encode_tensor_bucket
+from areal_jax.models.safetensors_codec import encode_tensor_bucket
+from rollout_bridge.protocol import decode_tensor_bucket
 from sharding import MeshConfig, make_mesh
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]

@@ -4,6 +4,7 @@ client's ``generate_many``, which asks for a group's answers in one request (rea
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,16 @@ import pytest
 from areal_jax.models import load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from tests.inference.reference import reference_greedy
-from tests.rollout_bridge.bridge_helpers import running_server
+from tests.rollout_bridge.bridge_helpers import ServerThread, running_server
 
 PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14]]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ServerThread]:
+    """One server for the tests here that use the default configuration."""
+    with ServerThread(tiny_dir) as srv:
+        yield srv
 
 
 def _cfg(**kw: Any) -> ClientConfig:
@@ -28,13 +36,15 @@ async def _post(s: aiohttp.ClientSession, addr: str, body: dict[str, Any]) -> tu
         return r.status, await r.json()
 
 
-def test_batch_form_answers_in_input_order_and_refuses_what_it_cannot_serve(tiny_dir: Path) -> None:
+def test_batch_form_answers_in_input_order_and_refuses_what_it_cannot_serve(server: ServerThread,
+                                                                            tiny_dir: Path) -> None:
+    addr, engine = server.addr, server.engine
     model = load_pretrained(tiny_dir)
     eos = model.config.eos_token_ids
     budgets = [3, 7, 5]
 
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, engine), aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession() as s:
             body = {"input_ids": PROMPTS, "rid": ["a", "b", "c"], "return_logprob": True,
                     "sampling_params": [{"max_new_tokens": n, "temperature": 0.0} for n in budgets]}
             status, replies = await _post(s, addr, body)
@@ -53,7 +63,6 @@ def test_batch_form_answers_in_input_order_and_refuses_what_it_cannot_serve(tiny
             refused = [
                 ({**body, "rid": ["a", "b"]}, "rid: has 2 entries for a batch of 3"),
                 ({**body, "rid": "a"}, "rid: a batch of 3 inputs needs a list of 3 rids"),
-                ({**body, "stream": True}, "stream: a batch"),
                 ({**body, "sampling_params": [{"max_new_tokens": 2}] * 2}, "sampling_params: has 2 entries"),
                 ({**body, "input_ids": [[5], [100000], [6]]}, "input_ids (batch input 1): token id 100000"),
                 ({**body, "sampling_params": [{}, {"temprature": 1.0}, {}]},
@@ -92,14 +101,14 @@ def test_generate_many_matches_generate_and_resumes_a_paused_group(tiny_dir: Pat
 
             # a group of four long answers, paused mid-way
             sent: list[Any] = []
-            real = client._request  # noqa: SLF001 - count what goes over the wire
+            real = client.pool.request  # count what goes over the wire
 
             async def counting(server: Any, method: str, path: str, **kw: Any) -> Any:
                 if path == "/generate":
                     sent.append(kw["json_body"])
                 return await real(server, method, path, **kw)
 
-            client._request = counting  # type: ignore[method-assign]  # noqa: SLF001
+            client.pool.request = counting  # type: ignore[method-assign]
             prompt = PROMPTS[1]
             long = {"max_new_tokens": 90, "temperature": 1.0, "ignore_eos": True}
             task = asyncio.create_task(client.generate_many([prompt] * 4, long, rids=["l0", "l1", "l2", "l3"]))
@@ -122,23 +131,24 @@ def test_generate_many_matches_generate_and_resumes_a_paused_group(tiny_dir: Pat
                 assert set(vs.tolist()) == {0, 1} and (np.diff(vs) >= 0).all()
                 k = int((vs == 0).sum())
                 assert resend == prompt + r.output_ids[:k]  # the re-send carried the tokens so far
-            client._request = real  # type: ignore[method-assign]  # noqa: SLF001
+            client.pool.request = real  # type: ignore[method-assign]
 
     asyncio.run(main())
 
 
-def test_generate_many_off_sends_one_request_per_answer(tiny_dir: Path) -> None:
+def test_generate_many_off_sends_one_request_per_answer(server: ServerThread) -> None:
+    addr = server.addr
+
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, _), \
-                HttpRolloutClient([addr], config=_cfg(batch_requests=False)) as client:
+        async with HttpRolloutClient([addr], config=_cfg(batch_requests=False)) as client:
             sent: list[Any] = []
-            real = client._request  # noqa: SLF001
+            real = client.pool.request
 
             async def counting(server: Any, method: str, path: str, **kw: Any) -> Any:
                 sent.append(kw.get("json_body"))
                 return await real(server, method, path, **kw)
 
-            client._request = counting  # type: ignore[method-assign]  # noqa: SLF001
+            client.pool.request = counting  # type: ignore[method-assign]
             res = await client.generate_many(PROMPTS, {"max_new_tokens": 3, "ignore_eos": True})
             assert [len(r.output_ids) for r in res] == [3, 3, 3]
             assert sorted(b["input_ids"] for b in sent) == sorted(PROMPTS)  # three single-form requests

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from areal_jax.models.safetensors_codec import encode_tensor_bucket
 from rollout_bridge import protocol as P
 
 MAX_REQUEST = 16 * 1024
@@ -34,7 +35,8 @@ class Server:
     def __init__(self, model_dir: Path):
         from areal_jax.inference.engine import Engine, EngineConfig
         from areal_jax.models import load_pretrained, load_tokenizer
-        from rollout_bridge.server import STATE, build_app, start_server
+        from rollout_bridge.server import build_app, start_server
+        from rollout_bridge.state import STATE
 
         model = load_pretrained(model_dir)
         self.engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=32),
@@ -157,7 +159,7 @@ def test_json_endpoints_answer_4xx_with_a_message(server: Server, path: str) -> 
         _check(server, status, reply, (path, body))
 
     prop()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
 
 
 @pytest.mark.slow
@@ -193,7 +195,7 @@ def test_raw_bytes_to_every_endpoint(server: Server) -> None:
         _check(server, status, reply, (route, body, content_type, query))
 
     prop()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
 
 
 @pytest.mark.slow
@@ -211,7 +213,7 @@ def test_weight_buckets_malformed_out_of_order_and_hostile(server: Server) -> No
     @given(q=query, tensors=st.lists(tensor, max_size=3), corrupt=st.integers(0, 3))
     def prop(q: dict, tensors: list, corrupt: int) -> None:
         arrays = {name: np.zeros(shape, dtype) for name, dtype, shape in tensors}
-        body = P.encode_tensor_bucket(arrays) if arrays else b""
+        body = encode_tensor_bucket(arrays) if arrays else b""
         if corrupt == 1 and len(body) > 8:  # a header length past the body
             body = (len(body) * 4).to_bytes(8, "little") + body[8:]
         elif corrupt == 2:  # a header that claims data the body lacks
@@ -224,7 +226,7 @@ def test_weight_buckets_malformed_out_of_order_and_hostile(server: Server) -> No
         _check(server, status, reply, (q, [(n, np.dtype(d).name, s) for n, d, s in tensors], corrupt))
 
     prop()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
     assert server.engine.version == 0  # no hostile bucket was applied as weights
 
 
@@ -243,7 +245,7 @@ def test_oversized_bodies_are_a_413_and_the_server_lives(server: Server) -> None
                  headers={"Content-Type": "application/json"}, encode_chunked=True)
     assert conn.getresponse().status == 413
     conn.close()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates
 
 
 def test_edge_values_are_refused_by_name(server: Server) -> None:
@@ -270,7 +272,7 @@ def test_malformed_buckets_are_a_400() -> None:
     body, never an exception that would be a 500."""
     from rollout_bridge.weights_api import _decode_bucket
 
-    good = P.encode_tensor_bucket({"w": np.arange(6, dtype=np.float32)})
+    good = encode_tensor_bucket({"w": np.arange(6, dtype=np.float32)})
 
     def with_header(header: Any, data: bytes = b"\0" * 24) -> bytes:
         raw = json.dumps(header).encode()
@@ -297,11 +299,11 @@ def test_many_idle_connections_do_not_stop_the_server(server: Server) -> None:
             if i % 2:  # half of them start a request and never finish it
                 s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"inp")
             idle.append(s)
-        assert server.call("GET", "/health")[0] == 200
+        assert server.call("GET", "/health_generate")[0] == 200  # it still generates
         status, reply = server.call("POST", "/generate", _json_bytes(
             {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}))
         assert status == 200 and len(json.loads(reply)["output_ids"]) == 3
     finally:
         for s in idle:
             s.close()
-    assert server.call("GET", "/health")[0] == 200
+    assert server.call("GET", "/health_generate")[0] == 200  # it still generates

@@ -5,26 +5,36 @@ implement, which are refused unless left at their defaults."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import jax
 import numpy as np
+import pytest
 
 from areal_jax.models import load_pretrained, load_tokenizer
 from tests.inference.reference import _logits
-from tests.rollout_bridge.bridge_helpers import running_server
+from tests.rollout_bridge.bridge_helpers import ServerThread
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 PROMPT = [5, 17, 3, 42, 9, 11]
 
 
-def test_prompt_and_top_logprobs_match_a_full_forward(tiny_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ServerThread]:
+    """One server for the module: every test here uses the default configuration."""
+    with ServerThread(tiny_dir) as srv:
+        yield srv
+
+
+def test_prompt_and_top_logprobs_match_a_full_forward(server: ServerThread, tiny_dir: Path) -> None:
+    addr = server.addr
     model, tok = load_pretrained(tiny_dir), load_tokenizer(tiny_dir)
     temperature, k = 0.7, 3
 
     async def main() -> dict:
-        async with running_server(tiny_dir) as (addr, _), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": k,
                     "return_text_in_logprobs": True, "return_prompt_token_ids": True,
                     "sampling_params": {"max_new_tokens": 6, "temperature": temperature, "ignore_eos": True}}
@@ -55,7 +65,7 @@ def test_prompt_and_top_logprobs_match_a_full_forward(tiny_dir: Path) -> None:
 
     # logprob_start_len later in the prompt: only the positions from there
     async def later() -> dict:
-        async with running_server(tiny_dir) as (addr, _), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             body = {"input_ids": PROMPT, "return_logprob": True, "logprob_start_len": 4,
                     "sampling_params": {"max_new_tokens": 2, "temperature": temperature}}
             async with s.post(f"http://{addr}/generate", json=body) as r:
@@ -74,9 +84,10 @@ def _check_top(row: list, logp_row: np.ndarray, k: int) -> None:
     np.testing.assert_allclose([e[0] for e in row], logp_row[want], atol=1e-4)
 
 
-def test_unimplemented_and_unknown_fields_are_refused(tiny_dir: Path) -> None:
+def test_unimplemented_and_unknown_fields_are_refused(server: ServerThread, tiny_dir: Path) -> None:
+    addr = server.addr
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, _), aiohttp.ClientSession(timeout=TIMEOUT) as s:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
             url = f"http://{addr}/generate"
             base = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 2}}
             # what AReaL sends: defaults of fields we do not implement

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from areal_jax.models import load_pretrained, load_tokenizer
-from rollout_bridge import protocol as P
+from areal_jax.models.safetensors_codec import encode_tensor_bucket
 from rollout_bridge.launcher import ServerFleet
 from rollout_bridge.serve import parser
-from rollout_bridge.server import OPEN_PATHS, STATE, build_app, start_server
+from rollout_bridge.server import OPEN_PATHS, build_app, start_server
+from rollout_bridge.state import STATE
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)
 
@@ -142,11 +143,11 @@ def test_bodies_past_their_bound_are_a_413(tiny_dir: Path) -> None:
             async with s.post(url + "/generate", data=chunked()) as r:
                 assert r.status == 413
             q = {"weight_version": "v", "transfer_id": "t", "bucket": "0", "last": "true"}
-            bucket = P.encode_tensor_bucket({"w": np.zeros(300_000, np.float32)})  # 1.2 MB
+            bucket = encode_tensor_bucket({"w": np.zeros(300_000, np.float32)})  # 1.2 MB
             async with s.post(url + "/update_weights_from_tensor", params=q, data=bucket,
                               headers={"Content-Type": "application/octet-stream"}) as r:
                 assert r.status == 413
-            async with s.get(url + "/health") as r:
+            async with s.get(url + "/health_generate") as r:  # the engine still generates
                 assert r.status == 200
 
     asyncio.run(main())
@@ -166,7 +167,7 @@ def test_an_unfinished_weight_transfer_is_dropped_after_the_timeout(tiny_dir: Pa
             async def bucket(i: int, tensors: dict, last: bool = False) -> int:
                 q = {"weight_version": "v2", "transfer_id": "t1", "bucket": str(i), "last": str(last).lower()}
                 async with s.post(url + "/update_weights_from_tensor", params=q, headers=hdr,
-                                  data=P.encode_tensor_bucket(tensors)) as r:
+                                  data=encode_tensor_bucket(tensors)) as r:
                     return r.status
 
             (name2, arr2) = list(iter_hf_tensors(model))[1]
@@ -186,7 +187,8 @@ def test_an_unfinished_weight_transfer_is_dropped_after_the_timeout(tiny_dir: Pa
 
 
 def test_url_weight_roots_take_paths_under_them_only() -> None:
-    from rollout_bridge.server import ServerState, resolve_weight_roots
+    from rollout_bridge.server import resolve_weight_roots
+    from rollout_bridge.state import ServerState
     from rollout_bridge.weights_api import resolve_model_dir
 
     st = ServerState(engine=None, tokenizer=None, api_key=None,
@@ -238,7 +240,7 @@ def test_an_endless_chunked_body_is_cut_at_the_bound(tiny_dir: Path) -> None:
             sent, reply = await asyncio.to_thread(flood, port)
             assert sent < 64 << 20, sent  # answered long before the 512 MiB bucket bound
             assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
-            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url + "/health") as r:
-                assert r.status == 200
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(url + "/health_generate") as r:
+                assert r.status == 200  # the engine still generates
 
     asyncio.run(main())

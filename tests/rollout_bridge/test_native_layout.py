@@ -12,8 +12,8 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models import assign_hf_tensors, hf_tensor_specs, iter_hf_tensors, load_pretrained
-from rollout_bridge import protocol as P
-from rollout_bridge.server import STATE
+from areal_jax.models.safetensors_codec import encode_tensor_bucket
+from rollout_bridge.state import STATE
 from tests.rollout_bridge.test_hardening import TIMEOUT, _server
 
 
@@ -52,7 +52,7 @@ def test_server_refuses_a_bucket_in_the_other_layout(tiny_dir: Path) -> None:
                     q["layout"] = layout
                 async with s.post(url + "/update_weights_from_tensor", params=q,
                                   headers={"Content-Type": "application/octet-stream"},
-                                  data=P.encode_tensor_bucket(tensors)) as r:
+                                  data=encode_tensor_bucket(tensors)) as r:
                     return r.status, await r.text()
 
             # our layout sent without saying so: the shapes are checked as HF ones

@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 
 from areal_jax.models import iter_hf_tensors, load_pretrained
-from rollout_bridge import protocol as P
+from areal_jax.models.safetensors_codec import encode_tensor_bucket
 from tests.rollout_bridge.bridge_helpers import running_server
 
 HDR = {"Content-Type": "application/octet-stream"}
@@ -29,7 +29,7 @@ def test_a_transfer_missing_tensors_is_not_served(tiny_dir: Path) -> None:
             async def push(tid: str, version: str, **extra: str) -> tuple[int, dict]:
                 q = {"weight_version": version, "transfer_id": tid, "bucket": "0", "last": "true", **extra}
                 async with s.post(url + "/update_weights_from_tensor", params=q, headers=HDR,
-                                  data=P.encode_tensor_bucket({name: tensors[name]})) as r:
+                                  data=encode_tensor_bucket({name: tensors[name]})) as r:
                     return r.status, await r.json()
 
             status, reply = await push("t1", "v7")  # 1 of the model's tensors

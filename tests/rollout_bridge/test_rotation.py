@@ -28,7 +28,7 @@ def test_server_that_missed_continue_and_push_is_updated_before_readmission(tiny
                 HttpRolloutClient([a, b], config=CFG) as client:
             late = client.servers[1]
             await client.pause()
-            client._mark_down(late, "timed out")  # noqa: SLF001 - as a timed-out call would
+            client.mark_down(late, "timed out")  # as a timed-out call would
             await client.update_weights_from_disk(str(tiny_dir), version=1)
             await client.continue_generation()
             assert (await _server_state(b))["paused"] and late.version == 0
@@ -52,7 +52,7 @@ def test_paused_server_without_current_weights_stays_out(tiny_dir: Path) -> None
                 HttpRolloutClient([a, b], config=CFG) as client:
             late = client.servers[1]
             await client.pause()
-            client._mark_down(late, "timed out")  # noqa: SLF001
+            client.mark_down(late, "timed out")
             await client.update_weight_version(1)  # no disk checkpoint to reload from
             await client.continue_generation()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +15,7 @@ from areal_jax.models import iter_hf_tensors, load_pretrained
 from rollout_bridge.client import ClientConfig, HttpRolloutClient, WeightUpdateError
 from rollout_bridge.streamer import DiskSink
 from tests.inference.reference import reference_greedy, reference_logprobs
-from tests.rollout_bridge.bridge_helpers import running_server
+from tests.rollout_bridge.bridge_helpers import ServerThread, running_server
 
 PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14], [70, 71, 72, 73, 74, 75, 76, 77]]
 
@@ -23,12 +24,20 @@ def _cfg() -> ClientConfig:
     return ClientConfig(generate_timeout_s=120, control_timeout_s=30, weight_timeout_s=120, all_down_wait_s=5)
 
 
-def test_greedy_and_logprobs_match_full_forward(tiny_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path) -> Iterator[ServerThread]:
+    """One server for the tests here that use the default configuration."""
+    with ServerThread(tiny_dir) as srv:
+        yield srv
+
+
+def test_greedy_and_logprobs_match_full_forward(server: ServerThread, tiny_dir: Path) -> None:
+    addr = server.addr
     model = load_pretrained(tiny_dir)
     eos = model.config.eos_token_ids
 
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, _), HttpRolloutClient([addr], config=_cfg()) as client:
+        async with HttpRolloutClient([addr], config=_cfg()) as client:
             greedy = await asyncio.gather(*(client.generate(p, {"max_new_tokens": 12, "temperature": 0.0})
                                             for p in PROMPTS))
             for p, r in zip(PROMPTS, greedy, strict=True):
@@ -57,9 +66,10 @@ def test_64_concurrent_requests_none_lost(tiny_dir: Path) -> None:
     asyncio.run(main())
 
 
-def test_update_weight_version_relabels_without_new_weights(tiny_dir: Path) -> None:
+def test_update_weight_version_relabels_without_new_weights(server: ServerThread, tiny_dir: Path) -> None:
+    addr = server.addr
     async def main() -> None:
-        async with running_server(tiny_dir) as (addr, _), HttpRolloutClient([addr], config=_cfg()) as client:
+        async with HttpRolloutClient([addr], config=_cfg()) as client:
             before = await client.generate([4, 5, 6], {"max_new_tokens": 6, "temperature": 0})
             await client.update_weight_version(7)
             assert await client.versions() == {f"http://{addr}": 7}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.models import load_pretrained
-from rollout_bridge.server import STATE, build_app, start_server
+from rollout_bridge.server import build_app, start_server
+from rollout_bridge.state import STATE
 
 
 def test_stopping_during_the_start_up_compile_stops_it(tiny_dir: Path) -> None:

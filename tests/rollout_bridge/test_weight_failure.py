@@ -68,7 +68,7 @@ def test_failed_weight_update_keeps_old_weights_and_the_server_out_of_rotation(t
             assert all(r.output_versions == [1] * 6 and _matches(v1, r) for r in results)  # a still serves v1
 
             # 3. with the up-to-date server gone, the old one answers, stamped with what it holds
-            client._mark_down(client.servers[0], "gone")  # noqa: SLF001 - as a failed call would
+            client.mark_down(client.servers[0], "gone")  # as a failed call would
             results = await generate(client, 3)
             assert all(r.output_versions == [0] * 6 and _matches(base, r) and not _matches(v1, r) for r in results)
 

@@ -1,0 +1,40 @@
+"""Where a request goes: its rid's server while that one stays in rotation, else the next
+healthy server holding the current version, round-robin (any healthy one if none holds it)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from rollout_bridge.fleet import FleetState
+from rollout_bridge.records import AllServersDownError, ClientConfig, ServerRecord
+
+
+class Routing(FleetState):
+    """``pick``: the server for a request (see the module docstring)."""
+
+    def __init__(self, addresses: list[str], *, api_key: str | None = None, config: ClientConfig | None = None):
+        super().__init__(addresses, api_key=api_key, config=config)
+        self._rr = itertools.cycle(range(len(self.servers)))
+
+    async def pick(self, rid: str) -> ServerRecord:
+        """The rid's sticky server while in rotation, else the next one round-robin that is healthy
+        and holds the current version; if no healthy server holds it, any healthy one (its tokens
+        carry its older version), so a fleet that lost its weights still answers."""
+        s = self.sticky.get(rid)
+        if s is not None and self._usable(s) and s.version >= self._current:
+            return s
+        deadline = time.monotonic() + self.cfg.all_down_wait_s
+        while True:
+            for fresh_only in (True, False):
+                for _ in range(len(self.servers)):
+                    s = self.servers[next(self._rr)]
+                    if self._usable(s) and (s.version >= self._current or not fresh_only):
+                        self.sticky[rid] = s
+                        return s
+            if time.monotonic() >= deadline:
+                errors = "; ".join(f"{x.url}: {x.last_error}" for x in self.servers)
+                raise AllServersDownError(f"no healthy rollout server for {self.cfg.all_down_wait_s:.0f}s ({errors})")
+            await asyncio.sleep(min(1.0, self.cfg.all_down_wait_s / 10))
+            await self.check_health()
