@@ -1,6 +1,7 @@
 """Writes tests/durations.json, each test file's seconds, from a pytest ``--junitxml`` report of a
-whole-suite run: ``python -m tests.durations report.xml``. tests/conftest.py starts the longest
-files first, so that on several workers no long file starts last."""
+suite run: ``python -m tests.durations report.xml`` (a partial run updates only its files; a
+whole run's report keeps the figures comparable). tests/conftest.py starts the longest files
+first, so that on several workers no long file starts last."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ def file_seconds(junit: Path) -> dict[str, float]:
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit("usage: python -m tests.durations REPORT.xml (from pytest --junitxml=REPORT.xml)")
-    seconds = file_seconds(Path(argv[0]))
-    OUT.write_text(json.dumps(seconds, indent=0) + "\n")
+    # A report of part of the suite updates its files' entries; files since deleted drop out.
+    old = json.loads(OUT.read_text()) if OUT.exists() else {}
+    seconds = {k: v for k, v in {**old, **file_seconds(Path(argv[0]))}.items() if (ROOT / k).exists()}
+    OUT.write_text(json.dumps(dict(sorted(seconds.items())), indent=0) + "\n")
     print(f"wrote {OUT}: {len(seconds)} files, {sum(seconds.values()):.0f} s in all")
 
 
