@@ -50,8 +50,8 @@ def assert_adam_updates_agree(params: list, ref_params: list, steps: int, lr: fl
     gradient not reduced across devices, rows trained twice) moves most elements by a good part of
     a step and fails the second part; a NaN or a garbage update fails the first. Measured: the
     largest difference 4.1e-5 and 2.7e-5 (policy, the two meshes) and 9.4e-5 (critic) under this
-    suite's flags, 5.9e-5 (critic) at XLA's default level; one loaded suite run had 1 element of a 16,384-element critic leaf at 1.4e-4, which
-    failed the former fixed 1e-4."""
+    suite's flags, 5.9e-5 (critic) at XLA's default level; one loaded suite run had 1 element of a
+    16,384-element critic leaf at 1.4e-4, which failed the former fixed 1e-4."""
     diff = np.concatenate([np.abs(np.asarray(p, np.float64) - np.asarray(q, np.float64)).ravel()
                            for p, q in zip(params, ref_params, strict=True)])
     bound = 2 * steps * lr * 1.0015 + 1e-6
