@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import gc
+import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -30,10 +31,18 @@ os.environ.setdefault("XLA_FLAGS", xla_flags.devices(8))  # compiled fast: see t
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Child processes (servers, `areal-jax train` runs) inherit these through the environment.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"))
+CACHE = Path(os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                                   str(Path(__file__).resolve().parents[1] / ".cache" / "jax-tests")))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))  # least recently used entries go first
+# No size limit inside JAX: with one, every write takes a lock on the whole cache and lists it
+# and reads every entry's access time to evict: 40 us of CPU an entry, so 0.14 s a write at the
+# 3,500 entries a suite writes from empty (1.8 s on the loaded 2-core machine, against 0.2 ms
+# without the limit), some 270 CPU-seconds a suite, one process at a time; every other process's
+# reads queue behind the lock and give up after its 10 s timeout. The cache is bounded once per
+# session instead (_bound_cache).
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+CACHE_BYTES = 2 << 30
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -83,13 +92,66 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         yield
 
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""Seconds each test file took in a whole-suite run on three workers (regenerate with
+``python -m tests.durations JUNIT_XML`` from a run with ``--junitxml``); only the order of files
+depends on it."""
+
+
+def _bound_cache(limit: int = CACHE_BYTES) -> None:
+    """Once the compilation cache passes ``limit`` bytes, delete its least recently written
+    entries down to half of it (the suite writes a few hundred MB from empty)."""
+    if not CACHE.is_dir():
+        return
+    entries = []
+    for f in CACHE.iterdir():
+        with contextlib.suppress(OSError):  # written or deleted meanwhile by another suite's process
+            st = f.stat()
+            entries.append((st.st_mtime, st.st_size, f))
+    entries.sort()
+    total = sum(size for _, size, _ in entries)
+    if total <= limit:
+        return
+    for _, size, f in entries:  # oldest first
+        if total <= limit // 2:
+            break
+        f.unlink(missing_ok=True)
+        total -= size
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # the main process, before any worker starts
+        _bound_cache()
+    # pytest-xdist's loadfile hands out files largest test count first unless told otherwise,
+    # which would throw away the order chosen below (it started the 1-test files that take
+    # minutes last, leaving one worker finishing alone).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _file_seconds(items: list[pytest.Item]) -> dict[Path, float]:
+    """Each file's measured seconds; a file not yet measured counts 30 s per slow test and 0.2 s
+    per other test."""
+    root = Path(__file__).resolve().parents[1]
+    measured = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    guess: dict[Path, float] = {}
+    for item in items:
+        guess[item.path] = guess.get(item.path, 0.0) + (30.0 if item.get_closest_marker("slow") else 0.2)
+    out = {}
+    for path, g in guess.items():
+        try:
+            key = path.resolve().relative_to(root).as_posix()
+        except ValueError:
+            key = str(path)
+        out[path] = float(measured.get(key, g))
+    return out
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with slow end-to-end tests first, the rest after in reverse path order (the many
-    small files of ``algo``, ``controller`` and ``data`` last): on several workers, one file at a
-    time each, long files started late would leave one worker finishing alone. Order within a
-    file is kept."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    files = sorted({item.path for item in items}, reverse=True)
-    files.sort(key=lambda p: p not in slow)
+    """Files longest first (by their measured time): on several workers, one file at a time each,
+    a long file started late leaves one worker finishing alone while the others idle (the
+    longest-processing-time-first rule). Order within a file is kept."""
+    seconds = _file_seconds(items)
+    files = sorted(seconds, key=lambda p: (-seconds[p], str(p)))
     rank = {p: i for i, p in enumerate(files)}
     items.sort(key=lambda item: rank[item.path])
