@@ -128,3 +128,15 @@ def reference_logprobs_by_query_blocks(model: Decoder, prompt: list[int], output
 def prompts(lengths: list[int], seed: int = 0, vocab: int = 128) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(4, vocab, n).tolist() for n in lengths]
+
+
+def joined(outputs: list) -> Any:
+    """One output from a stream's pieces (``Engine.stream`` yields only the new tokens each time):
+    their tokens, logprobs and versions in order, the last piece's finish reason and version."""
+    import dataclasses
+
+    last = outputs[-1]
+    return dataclasses.replace(
+        last, output_ids=[t for o in outputs for t in o.output_ids],
+        output_logprobs=[x for o in outputs for x in o.output_logprobs],
+        output_versions=[v for o in outputs for v in o.output_versions])

@@ -11,7 +11,7 @@ import pytest
 from areal_jax.inference import Engine, GenerateRequest, SamplingParams
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import CheckpointError, iter_hf_tensors, load_pretrained
-from tests.inference.reference import prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import joined, prompts, reference_greedy, reference_logprobs, run
 
 LONG = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
@@ -21,18 +21,24 @@ async def started(engine: Engine) -> Engine:
     return engine
 
 
-def test_stream_is_cumulative_and_ends_finished(engine: Engine) -> None:
+def test_stream_yields_new_tokens_and_ends_finished(engine: Engine, model: Decoder) -> None:
+    """Each streamed output carries only the tokens new since the previous one (no cumulative
+    copies); joined, they are the greedy answer, and only the last is finished."""
+    prompt = prompts([5])[0]
+    greedy = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+
     async def go() -> list:
         await started(engine)
         try:
-            return [o async for o in engine.stream(GenerateRequest(prompts([5])[0], LONG))]
+            return [o async for o in engine.stream(GenerateRequest(prompt, greedy))]
         finally:
             await engine.stop()
     outs = run(go())
     assert len(outs) > 2 and outs[-1].finish_reason == {"type": "length", "length": 40}
-    assert all(o.finish_reason is None for o in outs[:-1])
-    for a, b in zip(outs, outs[1:], strict=False):
-        assert b.output_ids[:len(a.output_ids)] == a.output_ids and len(b.output_ids) > len(a.output_ids)
+    assert all(o.finish_reason is None and o.output_ids for o in outs[:-1])
+    whole = joined(outs)
+    assert whole.output_ids == reference_greedy(model, prompt, 40)
+    assert len(whole.output_logprobs) == len(whole.output_versions) == 40
 
 
 def test_pause_abort_returns_partial_outputs(engine: Engine) -> None:
@@ -69,18 +75,17 @@ def test_retract_update_resume_recomputes_under_new_weights(engine: Engine, mode
         await started(engine)
         try:
             stream = engine.stream(GenerateRequest(prompt, sp))
-            await anext(stream)
-            await anext(stream)
+            first = [await anext(stream), await anext(stream)]
             await engine.pause("retract")
             assert engine.num_running == 0 and engine.num_waiting == 1
             await engine.update_weights(tensors, version=1)
             assert engine.version == 1
             await engine.resume()
-            return [o async for o in stream]
+            return first + [o async for o in stream]
         finally:
             await engine.update_weights(model_dir=str(ckpt), version=0)
             await engine.stop()
-    out = run(go())[-1]
+    out = joined(run(go()))
     assert out.finish_reason == {"type": "length", "length": 30} and out.weight_version == 1
     n_old = out.output_versions.count(0)
     assert 0 < n_old < 30 and out.output_versions == [0] * n_old + [1] * (30 - n_old)

@@ -17,7 +17,7 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference.paged import PagedEngine
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
-from tests.inference.reference import generate_all, prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import generate_all, joined, prompts, reference_greedy, reference_logprobs, run
 
 # 24 pages of 4 tokens (96 tokens) for 8 running answers of up to 64: answers must be retracted.
 PAGED_CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, decode_steps=4, seed=0, kv_cache="paged",
@@ -80,16 +80,15 @@ def test_weight_swap_mid_answer_stamps_and_computes_each_token_under_its_weights
     async def go() -> object:
         await paged.start()
         try:
-            agen = paged.stream(GenerateRequest(p, greedy(20)))
-            async for partial in agen:
-                if len(partial.output_ids) >= 5:
-                    break
+            agen = paged.stream(GenerateRequest(p, greedy(20)))  # each output: the new tokens
+            pieces = []
+            while sum(len(o.output_ids) for o in pieces) < 5:
+                pieces.append(await anext(agen))
             await paged.pause("retract")
             await paged.update_weights(model_dir=str(ckpt_v1), version=1)
             await paged.resume()
-            async for out in agen:
-                last = out
-            return last
+            pieces += [o async for o in agen]
+            return joined(pieces)
         finally:
             await paged.update_weights(model_dir=str(ckpt), version=0)
             await paged.stop()

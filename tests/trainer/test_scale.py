@@ -37,8 +37,8 @@ QWEN25_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, interm
 QWEN25_1_5B = dict(QWEN25_7B, vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
                    num_key_value_heads=2, tie_word_embeddings=True)
 # TrainConfig's defaults as a GPU or TPU resolves them (compute_dtype: bfloat16 there, float32 on
-# this CPU), planned for an 80 GiB device.
-ACCELERATOR = TrainConfig(compute_dtype="bfloat16", device_memory_gb=80)
+# this CPU; micro_batch_tokens: auto is 8192 there, 1024 here), planned for an 80 GiB device.
+ACCELERATOR = TrainConfig(compute_dtype="bfloat16", device_memory_gb=80).resolved("gpu")
 
 
 def abstract_trainer(shape: dict, devices: int, train: TrainConfig = ACCELERATOR) -> Trainer:
