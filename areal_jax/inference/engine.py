@@ -646,15 +646,23 @@ class Engine:
                 try:
                     if self._paused is not None:
                         continue
-                    if self._waiting and None in lane.slots:
-                        await self._prefill(lane)
-                    elif lane.running:
-                        await self._decode(lane)
+                    await self._round(lane)
                 except Exception as e:  # a failed step must not hang its requests
-                    log.exception("engine step failed (lane %d)", lane.index)
-                    self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}", status_code=500)
-                    lane.cache = lane.slot_state = None  # free the old cache before the new one
-                    lane.cache, lane.slot_state = self._fresh_cache()  # raising here ends the lane
+                    self._recover(lane, e)  # raising here ends the lane
+
+    async def _round(self, lane: _Lane) -> None:
+        """One round of ``lane``'s loop: prefill waiting requests into free slots, else decode."""
+        if self._waiting and None in lane.slots:
+            await self._prefill(lane)
+        elif lane.running:
+            await self._decode(lane)
+
+    def _recover(self, lane: _Lane, e: Exception) -> None:
+        """After a failed round: fail ``lane``'s requests (HTTP 500) and give it a fresh cache."""
+        log.exception("engine step failed (lane %d)", lane.index)
+        self._abort_where(lambda s: s.lane is lane, f"engine error: {e!r}", status_code=500)
+        lane.cache = lane.slot_state = None  # free the old cache before the new one
+        lane.cache, lane.slot_state = self._fresh_cache()
 
     def _lane_ended(self, task: asyncio.Task) -> None:
         """A lane's loop ends only when ``stop`` cancels it; anything else kills the engine: every

@@ -298,24 +298,15 @@ class PagedEngine(Engine):
 
     # -- the loop --
 
-    async def _loop(self, lane: _Lane) -> None:
-        while True:
-            if not self._can_step(lane):
-                lane.wake.clear()
-                await lane.wake.wait()
-                continue
-            async with lane.lock:
-                try:
-                    if self._paused is not None:
-                        continue
-                    await self._round(lane)
-                except Exception as e:  # a failed step must not hang its requests
-                    log.exception("paged engine step failed")
-                    self._abort_where(lambda s: True, f"engine error: {e!r}", status_code=500)
-                    lane.cache = None  # free the old pool before the new one
-                    lane.cache, _ = self._fresh_cache()  # raising here ends the loop
-                    self.scheduler = self._new_scheduler()
-                    self.allocator.check()
+    def _recover(self, lane: _Lane, e: Exception) -> None:
+        """After a failed round (``Engine._loop``): fail every request (one pool, one loop) and
+        start again on a fresh pool and scheduler."""
+        log.exception("paged engine step failed")
+        self._abort_where(lambda s: True, f"engine error: {e!r}", status_code=500)
+        lane.cache = None  # free the old pool before the new one
+        lane.cache, _ = self._fresh_cache()
+        self.scheduler = self._new_scheduler()
+        self.allocator.check()
 
     def _admit_waiting(self, lane: _Lane) -> None:
         for adm in self.scheduler.admit():

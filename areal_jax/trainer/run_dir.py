@@ -118,30 +118,28 @@ class RunDir:
             dest.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(src, str(dest))
             return dest
-        import shutil
-
-        shutil.rmtree(dest, ignore_errors=True)
-        for file in fs.find(src):
-            rel = file[len(src):].lstrip("/")
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(file, str(dest / rel))
-        return dest
+        return _download_tree(fs, src, dest)
 
 
-def fetch_url(url: str, dest: Path) -> Path:
-    """A model directory at ``url`` downloaded into ``dest`` (replacing it); every process of a
-    run without a shared filesystem downloads its own copy."""
+def _download_tree(fs: Any, src: str, dest: Path) -> Path:
+    """Every file under ``src`` on ``fs`` into ``dest`` (replaced), keeping the layout."""
     import shutil
 
-    import fsspec
-
-    fs, src = fsspec.core.url_to_fs(url)
-    src = src.rstrip("/")
-    if not fs.exists(f"{src}/config.json"):
-        raise FileNotFoundError(f"model.path={url}: no config.json there; point it at a HF model directory")
     shutil.rmtree(dest, ignore_errors=True)
     for file in fs.find(src):
         rel = file[len(src):].lstrip("/")
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         fs.get_file(file, str(dest / rel))
     return dest
+
+
+def fetch_url(url: str, dest: Path) -> Path:
+    """A model directory at ``url`` downloaded into ``dest`` (replacing it); every process of a
+    run without a shared filesystem downloads its own copy."""
+    import fsspec
+
+    fs, src = fsspec.core.url_to_fs(url)
+    src = src.rstrip("/")
+    if not fs.exists(f"{src}/config.json"):
+        raise FileNotFoundError(f"model.path={url}: no config.json there; point it at a HF model directory")
+    return _download_tree(fs, src, dest)

@@ -38,3 +38,12 @@ ENGINE_CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, deco
 def engine(ckpt: Path) -> Engine:
     """Owns its own copy of the v0 weights, so weight updates never touch the reference ``model``."""
     return Engine(load_pretrained(ckpt), ENGINE_CFG)
+
+
+@pytest.fixture(scope="session")
+def slot_engine(engine: Engine, ckpt: Path) -> Engine:
+    """The slot-cache engine, for tests of what only it has (lanes, its waiting queue): the
+    shared ``engine``, or one of its own when ``AREAL_JAX_KV_CACHE=paged`` made that one paged."""
+    if engine.cfg.kv_cache == "slots":
+        return engine
+    return Engine(load_pretrained(ckpt), EngineConfig(**{**vars(ENGINE_CFG), "kv_cache": "slots"}))

@@ -45,27 +45,23 @@ def _requests() -> list[GenerateRequest]:
             for i, p in enumerate(ps)]
 
 
-def test_two_lanes_equal_one_lane(engine: Engine, ckpt: Path) -> None:
-    if engine.cfg.kv_cache == "paged":  # AREAL_JAX_KV_CACHE=paged: one pool, one loop
-        pytest.skip("lanes are the slot engine's")
-    assert engine.num_lanes == 2 and engine.lane_slots == 4
+def test_two_lanes_equal_one_lane(slot_engine: Engine, ckpt: Path) -> None:
+    assert slot_engine.num_lanes == 2 and slot_engine.lane_slots == 4
     single = Engine(load_pretrained(ckpt), EngineConfig(**{**vars(ENGINE_CFG), "lanes": 1}))
     assert single.num_lanes == 1
-    ours, theirs = generate_all(engine, _requests()), generate_all(single, _requests())
+    ours, theirs = generate_all(slot_engine, _requests()), generate_all(single, _requests())
     for a, b in zip(ours, theirs, strict=True):
         assert a.output_ids == b.output_ids
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
 
 
 @pytest.mark.serial
-def test_lanes_fill_and_step_concurrently(engine: Engine) -> None:
-    if engine.cfg.kv_cache == "paged":  # AREAL_JAX_KV_CACHE=paged: one pool, one loop
-        pytest.skip("lanes are the slot engine's")
+def test_lanes_fill_and_step_concurrently(slot_engine: Engine) -> None:
     # The first two step calls meet at a barrier: they get past it only if both are in flight at
     # once (two lanes stepping concurrently); calls made one after another would break it.
     barrier, calls, lock = threading.Barrier(2, timeout=120), [0], threading.Lock()
     met: list[bool] = []
-    real = engine._run_step
+    real = slot_engine._run_step
 
     def meeting(fn, *args, **kwargs):  # noqa: ANN001, ANN202
         with lock:
@@ -79,24 +75,24 @@ def test_lanes_fill_and_step_concurrently(engine: Engine) -> None:
                 met.append(False)
         return real(fn, *args, **kwargs)
 
-    engine._run_step = meeting
+    slot_engine._run_step = meeting
     try:
         async def go() -> list[int]:
-            await engine.start()
+            await slot_engine.start()
             try:
                 sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-                streams = [engine.stream(GenerateRequest(p, sp)) for p in prompts([5] * 8, seed=6)]
+                streams = [slot_engine.stream(GenerateRequest(p, sp)) for p in prompts([5] * 8, seed=6)]
                 firsts = await asyncio.gather(*(anext(s) for s in streams))
                 assert all(len(f.output_ids) >= 1 for f in firsts)
-                busy = [len(lane.running) for lane in engine._lanes]
+                busy = [len(lane.running) for lane in slot_engine._lanes]
                 for s in streams:
                     async for _ in s:
                         pass
                 return busy
             finally:
-                await engine.stop()
+                await slot_engine.stop()
         busy = run(go())
     finally:
-        del engine._run_step
+        del slot_engine._run_step
     assert sum(busy) == 8 and min(busy) >= 1, busy  # both lanes took requests
     assert met == [True, True], met  # the two lanes' calls were in flight at the same time
