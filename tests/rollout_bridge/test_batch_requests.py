@@ -4,7 +4,6 @@ client's ``generate_many``, which asks for a group's answers in one request (rea
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,6 @@ from tests.inference.reference import reference_greedy
 from tests.rollout_bridge.bridge_helpers import ServerThread, running_server
 
 PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14]]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[ServerThread]:
-    """One server for the tests here that use the default configuration."""
-    with ServerThread(tiny_dir) as srv:
-        yield srv
 
 
 def _cfg(**kw: Any) -> ClientConfig:

@@ -5,13 +5,11 @@ implement, which are refused unless left at their defaults."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import jax
 import numpy as np
-import pytest
 
 from areal_jax.models import load_pretrained, load_tokenizer
 from tests.inference.reference import _logits
@@ -19,13 +17,6 @@ from tests.rollout_bridge.bridge_helpers import ServerThread
 
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 PROMPT = [5, 17, 3, 42, 9, 11]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[ServerThread]:
-    """One server for the module: every test here uses the default configuration."""
-    with ServerThread(tiny_dir) as srv:
-        yield srv
 
 
 def test_prompt_and_top_logprobs_match_a_full_forward(server: ServerThread, tiny_dir: Path) -> None:

@@ -11,7 +11,6 @@ import asyncio
 import importlib.util
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,6 @@ def sgl() -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[ServerThread]:
-    """One embedded server (default configuration) for the tests here that need one."""
-    with ServerThread(tiny_dir) as srv:
-        yield srv
 
 
 def test_our_requests_validate(sgl: Any) -> None:

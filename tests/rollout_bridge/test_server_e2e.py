@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -22,13 +21,6 @@ PROMPTS = [[5, 17, 3, 42], [9, 11, 60, 2, 33, 7], [14], [70, 71, 72, 73, 74, 75,
 
 def _cfg() -> ClientConfig:
     return ClientConfig(generate_timeout_s=120, control_timeout_s=30, weight_timeout_s=120, all_down_wait_s=5)
-
-
-@pytest.fixture(scope="module")
-def server(tiny_dir: Path) -> Iterator[ServerThread]:
-    """One server for the tests here that use the default configuration."""
-    with ServerThread(tiny_dir) as srv:
-        yield srv
 
 
 def test_greedy_and_logprobs_match_full_forward(server: ServerThread, tiny_dir: Path) -> None:
