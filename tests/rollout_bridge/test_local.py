@@ -285,11 +285,12 @@ def _demo(run_dir: Path, *overrides: str) -> tuple[float, list[dict[str, Any]]]:
 def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None:
     """The demo (warm start, then 20 steps of asynchronous GRPO) with the same seed, once over HTTP
     (an embedded server, the default) and once, from that run's warm start, with
-    ``rollout.backend=local``: every step served the version just trained, both engines took the
-    trained weights, and the two final held-out accuracies are close.
+    ``rollout.backend=local``: every step served the version just trained, and the two final
+    held-out accuracies are close.
 
-    The held-out evaluation is greedy, so an engine that never took the trained weights scores the
-    warm start's accuracy exactly: each backend must score something else. Learning itself is not
+    An accuracy equal to the warm start's proves nothing either way (a CI run ended at exactly the
+    warm start's 66% after 20 trained steps): that each engine serves the weights it was sent is
+    tests/rollout_bridge/test_version_invariant.py's check, token by token. Learning itself is not
     asserted here: from the demo's warm start (66% since the warm start trains through the
     Learner, with clipping) 20 asynchronous steps are a coin toss (one demo run evaluated 79.5%,
     73%, 70.5%, 85% and 73.5% at steps 20-100; in one suite run both backends ended below the warm
@@ -313,6 +314,4 @@ def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None
     acc = {name: metrics[-1]["eval_accuracy"] for name, (_, metrics) in runs.items()}
     n = local[-1]["eval_prompts"]
     se = math.sqrt(2 * 0.25 / n)  # the largest standard error of a difference of two accuracies on n prompts
-    for name, a in acc.items():
-        assert a != before, (name, before, acc)  # greedy on the warm start's weights scores exactly `before`
     assert abs(acc["http"] - acc["local"]) < 4 * se, (acc, 4 * se)
