@@ -13,6 +13,13 @@ With ``train.remat='auto'`` (the default) the plan tries ``none``, ``dots`` and 
 order (least recompute first) and keeps the first that fits; a policy given by name is checked
 and kept. When nothing fits, the error names the knobs. With no capacity known (a CPU without
 ``train.device_memory_gb``) nothing is compiled and ``auto`` means ``none``.
+
+An in-process engine on the trainer's own devices (``rollout.backend: local``, placement
+``shared``) sits beside the step for the whole run: its KV cache and its copy of the weights
+(``EngineMemory``) are added to every policy's peak. The paged engine's pool is
+``--max-total-tokens`` tokens, or, sized from memory, what ``--mem-fraction-static`` of the device
+leaves after what is already on it (the trainer's state, the engine's weights): the engine is
+built after the trainer, so that share is taken from the room the step's scratch needs.
 """
 
 from __future__ import annotations
@@ -79,16 +86,104 @@ class MemoryPlan:
     chosen: StepMemory
     tried: tuple[StepMemory, ...]
     """Every policy compiled, in order, the chosen one last."""
+    engine: EngineMemory | None = None
+    """An in-process engine on the same devices, counted beside the step."""
+
+    @property
+    def engine_bytes(self) -> int:
+        return 0 if self.engine is None else self.engine.bytes_beside(self.chosen.state_bytes)
 
     def describe(self) -> str:
         skipped = "".join(f"; {m.remat} needs {m.peak_bytes / GiB:.1f} GiB" for m in self.tried[:-1])
-        return (f"memory plan: {self.chosen.describe()}, within {self.capacity_bytes / GiB:.1f} GiB "
+        engine = "" if self.engine is None else f", {self.engine.describe(self.chosen.state_bytes)}"
+        return (f"memory plan: {self.chosen.describe()}{engine}, within {self.capacity_bytes / GiB:.1f} GiB "
                 f"({self.capacity_source}){skipped}")
 
     def metrics(self) -> dict[str, Any]:
         """Added to every train step's statistics."""
-        return {"remat": self.remat, "memory_peak_gib": self.chosen.peak_bytes / GiB,
-                "memory_capacity_gib": self.capacity_bytes / GiB}
+        out = {"remat": self.remat, "memory_peak_gib": self.chosen.peak_bytes / GiB,
+               "memory_capacity_gib": self.capacity_bytes / GiB}
+        if self.engine is not None:
+            out["memory_engine_gib"] = self.engine_bytes / GiB
+        return out
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Per-device bytes of an in-process engine on the trainer's devices (``engine_memory``)."""
+
+    kv_cache: str
+    """``slots`` or ``paged``."""
+    token_bytes: int
+    """One token's keys and values in every layer, of the heads one device holds."""
+    tokens: int
+    """Tokens of KV cache one device holds: slots x context over the data-parallel ways, or the
+    pool's ``--max-total-tokens``; with ``fraction``, the most the pool may hold."""
+    weight_bytes: int
+    """The engine's copy of the weights on one device. Shared placement lends the engine the
+    trainer's params; the next update cannot write over lent arrays, so a second copy (in the
+    engine's dtype) lives beside the trainer's in every case."""
+    fraction: float | None = None
+    """Paged, sized from memory: weights and pool take this share of ``device_bytes``."""
+    device_bytes: int | None = None
+
+    def cache_bytes(self, beside: int) -> int:
+        """The KV cache's bytes on one device, with ``beside`` bytes (the trainer's state) there first."""
+        if self.fraction is None or self.device_bytes is None:
+            return self.tokens * self.token_bytes
+        room = int(self.fraction * self.device_bytes) - beside - self.weight_bytes
+        return min(self.tokens, max(room, 0) // self.token_bytes) * self.token_bytes
+
+    def bytes_beside(self, beside: int) -> int:
+        """Everything the engine holds on one device, with ``beside`` bytes there first."""
+        return self.cache_bytes(beside) + self.weight_bytes
+
+    def describe(self, beside: int) -> str:
+        cache = self.cache_bytes(beside)
+        sized = f"--mem-fraction-static {self.fraction:g}" if self.fraction else "--max-total-tokens"
+        what = "slot cache" if self.kv_cache == "slots" else f"page pool ({sized})"
+        return (f"engine beside it: {cache / GiB:.1f} GiB {what}, {cache // max(self.token_bytes, 1):,} tokens, "
+                f"and {self.weight_bytes / GiB:.1f} GiB of weights")
+
+    @property
+    def knobs(self) -> str:
+        """The engine's flags that move its share (``rollout.server_args``)."""
+        if self.kv_cache == "slots":
+            return "rollout.server_args --max-running-requests or --context-length (the slot cache)"
+        return "rollout.server_args --max-total-tokens or --mem-fraction-static (the page pool)"
+
+
+def engine_memory(model: Any, engine: Any, mesh: Any, weight_elements: int, *, dtype: Any = None,
+                  device_limit: int | None = None) -> EngineMemory:
+    """What an engine of ``EngineConfig`` ``engine`` serving ``model`` (a ``ModelConfig``, or a
+    model) takes on each device of ``mesh`` (the trainer's, which a shared engine runs on): slots
+    split over data x fsdp, KV heads over tensor (replicated where it is wider than their count,
+    ``kv_head_replicas``), ``weight_elements`` parameters on the device (sharded like the
+    trainer's). ``dtype``: the engine's ``--dtype`` (default the checkpoint's); ``device_limit``: the device's
+    size in bytes, which
+    ``--mem-fraction-static`` is a share of (the paged pool is sized from it when no
+    ``--max-total-tokens`` alone is given; without it the fraction cannot be planned)."""
+    cfg = getattr(model, "config", model)
+    weight_dtype = np.dtype(dtype if dtype is not None else cfg.param_dtype)
+    tensor = int(mesh.shape.get("tensor", 1))
+    ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
+    heads = max(-(-cfg.num_key_value_heads // tensor), 1)
+    cache_dtype = np.dtype(engine.cache_dtype or dtype or cfg.jnp_dtype)
+    token_bytes = 2 * cfg.num_hidden_layers * heads * cfg.head_dim * cache_dtype.itemsize
+    weight_bytes = weight_elements * weight_dtype.itemsize
+    most = -(-engine.num_slots * engine.max_seq_len // ways)
+    if engine.kv_cache == "slots":
+        return EngineMemory("slots", token_bytes, most, weight_bytes)
+    if engine.max_total_tokens is not None:
+        most = min(most, engine.max_total_tokens)
+        if engine.mem_fraction_static is None:
+            return EngineMemory("paged", token_bytes, most, weight_bytes)
+    from areal_jax.inference.paged import DEFAULT_DEVICE_FRACTION
+
+    if device_limit is None:  # a CPU: the engine sizes from host memory, not from the device
+        return EngineMemory("paged", token_bytes, 0, weight_bytes)
+    return EngineMemory("paged", token_bytes, most, weight_bytes,
+                        engine.mem_fraction_static or DEFAULT_DEVICE_FRACTION, device_limit)
 
 
 def device_bytes(tree: Any) -> int:
@@ -133,6 +228,23 @@ def device_capacity(memory_gb: float | None, devices: Sequence[jax.Device]) -> t
     return int(min(limits) * DEVICE_HEADROOM) - max(used), source
 
 
+def device_limit(memory_gb: float | None, devices: Sequence[jax.Device]) -> int | None:
+    """A device's whole size in bytes: ``train.device_memory_gb`` when set, else the smallest limit
+    the devices report, else None (CPU)."""
+    if memory_gb is not None:
+        return int(memory_gb * GiB)
+    limits = []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # some backends raise instead of returning None
+            stats = None
+        if not stats or not stats.get("bytes_limit"):
+            return None
+        limits.append(int(stats["bytes_limit"]))
+    return min(limits, default=None)
+
+
 def step_memory(learner: Any, batch: dict[str, jax.ShapeDtypeStruct], scalars: dict[str, Any],
                 resident_bytes: int = 0, apply_live: int | None = None) -> StepMemory:
     """Compile ``learner``'s gradient step on ``batch`` (and, unless ``apply_live`` gives its own
@@ -164,28 +276,38 @@ def _live(analysis: Any) -> int:
 
 def plan_remat(learner: Any, batch: dict[str, jax.ShapeDtypeStruct], scalars: dict[str, Any], *,
                capacity: int, capacity_source: str, policies: Sequence[str] = REMAT_ORDER,
-               resident_bytes: int = 0, knobs: Callable[[], str] = lambda: "") -> MemoryPlan:
-    """The first of ``policies`` whose step fits ``capacity`` bytes per device; ``learner`` is left
-    on it (``use_remat``). Raises ``MemoryPlanError`` naming the knobs (``knobs()`` describes the
-    run's current settings) when none fits."""
+               resident_bytes: int = 0, knobs: Callable[[], str] = lambda: "",
+               engine: EngineMemory | None = None) -> MemoryPlan:
+    """The first of ``policies`` whose step, with ``engine`` beside it (an in-process engine on the
+    same devices), fits ``capacity`` bytes per device; ``learner`` is left on it (``use_remat``).
+    Raises ``MemoryPlanError`` naming the knobs (``knobs()`` describes the run's current settings)
+    when none fits."""
     tried: list[StepMemory] = []
     apply_live = None
+
+    def beside(m: StepMemory) -> int:
+        return 0 if engine is None else engine.bytes_beside(m.state_bytes)
+
     for policy in policies:
         learner.use_remat(policy)
         m = step_memory(learner, batch, scalars, resident_bytes, apply_live)
         apply_live = m.apply_peak_bytes - resident_bytes
         tried.append(m)
-        if m.peak_bytes <= capacity:
-            plan = MemoryPlan(policy, capacity, capacity_source, m, tuple(tried))
+        if m.peak_bytes + beside(m) <= capacity:
+            plan = MemoryPlan(policy, capacity, capacity_source, m, tuple(tried), engine)
             log.info("%s", plan.describe())
             return plan
-    least = min(tried, key=lambda m: m.peak_bytes)
+    least = min(tried, key=lambda m: m.peak_bytes + beside(m))
     state = least.state_bytes
     hint = (f"params and optimizer state alone take {state / GiB:.1f} GiB per device: shard them over more "
             f"devices (raise mesh.fsdp)" if state > capacity else
             "lower train.micro_batch_tokens (activations grow with it), raise mesh.fsdp (params and optimizer "
             "state per device shrink with it)" + ("" if "full" in policies else ", allow more remat (train.remat: "
                                                   "full or auto)"))
+    if engine is not None:
+        hint += (f"; the engine beside the trainer takes {beside(least) / GiB:.1f} GiB "
+                 f"({engine.describe(least.state_bytes)}): shrink it with {engine.knobs}, or give it devices of "
+                 f"its own (rollout.local.placement: split)")
     raise MemoryPlanError(
         f"the train step does not fit the device: {'; '.join(m.describe() for m in tried)}; "
         f"{capacity / GiB:.1f} GiB available ({capacity_source}). {hint}; or set train.device_memory_gb if the "

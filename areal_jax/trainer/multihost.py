@@ -11,13 +11,24 @@ it and does its part. With one process ``announce`` does nothing.
 
 A message is broadcast from process 0 with ``jax.experimental.multihost_utils``: first its length,
 then its bytes padded to a power of two (so the broadcast compiles for a handful of sizes only).
-Trajectories travel as one binary blob; nothing is pickled.
+Trajectories travel as binary blobs; nothing is pickled.
+
+A ``train`` message does not send every host the whole batch. Given the batch's ``row_owners``
+(per process, the trajectories whose packed rows its devices hold, ``BatchPreparer.row_owners``),
+the broadcast carries what every process needs of every trajectory (length, scalars, and the loss
+mask, one bit a token when it is 0/1), and each follower's own trajectories' tokens, logprobs and
+versions (12 bytes a token) go to it alone, through the ``jax.distributed`` coordinator's
+key-value store, in pieces of at most 1 MiB. A follower stands a placeholder in for each
+trajectory it does not own (NaN logprobs: a placeholder that reached a device would poison the
+step, which the two-process tests would see).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import struct
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -30,6 +41,11 @@ _ARRAYS = (("input_ids", np.int32), ("loss_mask", np.float32), ("behavior_logpro
            ("versions", np.int32))
 _SCALARS = tuple(f.name for f in fields(Trajectory) if f.name not in dict(_ARRAYS))
 _MIN_FRAME = 1 << 16
+_WAIT_MS = 600_000
+"""How long a follower waits for its share once the header said it is there (it is, unless
+process 0 died in between)."""
+
+log = logging.getLogger(__name__)
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -43,6 +59,75 @@ def encode(message: dict[str, Any]) -> bytes:
                         for t in trajectories for name, dtype in _ARRAYS)
     header = json.dumps(message).encode()
     return struct.pack("<Q", len(header)) + header + blob
+
+
+_TOKENS = tuple(a for a in _ARRAYS if a[0] != "loss_mask")
+_PIECE = 1 << 20
+
+
+def encode_shares(message: dict[str, Any], shares: list[set[int]]) -> tuple[bytes, list[bytes]]:
+    """A ``train`` message split by ``shares`` (per process, the trajectory indices it owns):
+    the header every process gets, and each process's own token blob."""
+    message = dict(message)
+    trajectories = message.pop("trajectories")
+    masks = [np.asarray(t.loss_mask, np.float32) for t in trajectories]
+    flat = np.concatenate(masks) if masks else np.zeros(0, np.float32)
+    bits = bool(np.all((flat == 0) | (flat == 1)))
+    message["trajectories"] = [[len(t), *(getattr(t, k) for k in _SCALARS)] for t in trajectories]
+    message["mask_bits"] = bits
+    message["shares"] = [sorted(s) for s in shares]
+    header = json.dumps(message).encode()
+    mask_blob = np.packbits(flat.astype(bool)).tobytes() if bits else flat.tobytes()
+    blobs = [b"".join(np.ascontiguousarray(getattr(trajectories[i], name), dtype).tobytes()
+                      for i in sorted(share) for name, dtype in _TOKENS) for share in shares]
+    return struct.pack("<Q", len(header)) + header + mask_blob, blobs
+
+
+def placeholder(length: int, loss_mask: np.ndarray, scalars: Any) -> Trajectory:
+    """A trajectory of ``length`` tokens that stands in for one another process owns: its loss
+    mask and scalars are real, its tokens 0, its logprobs NaN and its versions 0."""
+    t = Trajectory.__new__(Trajectory)
+    t.input_ids, t.loss_mask = np.zeros(length, np.int32), loss_mask
+    t.behavior_logprobs, t.versions = np.full(length, np.nan, np.float32), np.zeros(length, np.int32)
+    for name, value in zip(_SCALARS, scalars, strict=True):
+        setattr(t, name, value)
+    return t
+
+
+def local_share(trajectories: list[Trajectory], own: set[int]) -> list[Trajectory]:
+    """``trajectories`` as a process that owns only ``own`` of them holds them (``placeholder``
+    for the rest)."""
+    return [t if i in own else placeholder(len(t), t.loss_mask, [getattr(t, k) for k in _SCALARS])
+            for i, t in enumerate(trajectories)]
+
+
+def decode_share(header: bytes, blob: bytes, process: int) -> dict[str, Any]:
+    """The message ``encode_shares`` made, as ``process`` holds it: its own trajectories whole,
+    placeholders for the rest."""
+    (n,) = struct.unpack_from("<Q", header)
+    message = json.loads(header[8:8 + n])
+    specs = message.pop("trajectories")
+    lengths = [spec[0] for spec in specs]
+    total = sum(lengths)
+    if message.pop("mask_bits"):
+        flat = np.unpackbits(np.frombuffer(header, np.uint8, offset=8 + n), count=total).astype(np.float32)
+    else:
+        flat = np.frombuffer(header, np.float32, total, 8 + n).copy()
+    masks = np.split(flat, np.cumsum(lengths)[:-1]) if lengths else []
+    own = set(message["shares"][process])
+    out, offset = [], 0
+    for i, ((length, *scalars), mask) in enumerate(zip(specs, masks, strict=True)):
+        t = placeholder(length, mask, scalars)
+        if i in own:
+            for name, dtype in _TOKENS:
+                setattr(t, name, np.frombuffer(blob, dtype, length, offset).copy())
+                offset += length * np.dtype(dtype).itemsize
+        out.append(t)
+    message["trajectories"] = out
+    message["own"] = len(own)
+    message["token_bytes"] = len(blob)
+    message["whole_token_bytes"] = total * sum(np.dtype(d).itemsize for _, d in _ARRAYS)
+    return message
 
 
 def decode(data: bytes) -> dict[str, Any]:
@@ -77,17 +162,45 @@ def _broadcast(data: bytes | None) -> bytes:
     return np.asarray(broadcast_one_to_all(frame))[:n].tobytes()
 
 
+def _store() -> Any:
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
 class StepHub:
     """The channel from process 0 (the leader) to the other processes of a run."""
 
-    def __init__(self) -> None:
+    def __init__(self, row_owners: Callable[[list[Trajectory]], list[set[int]]] | None = None) -> None:
         self.processes = jax.process_count()
         self.leader = jax.process_index() == 0
+        self.row_owners = row_owners
+        """The trainer's ``BatchPreparer.row_owners``: set, a ``train`` message sends each
+        follower its own share of the batch only; None, the whole batch."""
+        self._sent = 0
 
     def announce(self, op: str, **payload: Any) -> None:
         """Process 0: tell every other process to do ``op`` (a no-op with one process)."""
-        if self.processes > 1:
-            _broadcast(encode({"op": op, **payload}))
+        if self.processes <= 1:
+            return
+        shares = None
+        if op == "train" and self.row_owners is not None:
+            try:
+                shares = self.row_owners(payload["trajectories"])
+            except Exception:  # a batch the plan refuses goes whole: every process meets the same error
+                shares = None
+        if shares is None:
+            _broadcast(b"W" + encode({"op": op, **payload}))
+            return
+        self._sent += 1
+        header, blobs = encode_shares({"op": op, "seq": self._sent, **payload}, shares)
+        store = _store()
+        for p in range(1, self.processes):  # in the store before the header says to look
+            pieces = [blobs[p][i:i + _PIECE] for i in range(0, len(blobs[p]), _PIECE)] or [b""]
+            for k, piece in enumerate(pieces):
+                store.key_value_set_bytes(f"areal_jax/train/{self._sent}/{p}/{k}", piece)
+            store.key_value_set(f"areal_jax/train/{self._sent}/{p}/n", str(len(pieces)))
+        _broadcast(b"S" + header)  # the first byte says whole (W) or split (S)
 
     def barrier(self, name: str) -> None:
         """Every process waits here until all have arrived (a no-op with one process)."""
@@ -97,5 +210,24 @@ class StepHub:
             sync_global_devices(name)
 
     def receive(self) -> dict[str, Any]:
-        """A follower: the next message of process 0 (blocks until it is sent)."""
-        return decode(_broadcast(None))
+        """A follower: the next message of process 0 (blocks until it is sent). A ``train`` message
+        holds this process's own trajectories whole and placeholders for the rest, with ``own``
+        (how many are its own), ``token_bytes`` (what it received of their per-token arrays) and
+        ``whole_token_bytes`` (what the whole batch's are)."""
+        data = _broadcast(None)
+        if data[:1] == b"W":
+            return decode(data[1:])
+        header, me = data[1:], jax.process_index()
+        (n,) = struct.unpack_from("<Q", header)
+        seq = json.loads(header[8:8 + n])["seq"]
+        store, prefix = _store(), f"areal_jax/train/{seq}/{me}"
+        count = int(store.blocking_key_value_get(f"{prefix}/n", _WAIT_MS))
+        blob = b"".join(store.blocking_key_value_get_bytes(f"{prefix}/{k}", _WAIT_MS) for k in range(count))
+        store.key_value_delete(f"{prefix}/n")
+        for k in range(count):
+            store.key_value_delete(f"{prefix}/{k}")
+        message = decode_share(header, blob, me)
+        log.info("process %d: step %s: %d of %d trajectories its own, %d of %d token bytes received", me,
+                 message.get("step"), message["own"], len(message["trajectories"]), message["token_bytes"],
+                 message["whole_token_bytes"])
+        return message

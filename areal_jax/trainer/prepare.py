@@ -18,11 +18,13 @@ penalty (on the behaviour logprobs) when there is a reference; the critic's valu
 a critic; then advantages (and returns) on the host, placed on the mesh next to the rest.
 Nothing is updated.
 
-Multi-host: every process holds the whole batch of trajectories and plans and packs it the same
-way (the plan is deterministic; advantages need the whole batch), but places only the rows of
-each micro-batch that live on its own devices (``jax.make_array_from_callback``: the callback is
-asked for local shards only). Per-token outputs that the host needs back (reference logprobs,
-values) are gathered from every process; the statistics are replicated scalars.
+Multi-host: every process plans and packs the whole batch the same way (the plan is
+deterministic, from the lengths only), but places only the rows of each micro-batch that live on
+its own devices (``jax.make_array_from_callback``: the callback is asked for local shards only),
+so it needs the token arrays of those rows' trajectories only (``row_owners``); of the others it
+reads lengths, loss masks and scalars (what the whole batch's advantages need). Per-token outputs
+that the host needs back (the KL penalty, values) are computed where the rows live and gathered
+from every process; the statistics are replicated scalars.
 """
 
 from __future__ import annotations
@@ -157,6 +159,8 @@ class BatchPreparer:
         # Advantages run on small [batch, width] arrays; width is bucketed so this compiles rarely.
         self._adv_fn = jax.jit(compute_advantages, static_argnums=0, static_argnames=("group_size",))
         self._ev_fn = jax.jit(explained_variance)
+        self._kl_fn = jax.jit(lambda name, behavior, ref, mask: kl_penalty_estimate(name, behavior, ref) * mask,
+                              static_argnums=0)
 
     @property
     def step_extra_keys(self) -> tuple[str, ...]:
@@ -278,6 +282,25 @@ class BatchPreparer:
         outs = [policy.forward(m.inputs(LOGPROB_KEYS), params) for m in micro]
         return unpack(micro, fetch(outs), lengths)
 
+    def minibatch_indices(self, n: int) -> list[np.ndarray]:
+        """The trajectory indices of each of a batch's ``ppo_n_minibatches`` minibatches."""
+        return np.array_split(np.arange(n), self.algo.ppo_n_minibatches)
+
+    def row_owners(self, trajectories: Sequence[Trajectory]) -> list[set[int]]:
+        """Per process, the indices of the trajectories packed into rows that its devices hold
+        (a row replicated over several processes' devices counts for each). ``prepare`` on a
+        process reads the token arrays (``input_ids``, ``behavior_logprobs``, ``versions``) of
+        these only; every other trajectory is read for its length, loss mask and scalars. The
+        plan is the one ``prepare`` makes (it depends on the lengths only)."""
+        lengths = [len(t) for t in trajectories]
+        owners: list[set[int]] = [set() for _ in range(jax.process_count())]
+        for idx in self.minibatch_indices(len(trajectories)):
+            for p in self.plan(lengths, idx):
+                for device, index in self.data_sharding.devices_indices_map((len(p.rows), p.length)).items():
+                    for row in p.rows[index[0]]:
+                        owners[device.process_index].update(row)
+        return owners
+
     def prepare(self, trajectories: Sequence[Trajectory], version: int, policy: Learner,
                 reference: Any = None, critic: Learner | None = None) -> PreparedBatch:
         """Pack the batch, recompute proximal (and, with ``reference`` params, reference)
@@ -288,8 +311,7 @@ class BatchPreparer:
         if len(trajectories) < n_mb:
             raise ValueError(f"{len(trajectories)} trajectories cannot fill ppo_n_minibatches={n_mb}")
         seqs = [batching.shifted_fields(t) for t in trajectories]
-        minibatches = [self.pack(trajectories, idx, seqs)
-                       for idx in np.array_split(np.arange(len(trajectories)), n_mb)]
+        minibatches = [self.pack(trajectories, idx, seqs) for idx in self.minibatch_indices(len(trajectories))]
         micro = [m for mb in minibatches for m in mb]
         stats: dict[str, float] = {}
         # The first minibatch is trained before any update, so for it the proximal policy is the
@@ -309,16 +331,16 @@ class BatchPreparer:
             for m in micro:
                 m.arrays["ref_logprobs"] = policy.forward(m.inputs(LOGPROB_KEYS), reference)
         if reference is not None and self.algo.kl_coef > 0:
-            if self.algo.kl_loss_coef > 0:
-                ref = fetch([m.arrays["ref_logprobs"] for m in micro])
-            else:
-                ref = fetch([policy.forward(m.inputs(LOGPROB_KEYS), reference) for m in micro])
             # Against the behaviour (inference) logprobs even when proximal ones were recomputed,
             # as AReaL's PPOActor.compute_advantages: it takes recomputed logprobs only for naive
             # PPO with recompute_logprob, a mode this trainer does not have (its naive PPO is
             # against the behaviour policy). Position j holds target j + 1's logprobs on both sides.
-            token_kl = [np.asarray(kl_penalty_estimate(self.algo.kl_estimator, m.host["behavior_logprobs"], r))
-                        * m.host["loss_mask"] for m, r in zip(micro, ref, strict=True)]
+            # On the mesh, each row where it lives: a host holds only its own rows' behaviour
+            # logprobs (see ``row_owners``), and gets the whole penalty back.
+            token_kl = fetch([self._kl_fn(self.algo.kl_estimator, m.arrays["behavior_logprobs"],
+                                          m.arrays["ref_logprobs"] if self.algo.kl_loss_coef > 0 else
+                                          policy.forward(m.inputs(LOGPROB_KEYS), reference), m.arrays["loss_mask"])
+                              for m in micro])
             stats["kl_ref_mean"] = float(sum(k.sum() for k in token_kl) / sum(m.mask_count for m in micro))
         raw_values = None
         if critic is not None:

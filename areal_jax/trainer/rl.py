@@ -41,7 +41,13 @@ from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.evaluate import evaluate
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
 from areal_jax.trainer.rl_steps import describe_push, follow, push_weights, run_steps
-from areal_jax.trainer.rollout import device_split, local_devices, open_rollout, start_fleet_early
+from areal_jax.trainer.rollout import (
+    device_split,
+    engine_beside_trainer,
+    local_devices,
+    open_rollout,
+    start_fleet_early,
+)
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
 
 log = logging.getLogger(__name__)
@@ -255,7 +261,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
             logger.write(f"warm start: {sft_stats.get('steps', '?')} supervised steps in "
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
-        trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh)
+        trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh, **engine_beside_trainer(cfg, mesh))
+        hub.row_owners = trainer.preparer.row_owners  # each follower gets its own share of a batch
         trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
         from areal_jax.trainer.learner import describe_optimizer
 

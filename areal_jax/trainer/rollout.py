@@ -35,6 +35,23 @@ def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
     return devices, devices
 
 
+def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
+    """``Trainer`` arguments that plan an in-process engine beside the step: with ``backend:
+    local`` and placement ``shared`` the engine's ``EngineConfig`` (from ``rollout.server_args``,
+    as ``build_engine`` reads them, on the trainer's mesh) and ``--dtype``; else none."""
+    rollout = cfg.rollout
+    if rollout.backend != "local" or rollout.local.placement != "shared":
+        return {}
+    from areal_jax.inference.config import EngineConfig
+    from rollout_bridge.serve import engine_config, parser
+
+    args = parser().parse_args(["--model-path", "-", *rollout.server_args])
+    ways = trainer_mesh.shape["data"] * trainer_mesh.shape["fsdp"]
+    engine = engine_config(args, args.context_length or EngineConfig.max_seq_len, data_parallel=ways > 1,
+                           seed=cfg.seed)
+    return {"engine": engine, "engine_dtype": args.dtype}
+
+
 def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
     """The in-process engine's mesh: the trainer's (shared; None on one device, which lets the
     engine run lanes), or ``rollout.local.engine_mesh`` over its own devices (split)."""

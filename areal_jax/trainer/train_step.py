@@ -20,6 +20,7 @@ devices hold (see ``trainer/prepare.py``) and reads back replicated statistics.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from functools import partial
@@ -42,7 +43,15 @@ from areal_jax.trainer.compile_clock import compile_clock
 from areal_jax.trainer.config import TrainConfig
 from areal_jax.trainer.learner import Learner
 from areal_jax.trainer.loss import micro_batch_loss, micro_batch_value_loss, token_logprobs, token_values
-from areal_jax.trainer.memory import REMAT_ORDER, MemoryPlan, device_bytes, device_capacity, plan_remat
+from areal_jax.trainer.memory import (
+    REMAT_ORDER,
+    MemoryPlan,
+    device_bytes,
+    device_capacity,
+    device_limit,
+    engine_memory,
+    plan_remat,
+)
 from areal_jax.trainer.prepare import (
     CRITIC_KEYS,
     LOGPROB_KEYS,
@@ -87,11 +96,14 @@ class Trainer:
         rules: Rules = DEFAULT_RULES,
         reference: Decoder | None = None,
         critic: Critic | None = None,
+        engine: Any = None,
+        engine_dtype: Any = None,
     ) -> None:
         # ``micro_batch_tokens: auto`` becomes this backend's number here, as the trainer starts.
         self.algo, self.train = algo, (train or TrainConfig()).resolved()
         self.mesh = mesh if mesh is not None else make_mesh(MeshConfig(), devices=jax.devices()[:1])
         self.rules = rules
+        self.model_config = model.config
         self.dp_groups = int(self.mesh.shape["data"] * self.mesh.shape["fsdp"])
         self.skipped_steps = 0
         """Optimizer steps skipped so far because their gradient was not finite."""
@@ -121,7 +133,10 @@ class Trainer:
                 Learner, critic, train=t, lr=t.lr if t.critic_lr is None else t.critic_lr, mesh=self.mesh,
                 rules=rules, loss=partial(micro_batch_value_loss, algo=algo, **attention),
                 forward=partial(token_values, **attention))
-        self.memory: MemoryPlan | None = self._plan_memory(make_critic, kl=algo.uses_reference)
+        # An in-process engine on these devices (``rollout.backend: local``, shared placement):
+        # its ``EngineConfig`` and dtype, planned beside the step.
+        self.memory: MemoryPlan | None = self._plan_memory(make_critic, kl=algo.uses_reference,
+                                                           engine=engine, engine_dtype=engine_dtype)
         """The memory plan (None where no device memory is known and nothing was planned)."""
         if not self.abstract:
             self.policy = make_policy(remat=self.policy.remat)
@@ -134,13 +149,21 @@ class Trainer:
         if make_critic is not None:
             self.critic_learner = make_critic(remat=self.policy.remat, abstract=self.abstract)
 
-    def _plan_memory(self, make_critic: Any, kl: bool) -> MemoryPlan | None:
-        """Choose the policy's remat by the memory plan (``trainer/memory.py``), or keep
-        ``train.remat`` (``none`` for ``auto``) where no device memory is known."""
+    def _plan_memory(self, make_critic: Any, kl: bool, engine: Any = None,
+                     engine_dtype: Any = None) -> MemoryPlan | None:
+        """Choose the policy's remat by the memory plan (``trainer/memory.py``), with ``engine``
+        (an ``EngineConfig``) beside it, or keep ``train.remat`` (``none`` for ``auto``) where no
+        device memory is known."""
         t = self.train
-        capacity, source = device_capacity(t.device_memory_gb, list(self.mesh.devices.flat))
+        devices = list(self.mesh.devices.flat)
+        capacity, source = device_capacity(t.device_memory_gb, devices)
         if capacity is None:
             return None
+        beside = None
+        if engine is not None:
+            elements = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(self.policy.params))
+            beside = engine_memory(self.model_config, engine, self.mesh, elements, dtype=engine_dtype,
+                                   device_limit=device_limit(t.device_memory_gb, devices))
         resident = device_bytes(self.policy.copy_params()) if kl else 0
         if make_critic is not None:  # its step runs apart, and needs less than the policy's (no logits)
             critic = make_critic(abstract=True)
@@ -149,7 +172,7 @@ class Trainer:
                  f"fsdp={self.mesh.shape['fsdp']} tensor={self.mesh.shape['tensor']}, train.remat={t.remat})")
         return plan_remat(self.policy, self.largest_micro_batch(), POLICY_SCALARS, capacity=capacity,
                           capacity_source=source, resident_bytes=resident, knobs=lambda: knobs,
-                          policies=REMAT_ORDER if t.remat == "auto" else (t.remat,))
+                          policies=REMAT_ORDER if t.remat == "auto" else (t.remat,), engine=beside)
 
     def largest_micro_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The gradient step's largest input, abstract: one row per data-parallel group of the

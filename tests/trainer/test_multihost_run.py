@@ -86,14 +86,15 @@ def _trained_by_process_1(log: str) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_two_process_run_on_gs_pushes_overlapped_is_killed_and_resumes(tmp_path: Path) -> None:
-    """Asynchronous, pushes overlapped with the next update and held (sent before the pause):
-    both processes train process 0's batches, the gathers of a push in flight never cross a
-    train step's collectives (a mismatch would hang or corrupt the run). The run directory is
-    ``gs://`` (a stand-in bucket) and each process has its own working directory: nothing is
-    shared but the bucket and the checkpoints (orbax's own storage). SIGKILL both once step 3 is
-    logged after the step-2 checkpoint and delete their working directories (fresh hosts); the
-    resumed pair goes on from step 2, the prompts in flight there first, trains no prompt twice,
-    and ends with the export written to the bucket by both."""
+    """Asynchronous, pushes overlapped with the next update and held (sent before the pause): both
+    processes train process 0's batches (process 1 receiving its own rows' share of each), the
+    gathers of a push in flight never cross a train step's collectives (a mismatch would hang or
+    corrupt the run). The run directory is ``gs://`` (a stand-in bucket) and each process has
+    its own working directory: nothing is shared but the bucket and the checkpoints (orbax's own
+    storage). SIGKILL both once step 3 is logged after the step-2 checkpoint and delete their
+    working directories (fresh hosts); the resumed pair goes on from step 2, the prompts in
+    flight there first, trains no prompt twice, and ends with the export written to the bucket
+    by both."""
     buckets, host = tmp_path / "buckets", tmp_path / "host"
     bucket = buckets / "bkt" / "runs" / "r1"
     ckpt_dir = tmp_path / "ckpt"
@@ -127,6 +128,11 @@ def test_two_process_run_on_gs_pushes_overlapped_is_killed_and_resumes(tmp_path:
     assert "rollout:" not in first_logs[1] and "held-out accuracy" not in first_logs[1]  # no rollout there
     assert {k: v for k, v in _trained_by_process_1(first_logs[1]).items() if k <= len(killed)} == \
         {m["step"]: str(m["prompt_ids"]) for m in killed}
+    # ... receiving of each batch only the tokens of the rows its two devices hold (of the four).
+    shares = re.findall(r"process 1: step (\d+): (\d+) of 8 trajectories its own, (\d+) of (\d+) token bytes received",
+                        first_logs[1])
+    assert len(shares) >= len(killed) and all(0 < int(k) < 8 and int(got) < int(whole) * 3 // 4
+                                              for _, k, got, whole in shares), shares
 
     from etils import epath
 
