@@ -120,9 +120,11 @@ class EngineMemory:
     """Tokens of KV cache one device holds: slots x context over the data-parallel ways, or the
     pool's ``--max-total-tokens``; with ``fraction``, the most the pool may hold."""
     weight_bytes: int
-    """The engine's copy of the weights on one device. Shared placement lends the engine the
-    trainer's params; the next update cannot write over lent arrays, so a second copy (in the
-    engine's dtype) lives beside the trainer's in every case."""
+    """The engine's weights on one device, counted beside every peak. A ``--dtype`` other than
+    the trainer's float32 is a cast copy, always there. A float32 engine serves the trainer's
+    own arrays, lent (``Trainer.lend_params``): the optimizer step cannot write over them, so the
+    new params are a second copy at its peak (exact there; at the gradient step, where the engine
+    and the trainer hold the same arrays, an over-count by one copy)."""
     fraction: float | None = None
     """Paged, sized from memory: weights and pool take this share of ``device_bytes``."""
     device_bytes: int | None = None

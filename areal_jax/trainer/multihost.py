@@ -126,6 +126,7 @@ def decode_share(header: bytes, blob: bytes, process: int) -> dict[str, Any]:
     message["trajectories"] = out
     message["own"] = len(own)
     message["token_bytes"] = len(blob)
+    message["header_bytes"] = len(header)
     message["whole_token_bytes"] = total * sum(np.dtype(d).itemsize for _, d in _ARRAYS)
     return message
 
@@ -212,8 +213,9 @@ class StepHub:
     def receive(self) -> dict[str, Any]:
         """A follower: the next message of process 0 (blocks until it is sent). A ``train`` message
         holds this process's own trajectories whole and placeholders for the rest, with ``own``
-        (how many are its own), ``token_bytes`` (what it received of their per-token arrays) and
-        ``whole_token_bytes`` (what the whole batch's are)."""
+        (how many are its own), ``token_bytes`` (what it received of their per-token arrays),
+        ``whole_token_bytes`` (what the whole batch's are) and ``header_bytes`` (the broadcast
+        part: lengths, loss masks, scalars)."""
         data = _broadcast(None)
         if data[:1] == b"W":
             return decode(data[1:])
@@ -227,7 +229,8 @@ class StepHub:
         for k in range(count):
             store.key_value_delete(f"{prefix}/{k}")
         message = decode_share(header, blob, me)
-        log.info("process %d: step %s: %d of %d trajectories its own, %d of %d token bytes received", me,
-                 message.get("step"), message["own"], len(message["trajectories"]), message["token_bytes"],
-                 message["whole_token_bytes"])
+        log.info("process %d: step %s: %d of %d trajectories its own, %d of %d token bytes received "
+                 "(and %d bytes of lengths, loss masks and scalars)", me, message.get("step"), message["own"],
+                 len(message["trajectories"]), message["token_bytes"], message["whole_token_bytes"],
+                 message["header_bytes"])
         return message
