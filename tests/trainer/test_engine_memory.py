@@ -121,3 +121,22 @@ def test_qwen25_7b_engine_on_8_devices(tensor: int) -> None:
     assert cache == (int(0.85 * 80 * GiB) - state - pool.weight_bytes) // pool.token_bytes * pool.token_bytes
     assert 80 * GiB - state - pool.weight_bytes - cache == pytest.approx(0.15 * 80 * GiB, abs=pool.token_bytes)
     np.testing.assert_allclose(cache / GiB, 0.85 * 80 - state / GiB - 2 * n / 8 / GiB, atol=1e-3)
+
+
+def test_a_run_plans_the_shared_local_engine_from_its_server_args() -> None:
+    """``rl.train`` passes the engine of ``rollout.server_args`` to the trainer's plan with the
+    shared placement only (a split engine has devices of its own, servers have their hosts)."""
+    from areal_jax.trainer.rollout import engine_beside_trainer
+    from areal_jax.trainer.run_config import load_run_config
+    from tests.trainer.test_multihost_run import DEMO
+
+    mesh = make_mesh(MeshConfig(), devices=jax.devices()[:1])
+    args = "rollout.server_args=[--max-running-requests, '16', --context-length, '512', --kv-cache, paged, " \
+           "--max-total-tokens, '4096', --dtype, bfloat16]"
+    got = engine_beside_trainer(load_run_config(DEMO, ["rollout.backend=local", args]), mesh)
+    engine = got["engine"]
+    assert (engine.kv_cache, engine.num_slots, engine.max_seq_len, engine.max_total_tokens) == ("paged", 16, 512, 4096)
+    assert got["engine_dtype"] == "bfloat16"
+    assert engine_beside_trainer(load_run_config(DEMO, ["rollout.backend=local", "rollout.local.placement=split"]),
+                                 mesh) == {}
+    assert engine_beside_trainer(load_run_config(DEMO, ["rollout.backend=embedded"]), mesh) == {}
