@@ -69,7 +69,9 @@ class MicroBatch:
     host: dict[str, np.ndarray] = field(default_factory=dict)
     """The same rows on the host, whole (every process): the packed fields, ``sequence`` (each
     position's trajectory index, -1 on padding) and, once prepared, ``advantages`` (and with a
-    critic ``values`` and ``returns``), all in the position convention."""
+    critic ``values`` and ``returns``), all in the position convention. On a follower of a
+    multi-process run the token fields of other processes' rows are placeholders (see
+    ``row_owners``); loss masks, segments and what is computed from them are real everywhere."""
 
     def inputs(self, keys: Sequence[str]) -> dict[str, Any]:
         return {k: self.arrays[k] for k in keys if k in self.arrays}
