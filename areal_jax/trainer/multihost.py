@@ -164,6 +164,9 @@ def _broadcast(data: bytes | None) -> bytes:
 
 
 def _store() -> Any:
+    """The ``jax.distributed`` coordinator's key-value client. JAX has no public accessor for it
+    (orbax and ``multihost_utils`` reach it the same way); if a JAX release moves it, this is the
+    one place to change."""
     from jax._src import distributed
 
     return distributed.global_state.client
