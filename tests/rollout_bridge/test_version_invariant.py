@@ -167,7 +167,7 @@ def _local_run(engine: Engine, trainer: Trainer, *, lend: bool) -> tuple[list[Se
     client = LocalRolloutClient(engine)
 
     async def push(trainer: Trainer, version: int) -> None:
-        # As ``rl_steps.push``: pause (abort), hand over, continue; lent params in the shared
+        # As ``WeightPush.push``: pause (abort), hand over, continue; lent params in the shared
         # placement, which the next update (running beside generation) must leave alone.
         await client.pause("abort")
         try:
