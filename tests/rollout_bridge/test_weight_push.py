@@ -163,7 +163,7 @@ def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_
                       TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2))
     rng = np.random.default_rng(0)
     trainer.train_batch(random_trajectories(rng, 2, 4), 0)
-    version_1 = trainer.model(jax.tree.map(lambda x: x.copy(), trainer.params))  # a copy of its own
+    version_1 = trainer.model(jax.tree.map(lambda x: x.copy(), trainer.policy.params))  # a copy of its own
     controller = RolloutController(None, None, iter(()), batch_size=2, max_staleness=max_staleness)
     prompt = [5, 17, 3, 42]
 
