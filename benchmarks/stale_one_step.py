@@ -82,10 +82,10 @@ def record(kept: dict[str, Any]) -> None:
     train_batch = Trainer.train_batch
 
     def recorded(self: Any, trajectories: Any, version: int) -> Any:
-        kept["params"].setdefault(version, jax.tree.map(np.array, self.params))
+        kept["params"].setdefault(version, jax.tree.map(np.array, self.policy.params))
         kept["batches"].append((version, list(trajectories)))
         stats = train_batch(self, trajectories, version)
-        kept["params"].setdefault(version + 1, jax.tree.map(np.array, self.params))
+        kept["params"].setdefault(version + 1, jax.tree.map(np.array, self.policy.params))
         return stats
 
     Trainer.train_batch = recorded

@@ -15,7 +15,7 @@ engine's shardings and cast to its dtypes, never through host memory. Two placem
 
 * ``shared``: trainer and engine on the same devices, taking turns. Where a param's dtype and
   layout already match the engine's, the engine serves the trainer's array itself (no copy), so
-  the trainer must lend it (``Trainer.lend_params``: the next update then does not donate it).
+  the trainer must lend it (``trainer.policy.lend()``: the next update then does not donate it).
 * ``split``: disjoint groups of this process's devices (``split_devices``; for example 4 chips
   train and 4 generate on a v5e-8), each with its own mesh shape. The engine generates while a
   train step runs. The handover changes the layout inside one jitted program on one group and
@@ -357,7 +357,7 @@ class LocalRolloutClient(RolloutClient):
     async def update_params(self, params: Any, *, version: int) -> HandoverMetrics:
         """Serve the trainer's ``params`` (an ``nnx.State`` like the engine's) as ``version``,
         handed over on device (see ``handover``). In the shared placement the engine may keep the
-        very arrays given: take them with ``Trainer.lend_params`` so no update donates them."""
+        very arrays given: take them with ``trainer.policy.lend()`` so no update donates them."""
         t0 = time.perf_counter()
         state, copied = await asyncio.to_thread(handover, params, self.engine.state)
         await self.engine.set_state(state, version=version)

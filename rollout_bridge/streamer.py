@@ -284,7 +284,7 @@ class LocalSink(WeightSink):
 
     async def push_params(self, version: int, params: Any) -> TransferMetrics:
         """Hand the trainer's ``params`` (an ``nnx.State`` of device arrays) over on device. In the
-        shared placement pass ``Trainer.lend_params()``: the engine may keep those very arrays."""
+        shared placement pass ``trainer.policy.lend()``: the engine may keep those very arrays."""
         m = await self.client.update_params(params, version=version)
         return TransferMetrics(version=version, bytes=m.bytes, seconds=m.seconds, buckets=0, tensors=m.tensors,
                                servers=1)

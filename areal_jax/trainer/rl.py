@@ -5,7 +5,8 @@ Each step takes a batch of groups from the controller (rollout keeps generating 
 runs the decoupled-PPO update (proximal logprobs recomputed, advantages, minibatch steps) in a
 worker thread so the event loop keeps serving rollout, bumps the version, pushes the weights
 (pause with abort, push, continue: answers in flight resume under the new weights; in async
-mode the push overlaps the next batch's update), and logs (the steps: ``rl_steps.py``).
+mode the push overlaps the next batch's update), and logs. ``rl_steps.py`` holds the run object
+and its steps, ``weight_push.py`` the push protocol; this module sets the run up.
 A batch whose every optimizer step was skipped for a NaN/inf loss or gradient changed no weight:
 its step is logged (``skipped_steps``) but the version is not bumped and nothing is pushed.
 Evaluation runs on the held-out split after the warm start, every ``eval.every`` steps and at
@@ -38,9 +39,8 @@ import numpy as np
 import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
-from areal_jax.trainer.evaluate import evaluate
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
-from areal_jax.trainer.rl_steps import describe_push, follow, push_weights, run_steps
+from areal_jax.trainer.rl_steps import Run, follow, held_out, run_steps
 from areal_jax.trainer.rollout import (
     device_split,
     engine_beside_trainer,
@@ -198,7 +198,6 @@ async def _train(cfg: RunConfig, resume: bool = False,
     np.random.seed(cfg.seed)
     rollout = cfg.rollout
     check_imports(cfg)  # a bad workflow, agent or reward name fails before anything starts
-    workflow = get_workflow(rollout.workflow)
     sandbox_line = cfg.reward.preflight()  # code rewards: no isolation fails here, before any model
     split = device_split(cfg)  # before this process's JAX starts: the trainer keeps its share only
     if split is not None:
@@ -284,10 +283,12 @@ async def _train(cfg: RunConfig, resume: bool = False,
             t_start -= meta["time"]  # the metrics' wall time goes on from the checkpoint's
             logger.write(f"resuming from checkpoint step {start} in {ckpts.directory} (policy version "
                          f"{meta['version']}, {len(meta['controller']['pending'])} prompts in flight submitted again)")
+        run = Run(cfg, hub, files, trainer, logger, data, tokenizer, base, ckpts=ckpts, meta=meta, start=start,
+                  t_start=t_start, on_step=on_step)
         if hub.leader:
             try:
-                await _lead(cfg, hub, trainer, serve_dir, base, mesh, tokenizer, data, workflow, logger, result,
-                            meta, start, ckpts, t_start, on_step, files, early)
+                await _lead(run, serve_dir, early)
+                result.eval_before, result.eval_after = run.eval_before, run.eval_after
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
                     log.error("process 0: the run failed (%s: %s); stopping the other processes", type(e).__name__, e)
@@ -328,19 +329,19 @@ async def _train(cfg: RunConfig, resume: bool = False,
     return result
 
 
-async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: Path, mesh: Any, tokenizer: Any,
-                data: Any, workflow: Any, logger: MetricsLogger, result: RunResult, meta: dict[str, Any] | None,
-                start: int, ckpts: Any, t_start: float, on_step: Callable[[dict[str, Any]], None] | None,
-                files: Any = None, early: Any = None) -> None:
-    """Process 0's part of the run: rollout, rewards, evaluation and the controller, and the
-    steps (each announced to the other processes of a multi-process run)."""
-    from areal_jax.models import iter_hf_tensors
+async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
+    """Process 0's part of the run: open rollout (serving ``serve_dir``; ``early``: servers
+    started already), the weight push, rewards, evaluation and the controller, then the steps
+    (each announced to the other processes of a multi-process run)."""
     from areal_jax.rewards import RewardPool
-    from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
+    from areal_jax.trainer.weight_push import WeightPush, make_sink
 
+    cfg, logger, meta = run.cfg, run.logger, run.meta
     rollout, local = cfg.rollout, cfg.rollout.backend == "local"
-    run_dir = files.local if files is not None else Path(cfg.run_dir)
-    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=mesh, early=early) as (client, fleet):
+    run_dir = run.files.local
+    async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=run.trainer.mesh,
+                            early=early) as (client, fleet):
+        run.client, run.fleet = client, fleet
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
         logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
@@ -351,41 +352,37 @@ async def _lead(cfg: RunConfig, hub: Any, trainer: Any, serve_dir: Path, base: P
                 log.warning(advice)
         if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
             await client.update_weights_from_disk(str(serve_dir), version=0)
-        sink = (LocalSink(client) if local else HttpBucketSink(client) if rollout.weight_sync == "http" else
-                DiskSink(rollout.weights_dir or run_dir / "weights", trainer.model().config.to_hf_dict(),
-                         client=client, tokenizer_dir=base, server_root=rollout.servers_weights_dir))
-        logger.write(describe_push(cfg, sink, hub.processes))
+        sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base)
+        run.weights = WeightPush(cfg, run.trainer, client, sink, hub=run.hub)
+        logger.write(run.weights.describe())
         version = 0
         if meta is not None:  # rollout serves the restored policy from the start
             version = meta["version"]
-            await push_weights(cfg, trainer, sink, version, iter_hf_tensors, hub)
+            await run.weights.send(version)
         with RewardPool(cfg.reward) as pool:
-            episode_client = EpisodeClient(client, tokenizer, pool, rollout.sampling_params(),
-                                           rollout.group_size, dict(rollout.workflow_options),
-                                           batch_groups=rollout.batch_group_requests)
+            run.episodes = EpisodeClient(client, run.tokenizer, pool, rollout.sampling_params(),
+                                         rollout.group_size, dict(rollout.workflow_options),
+                                         batch_groups=rollout.batch_group_requests)
             if meta is None:
-                result.eval_before = await evaluate(episode_client, data.eval_rows, cfg.eval,
-                                                    max_new_tokens=rollout.max_new_tokens)
-            if result.eval_before:
-                result.eval_before["time"] = time.perf_counter() - t_start
-                logger.write(f"held-out accuracy before RL: {result.eval_before['eval_accuracy']:.1%} "
-                             f"({result.eval_before['eval_prompts']} prompts)")
-            controller = RolloutController(
-                episode_client, workflow, data.train_iter(), batch_size=cfg.batch_size,
+                run.eval_before = await held_out(run)
+            if run.eval_before:
+                run.eval_before["time"] = time.perf_counter() - run.t_start
+                logger.write(f"held-out accuracy before RL: {run.eval_before['eval_accuracy']:.1%} "
+                             f"({run.eval_before['eval_prompts']} prompts)")
+            run.controller = run.weights.controller = RolloutController(
+                run.episodes, get_workflow(rollout.workflow), run.data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
-                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=start,
+                filter_uniform_reward=rollout.filter_uniform_reward, version=version, steps=run.start,
                 failure_patience=rollout.failure_patience)
             if meta is not None:
-                controller.load_state_dict(meta["controller"], {r.id: r for r in data.train_rows})
-            controller.start()
+                run.controller.load_state_dict(meta["controller"], {r.id: r for r in run.data.train_rows})
+            run.controller.start()
             try:
-                await run_steps(cfg, trainer, controller, client, sink, episode_client, data, logger, fleet,
-                                t_start, iter_hf_tensors, start=start, ckpts=ckpts, on_step=on_step, hub=hub,
-                                files=files)
+                await run_steps(run)
                 if logger.history and logger.history[-1].get("eval_accuracy") is not None:
-                    result.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
+                    run.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
             finally:
-                await controller.stop()
+                await run.controller.stop()
 
 
 def run_summary(result: RunResult) -> str:

@@ -84,6 +84,10 @@ class Trainer:
 
     The critic is ``critic`` when given, else ``Critic.from_policy(model)``: a copy of the policy's
     trunk with a fresh value head.
+
+    The state lives in the learners: ``trainer.policy`` (``params``, ``opt_state``, ``step``,
+    ``lend()``) and ``trainer.critic_learner`` (None without a critic); ``trainer.preparer`` is
+    the pre-update half (``trainer/prepare.py``). The trainer runs the batch through them.
     """
 
     def __init__(
@@ -194,50 +198,14 @@ class Trainer:
             batch["attention_pairs"] = jax.ShapeDtypeStruct((rows, budgets[-1], 2), np.int32, sharding=ds)
         return batch
 
-    # --- state --------------------------------------------------------------------------------
-
-    @property
-    def step(self) -> int:
-        """The policy's optimizer steps so far (skipped ones not counted)."""
-        return self.policy.step
-
-    @property
-    def critic_step(self) -> int | None:
-        """The critic's optimizer steps so far (None without a critic)."""
-        return None if self.critic_learner is None else self.critic_learner.step
-
-    @property
-    def params(self) -> nnx.State:
-        return self.policy.params
-
-    @property
-    def opt_state(self) -> Any:
-        return self.policy.opt_state
-
-    @property
-    def graphdef(self) -> nnx.GraphDef:
-        return self.policy.graphdef
-
-    @property
-    def critic_params(self) -> nnx.State | None:
-        return None if self.critic_learner is None else self.critic_learner.params
+    # --- state: the learners hold it (``trainer.policy``, ``trainer.critic_learner``) ---------
 
     def model(self, params: nnx.State | None = None) -> Decoder:
-        """The current policy as a ``Decoder`` for the weight streamer. It shares buffers with the
-        trainer, so read it before the next ``train_batch`` (which donates them), or hold on to
-        it past that only through ``lend_params``: ``params`` (what ``lend_params`` returned)
+        """The current policy as a ``Decoder`` for the weight streamer and export. It shares buffers
+        with the trainer, so read it before the next ``train_batch`` (which donates them), or hold
+        on to it past that only through ``policy.lend()``: ``params`` (what ``lend`` returned)
         builds the model on those instead."""
         return self.policy.module() if params is None else nnx.merge(self.policy.source_graphdef, params)
-
-    def lend_params(self) -> nnx.State:
-        """The current float32 params themselves (no copy), for a reader that keeps them past the
-        next update, such as an in-process engine. The next update does not donate them: it
-        writes the new params to new buffers, and these stay valid until the reader drops them."""
-        return self.policy.lend()
-
-    def critic(self) -> Critic | None:
-        """The current critic (None without one); shares buffers like ``model()``."""
-        return None if self.critic_learner is None else self.critic_learner.module()
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The arrays a checkpoint holds: the policy's params and AdamW state, and with a critic its

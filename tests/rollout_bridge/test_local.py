@@ -53,14 +53,14 @@ def test_trainer_never_deletes_the_given_model_nor_lent_params() -> None:
     before = _values(model)
     trainer = Trainer(model, AlgoConfig(), TRAIN)
     trajs = random_trajectories(np.random.default_rng(0), 2, 4)
-    lent = trainer.lend_params()
+    lent = trainer.policy.lend()
     trainer.train_batch(trajs, 0)
     for a, b in zip(_values(model), before, strict=True):  # the given model: readable, unchanged
         np.testing.assert_array_equal(a, b)
     for a, b in zip(_values(lent), before, strict=True):  # the lent params outlive the update too
         np.testing.assert_array_equal(a, b)
-    assert any(not np.array_equal(a, b) for a, b in zip(_values(trainer.params), before, strict=True))
-    unlent = jax.tree.leaves(trainer.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(_values(trainer.policy.params), before, strict=True))
+    unlent = jax.tree.leaves(trainer.policy.params)
     trainer.train_batch(trajs, 1)  # not lent: donated as before, so an update holds one copy
     assert all(x.is_deleted() for x in unlent)
 
@@ -86,7 +86,7 @@ def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(
 
     async def run() -> tuple[Any, ...]:
         async with client:
-            lent = trainer.lend_params()
+            lent = trainer.policy.lend()
             olds = jax.tree.leaves(client.engine.state)
             metrics = await client.update_params(lent, version=1)
             buffers = _buffers(client.engine.state), _buffers(lent)
@@ -143,7 +143,7 @@ def test_handover_during_generation_resumes_answers_with_per_token_versions(
 
     async def run() -> list[GenerateResult]:
         async with client:
-            await client.update_params(trainer.lend_params(), version=1)
+            await client.update_params(trainer.policy.lend(), version=1)
             # The same three requests once, short, so no compilation falls between their starts
             # below (on a cold cache one answer could run to its end while another compiled).
             await asyncio.gather(*(client.generate([7, 8, 9 + i], {"max_new_tokens": 4, "ignore_eos": True})
@@ -162,7 +162,7 @@ def test_handover_during_generation_resumes_answers_with_per_token_versions(
                                 f"{sum(t.done() for t in tasks)} already done")
                 await asyncio.sleep(0.002)
             await client.pause(mode)
-            await client.update_params(trainer.lend_params(), version=2)
+            await client.update_params(trainer.policy.lend(), version=2)
             await client.continue_generation()
             return await asyncio.gather(*tasks)
 
@@ -191,7 +191,7 @@ def test_the_http_clients_control_calls_work_in_process(shared: tuple[Trainer, L
         out: dict[str, Any] = {"health": [await client.check_health()]}
         async with client:
             out["health"].append(await client.check_health())
-            await client.update_params(trainer.lend_params(), version=1)
+            await client.update_params(trainer.policy.lend(), version=1)
             task = asyncio.create_task(client.generate([7, 8, 9], sp, rid="gone"))
             await started(task)
             # Held in its slot, so it cannot run to its end before the calls below (a warm engine

@@ -79,7 +79,7 @@ def test_bfloat16_engine_in_the_split_placement_samples_from_the_trainers_weight
     engine = build_engine(tiny_dir, [*ENGINE_ARGS, "--dtype", "bfloat16"], mesh=make_mesh(TENSOR, gen_devices),
                           seed=0)
     with _no_host_transfers():
-        state, copied = handover(trainer.params, engine.state)
+        state, copied = handover(trainer.policy.params, engine.state)
     for x, was in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state), strict=True):
         assert x.dtype == jax.numpy.bfloat16 and x.sharding == was.sharding
     assert copied == sum(x.nbytes for x in jax.tree.leaves(state))
@@ -140,7 +140,7 @@ engine._run_step = timed
 
 async def main():
     async with client:
-        m = await client.update_params(trainer.params, version=1)
+        m = await client.update_params(trainer.policy.params, version=1)
         placed = {d.id for x in jax.tree.leaves(engine.state) for d in x.sharding.device_set}
         prompt = [5, 9, 14, 3]
         first = await client.generate(prompt, {"max_new_tokens": 12, "ignore_eos": True})

@@ -84,7 +84,7 @@ async def _generate_under_pushes(client: Any, engine: Engine, trainer: Trainer, 
         list[Served], dict[int, Any]]:
     """Keep ``IN_FLIGHT`` answers generating while ``VERSIONS`` versions are trained (in a worker
     thread, beside generation) and pushed; returns every answer and each version's weights."""
-    kept = {0: _host_copy(trainer.params)}
+    kept = {0: _host_copy(trainer.policy.params)}
     rng = np.random.default_rng(0)
     done: list[Served] = []
     stop = asyncio.Event()
@@ -106,7 +106,7 @@ async def _generate_under_pushes(client: Any, engine: Engine, trainer: Trainer, 
             await tokens_of(version - 1)  # the update below runs beside generation
             batch = random_trajectories(np.random.default_rng(version), 2, 4, version=version - 1)
             await asyncio.to_thread(trainer.train_batch, batch, version - 1)
-            kept[version] = _host_copy(trainer.params)
+            kept[version] = _host_copy(trainer.policy.params)
             await tokens_of(version - 1)  # the push lands inside answers
             await push(trainer, version)
         await tokens_of(VERSIONS)
@@ -167,11 +167,11 @@ def _local_run(engine: Engine, trainer: Trainer, *, lend: bool) -> tuple[list[Se
     client = LocalRolloutClient(engine)
 
     async def push(trainer: Trainer, version: int) -> None:
-        # As ``rl_steps.push``: pause (abort), hand over, continue; lent params in the shared
+        # As ``WeightPush.push``: pause (abort), hand over, continue; lent params in the shared
         # placement, which the next update (running beside generation) must leave alone.
         await client.pause("abort")
         try:
-            await client.update_params(trainer.lend_params() if lend else trainer.params, version=version)
+            await client.update_params(trainer.policy.lend() if lend else trainer.policy.params, version=version)
         finally:
             await client.continue_generation()
 

@@ -144,7 +144,7 @@ def test_restarted_server_is_out_of_rotation_until_it_holds_the_current_version(
 @pytest.mark.parametrize("max_staleness", [2, 0])
 def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_dir: Path, tmp_path: Path,
                                                                           max_staleness: int) -> None:
-    """The RL loop's push in async mode (``rollout.overlap_weight_push``): ``start_push`` returns
+    """The RL loop's push in async mode (``rollout.overlap_weight_push``): ``WeightPush.start`` returns
     with the controller at the new version (at once, or with ``max_staleness`` 0 once the server
     has paused), and the push streams on from lent params while the next update runs. The server
     must end up with exactly the weights the push started with, not the ones that update wrote
@@ -152,8 +152,8 @@ def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_
     from areal_jax.algo import AlgoConfig
     from areal_jax.controller import RolloutController
     from areal_jax.trainer import TrainConfig, Trainer
-    from areal_jax.trainer.rl_steps import start_push
     from areal_jax.trainer.run_config import load_run_config
+    from areal_jax.trainer.weight_push import WeightPush
     from tests.trainer.helpers import random_trajectories
 
     demo = Path(__file__).parents[2] / "configs" / "demo.yaml"
@@ -163,7 +163,7 @@ def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_
                       TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2))
     rng = np.random.default_rng(0)
     trainer.train_batch(random_trajectories(rng, 2, 4), 0)
-    version_1 = trainer.model(jax.tree.map(lambda x: x.copy(), trainer.params))  # a copy of its own
+    version_1 = trainer.model(jax.tree.map(lambda x: x.copy(), trainer.policy.params))  # a copy of its own
     controller = RolloutController(None, None, iter(()), batch_size=2, max_staleness=max_staleness)
     prompt = [5, 17, 3, 42]
 
@@ -171,8 +171,8 @@ def test_overlapped_push_serves_its_own_version_while_the_next_update_runs(tiny_
         async with running_server(tiny_dir, max_seq_len=64) as (addr, _), \
                 HttpRolloutClient([addr], config=ClientConfig(control_timeout_s=30)) as client:
             # Small buckets: the push takes many round trips, so the update below runs inside it.
-            pushing = await start_push(cfg, client, HttpBucketSink(client, bucket_bytes=4096), trainer, 1,
-                                        iter_hf_tensors, controller, step=1)
+            pushing = await WeightPush(cfg, trainer, client, HttpBucketSink(client, bucket_bytes=4096),
+                                       controller).start(1, step=1)
             assert controller.version == 1 and not pushing.done()
             await asyncio.gather(pushing, asyncio.to_thread(trainer.train_batch, random_trajectories(rng, 2, 4), 1))
             r = await client.generate(prompt, SP)

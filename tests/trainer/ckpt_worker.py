@@ -53,7 +53,7 @@ def reshard(directory: str) -> dict:
     _randomize(src, 0)
     saved = jax.device_get(src.checkpoint_state())
     ckpts = RunCheckpoints(CheckpointConfig(every_steps=1), epath.Path(directory))
-    ckpts.save(1, src.checkpoint_state(), {"trainer_step": src.step})
+    ckpts.save(1, src.checkpoint_state(), {"trainer_step": src.policy.step})
     ckpts.close()
 
     dst = _trainer(MeshConfig(data=1, fsdp=4, tensor=2))
@@ -69,7 +69,7 @@ def reshard(directory: str) -> dict:
     meshes = {str(dict(x.sharding.mesh.shape)) for x in jax.tree.leaves(got)}
     split = sum(1 for x in jax.tree.leaves(got) if "tensor" in str(x.sharding.spec))
     return {"equal": equal, "same_sharding": same_sharding, "meshes": sorted(meshes), "tensor_split_leaves": split,
-            "leaves": len(jax.tree.leaves(got)), "step": dst.step, "devices": jax.device_count(),
+            "leaves": len(jax.tree.leaves(got)), "step": dst.policy.step, "devices": jax.device_count(),
             "source_meshes": sorted({str(dict(x.sharding.mesh.shape))
                                      for x in jax.tree.leaves(src.checkpoint_state())})}
 
@@ -85,7 +85,7 @@ def disk_full(directory: str, limit: str) -> dict:
     trainer = _trainer()
     _randomize(trainer, 0)
     ckpts = RunCheckpoints(CheckpointConfig(every_steps=1, keep=1), epath.Path(directory))
-    ckpts.save(1, trainer.checkpoint_state(), {"trainer_step": trainer.step})
+    ckpts.save(1, trainer.checkpoint_state(), {"trainer_step": trainer.policy.step})
     ckpts.wait()
     saved = _sums(trainer.checkpoint_state())
     _randomize(trainer, 1)
@@ -93,7 +93,7 @@ def disk_full(directory: str, limit: str) -> dict:
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
     error = None
     try:
-        ckpts.save(2, trainer.checkpoint_state(), {"trainer_step": trainer.step})
+        ckpts.save(2, trainer.checkpoint_state(), {"trainer_step": trainer.policy.step})
         ckpts.wait()
     except CheckpointSaveError as e:
         error = str(e)

@@ -44,7 +44,8 @@ def run(mesh: Mesh, estimator: str = "grpo") -> dict[str, np.ndarray]:
             keys += ["value_loss", "critic_grad_norm", "explained_variance", "value_mean"]
         for key in keys:
             out[f"stats{i}/{key}"] = np.float64(st[key])
-    params = {"param": trainer.params, "critic": trainer.critic_params}
+    critic = trainer.critic_learner
+    params = {"param": trainer.policy.params, "critic": None if critic is None else critic.params}
     for name, tree in params.items():
         if tree is not None:
             for path, p in nnx.to_flat_state(fetch(tree)):

@@ -78,7 +78,7 @@ def test_block_sparse_step_on_a_mesh_equals_one_device() -> None:
                           TrainConfig(micro_batch_tokens=128, length_buckets=(128,), max_seq_len=64, lr=1e-2,
                                       grad_clip=0.5, attention_block=block), mesh=mesh)
         stats = trainer.train_batch(trajs, 0)
-        out.append((stats, jax.tree.leaves(jax.device_get(trainer.params))))
+        out.append((stats, jax.tree.leaves(jax.device_get(trainer.policy.params))))
     (ref, ref_params), (got, params) = out
     for key in ("loss", "grad_norm", "entropy", "clip_fraction"):
         np.testing.assert_allclose(got[key], ref[key], rtol=2e-4, atol=1e-6, err_msg=key)

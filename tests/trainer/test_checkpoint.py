@@ -68,7 +68,7 @@ def test_async_save_is_not_spoiled_by_the_next_update(tmp_path: Path) -> None:
     saved = jax.device_get(trainer.checkpoint_state())
     assert set(saved) == {"params", "opt_state"}
     ckpts = RunCheckpoints(CheckpointConfig(every_steps=1), epath.Path(tmp_path))
-    blocked = ckpts.save(1, trainer.checkpoint_state(), {"trainer_step": trainer.step})
+    blocked = ckpts.save(1, trainer.checkpoint_state(), {"trainer_step": trainer.policy.step})
     trainer.train_batch(random_trajectories(rng, 2, 4), 1)  # donates params and AdamW state
     ckpts.close()
 
@@ -79,8 +79,8 @@ def test_async_save_is_not_spoiled_by_the_next_update(tmp_path: Path) -> None:
     got = jax.device_get(fresh.checkpoint_state())
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert fresh.step == 1 and trainer.step == 2
-    moved = jax.device_get(trainer.params)
+    assert fresh.policy.step == 1 and trainer.policy.step == 2
+    moved = jax.device_get(trainer.policy.params)
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(saved["params"]),
                                                     strict=True))
     print(f"async save blocked {blocked * 1e3:.0f} ms")

@@ -75,15 +75,15 @@ def test_ppo_preset_trains_policy_and_critic_and_the_critic_learns_returns() -> 
     the value loss (measured before each update) falls well below its start."""
     trainer = Trainer(tiny_model(), _preset("ppo"),
                       TrainConfig(micro_batch_tokens=64, length_buckets=(32, 64), lr=1e-3, critic_lr=3e-3))
-    policy0, critic0 = _flat(trainer.params), _flat(trainer.critic_params)
+    policy0, critic0 = _flat(trainer.policy.params), _flat(trainer.critic_learner.params)
     trajs = random_trajectories(np.random.default_rng(1), 4, 4)
     history = [trainer.train_batch(trajs, step) for step in range(30)]
     losses = [h["value_loss"] for h in history]
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm", "loss", "grad_norm"):
         assert np.isfinite([h[key] for h in history]).all(), key
     assert history[0]["critic_lr"] == pytest.approx(3e-3) and history[0]["lr"] == pytest.approx(1e-3)
-    assert np.abs(_flat(trainer.params) - policy0).max() > 1e-3
-    assert np.abs(_flat(trainer.critic_params) - critic0).max() > 1e-3
+    assert np.abs(_flat(trainer.policy.params) - policy0).max() > 1e-3
+    assert np.abs(_flat(trainer.critic_learner.params) - critic0).max() > 1e-3
     assert np.mean(losses[-3:]) < 0.25 * losses[0], losses
     assert history[-1]["explained_variance"] > 0.3 > history[0]["explained_variance"]
 
@@ -144,7 +144,6 @@ def test_critic_free_presets_build_no_critic(name: str) -> None:
     algo = _preset(name)
     assert algo.adv_estimator != "gae"
     trainer = Trainer(tiny_model(), algo, TrainConfig(micro_batch_tokens=64, length_buckets=(64,)))
-    assert trainer.critic_params is None and trainer.critic() is None
     assert trainer.critic_learner is None and set(trainer.checkpoint_state()) == {"params", "opt_state"}
     with pytest.raises(ValueError, match="keeps no critic"):
         trainer.critic_minibatch_grads([])

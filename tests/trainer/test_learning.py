@@ -33,7 +33,7 @@ def _reward(prompt: np.ndarray, answer: np.ndarray) -> float:
 def test_grpo_raises_reward_on_a_synthetic_task() -> None:
     trainer = Trainer(tiny_model(seed=0), AlgoConfig(), TrainConfig(lr=2e-3, micro_batch_tokens=256,
                                                                      length_buckets=(256,), grad_clip=1.0))
-    sample = make_sampler(trainer.graphdef, PROMPT_LEN, ANSWER_LEN)
+    sample = make_sampler(trainer.policy.graphdef, PROMPT_LEN, ANSWER_LEN)
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
     rewards = []
@@ -41,7 +41,7 @@ def test_grpo_raises_reward_on_a_synthetic_task() -> None:
     for version in range(STEPS):
         prompts = np.repeat(rng.choice(DIGITS, (NUM_PROMPTS, PROMPT_LEN)), GROUP_SIZE, axis=0)
         key, sub = jax.random.split(key)
-        tokens, logprobs = jax.device_get(sample(trainer.params, prompts, sub))
+        tokens, logprobs = jax.device_get(sample(trainer.policy.params, prompts, sub))
         trajs = [Trajectory.from_prompt_and_answer(p, a, lp, version, reward=_reward(p, a), group_id=i // GROUP_SIZE)
                  for i, (p, a, lp) in enumerate(zip(prompts, tokens, logprobs, strict=True))]
         stats = trainer.train_batch(trajs, version)

@@ -17,7 +17,7 @@ def test_step_after_a_lend_compiles_nothing() -> None:
     trajs = random_trajectories(np.random.default_rng(3), 2, 4)
     first = trainer.train_batch(trajs, 0)
     assert first["compile_seconds"] > 0  # step 1 compiles (warm-up off)
-    lent = trainer.lend_params()  # as the weight push after step 1 does
+    lent = trainer.policy.lend()  # as the weight push after step 1 does
     keep = getattr(trainer.policy, "_keep_compiled", None)
     if keep is not None:  # the background compile, finished (a weight push takes as long)
         keep.result()
@@ -26,5 +26,5 @@ def test_step_after_a_lend_compiles_nothing() -> None:
     # the lent params survived the update (not donated), and the update took effect
     import jax
 
-    before, after = np.asarray(jax.tree.leaves(lent)[0]), np.asarray(jax.tree.leaves(trainer.params)[0])
+    before, after = np.asarray(jax.tree.leaves(lent)[0]), np.asarray(jax.tree.leaves(trainer.policy.params)[0])
     assert np.isfinite(before).all() and not np.array_equal(before, after)

@@ -36,19 +36,19 @@ def _poison(trajectories: list, how: str, which: slice) -> None:
 def test_nonfinite_batch_changes_nothing_and_is_counted(how: str) -> None:
     rng = np.random.default_rng(0)
     trainer = Trainer(tiny_model(), AlgoConfig(ppo_n_minibatches=2), TrainConfig(lr=1e-2))
-    params0, opt0 = _host(trainer.params), _host(trainer.opt_state)
+    params0, opt0 = _host(trainer.policy.params), _host(trainer.policy.opt_state)
 
     bad = random_trajectories(rng, num_groups=2, group_size=4)
     _poison(bad, how, slice(None))
     stats = trainer.train_batch(bad, version=0)
-    assert stats["skipped_steps"] == 2 and trainer.skipped_steps == 2 and trainer.step == 0
+    assert stats["skipped_steps"] == 2 and trainer.skipped_steps == 2 and trainer.policy.step == 0
     assert not np.isfinite(stats["grad_norm"])  # no applied step to report a norm for
-    assert _same(_host(trainer.params), params0)
-    assert _same(_host(trainer.opt_state), opt0)  # moments and step count untouched
+    assert _same(_host(trainer.policy.params), params0)
+    assert _same(_host(trainer.policy.opt_state), opt0)  # moments and step count untouched
 
     stats = trainer.train_batch(random_trajectories(rng, num_groups=2, group_size=4), version=0)
-    assert stats["skipped_steps"] == 0 and trainer.step == 2 and np.isfinite(stats["grad_norm"])
-    after = _host(trainer.params)
+    assert stats["skipped_steps"] == 0 and trainer.policy.step == 2 and np.isfinite(stats["grad_norm"])
+    after = _host(trainer.policy.params)
     assert all(np.isfinite(x).all() for x in after)
     assert not _same(after, params0)
 
@@ -60,7 +60,7 @@ def test_only_the_poisoned_minibatch_is_skipped() -> None:
     batch = random_trajectories(rng, num_groups=2, group_size=4)
     _poison(batch, "logprob_nan", slice(4, None))  # the second minibatch's trajectories
     stats = trainer.train_batch(batch, version=0)
-    assert stats["skipped_steps"] == 1 and trainer.step == 1 and np.isfinite(stats["grad_norm"])
-    assert all(np.isfinite(x).all() for x in _host(trainer.params))
-    counts = [int(x) for x in jax.tree.leaves(trainer.opt_state) if np.ndim(x) == 0]
+    assert stats["skipped_steps"] == 1 and trainer.policy.step == 1 and np.isfinite(stats["grad_norm"])
+    assert all(np.isfinite(x).all() for x in _host(trainer.policy.params))
+    counts = [int(x) for x in jax.tree.leaves(trainer.policy.opt_state) if np.ndim(x) == 0]
     assert counts and all(c == 1 for c in counts)  # Adam took one step, not two

@@ -2,8 +2,11 @@
 workflow and an openai-style agent, each a short real run (servers as child processes, the
 reward pool, the trainer, weight pushes)."""
 
+import contextlib
 import json
 import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +26,46 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@contextlib.contextmanager
+def _walk_of_the_tensor_stream() -> Iterator[dict[str, list]]:
+    """Profile the run's event-loop thread (the steps, the pushes): every call of a trainer
+    function that takes ``iter_hf_tensors`` as an argument (``threaded``), and the file of every
+    caller of ``iter_hf_tensors`` (``callers``)."""
+    import areal_jax.trainer
+    from areal_jax.models import iter_hf_tensors
+
+    room, stream = str(Path(areal_jax.trainer.__file__).parent), iter_hf_tensors.__code__
+    walk: dict[str, list] = {"threaded": [], "callers": []}
+
+    def profile(frame, event, arg) -> None:  # noqa: ANN001 - sys.setprofile's signature
+        if event != "call":
+            return
+        code = frame.f_code
+        if code is stream:
+            walk["callers"].append(Path(frame.f_back.f_code.co_filename).name)
+        elif code.co_filename.startswith(room):
+            args = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+            walk["threaded"] += [(code.co_name, a) for a in args if frame.f_locals.get(a) is iter_hf_tensors]
+
+    sys.setprofile(profile)
+    try:
+        yield walk
+    finally:
+        sys.setprofile(None)
+
+
 @pytest.mark.slow
 def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) -> None:
+    """Also: a walk of the run's event-loop thread finds no step that threads the HF tensor
+    stream (``iter_hf_tensors``) through its arguments; only the push module calls it."""
     cfg = load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "steps=6", "rollout.num_servers=2",
                                  "rollout.max_staleness=2", "eval.every=3"])
-    result = train(cfg)
+    with _walk_of_the_tensor_stream() as walk:
+        result = train(cfg)
+    # The tensor stream has one owner: the push module calls it, no step hands it down.
+    assert walk["threaded"] == []
+    assert walk["callers"] and set(walk["callers"]) <= {"weight_push.py", "hf_write.py"}, walk["callers"]
+    assert "weight_push.py" in walk["callers"]
     metrics = _metrics(tmp_path)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert all(m["staleness_max"] <= 2 for m in metrics)

@@ -19,7 +19,7 @@ def single_device_result() -> tuple[dict, list]:
     trajs = random_trajectories(np.random.default_rng(0), 4, 4)
     trainer = Trainer(tiny_model(seed=2), ALGO, TRAIN)
     stats = trainer.train_batch(trajs, 0)
-    return trajs, stats, jax.tree.leaves(jax.device_get(trainer.params))
+    return trajs, stats, jax.tree.leaves(jax.device_get(trainer.policy.params))
 
 
 @pytest.mark.parametrize("mesh_cfg", [MeshConfig(data=2, fsdp=2, tensor=2), MeshConfig(data=1, fsdp=8, tensor=1)],
@@ -31,7 +31,7 @@ def test_sharded_step_equals_single_device(single_device_result: tuple, mesh_cfg
     stats = trainer.train_batch(trajs, 0)
     for key in ("loss", "grad_norm", "entropy", "clip_fraction", "behavior_imp_weight_mean"):
         np.testing.assert_allclose(stats[key], ref_stats[key], rtol=2e-4, atol=1e-6, err_msg=key)
-    params = jax.tree.leaves(jax.device_get(trainer.params))
+    params = jax.tree.leaves(jax.device_get(trainer.policy.params))
     moved = max(np.abs(p - q).max() for p, q in zip(params, jax.tree.leaves(tiny_model(seed=2)), strict=True))
     assert moved > 1e-3
     assert_adam_updates_agree(params, ref_params, steps=ALGO.ppo_n_minibatches)
@@ -64,18 +64,18 @@ def _assert_sharded_not_copied(trainer: Trainer, mesh_cfg: MeshConfig) -> None:
     """Every optimizer-state leaf is placed exactly like the parameter it belongs to, and a device
     holds a slice of the large matrices, not a copy: on fsdp 8 its bytes of params plus Adam's
     moments are about an eighth of the total (small replicated leaves such as norms aside)."""
-    params = dict(jax.tree_util.tree_leaves_with_path(trainer.params))
+    params = dict(jax.tree_util.tree_leaves_with_path(trainer.policy.params))
     keystr = jax.tree_util.keystr
     by_path = {keystr(p): x for p, x in params.items()}
     matched = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.opt_state):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(trainer.policy.opt_state):
         hits = [k for k in by_path if keystr(path).endswith(k) and by_path[k].shape == leaf.shape]
         if hits:
             param = by_path[max(hits, key=len)]
             assert leaf.sharding.is_equivalent_to(param.sharding, leaf.ndim), keystr(path)
             matched += 1
     assert matched == 2 * len(by_path)  # Adam's mu and nu for every parameter
-    leaves = [*params.values(), *jax.tree.leaves(trainer.opt_state)]
+    leaves = [*params.values(), *jax.tree.leaves(trainer.policy.opt_state)]
     total = sum(x.nbytes for x in leaves)
     device = jax.devices()[0]
     on_device = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device)
@@ -97,5 +97,6 @@ def test_sharded_critic_step_equals_single_device() -> None:
     assert ref["value_clip_fraction"] > 0  # the second minibatch's critic has moved off the old values
     for key in ("value_loss", "value_clip_fraction", "explained_variance", "critic_grad_norm", "loss"):
         np.testing.assert_allclose(stats[key], ref[key], rtol=2e-4, atol=1e-6, err_msg=key)
-    assert_adam_updates_agree(jax.tree.leaves(jax.device_get(trainer.critic_params)),
-                              jax.tree.leaves(jax.device_get(single.critic_params)), steps=algo.ppo_n_minibatches)
+    assert_adam_updates_agree(jax.tree.leaves(jax.device_get(trainer.critic_learner.params)),
+                              jax.tree.leaves(jax.device_get(single.critic_learner.params)),
+                              steps=algo.ppo_n_minibatches)

@@ -126,7 +126,7 @@ def test_recomputed_proximal_logprobs_are_the_pre_update_models() -> None:
     recomputed.own_proximal = False
     trainer.train_prepared(prepared)
     twin.train_prepared(recomputed)
-    for a, b in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(twin.params), strict=True):
+    for a, b in zip(jax.tree.leaves(trainer.policy.params), jax.tree.leaves(twin.policy.params), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
     moved = trainer.compute_logprobs(trajs)
     assert max(np.abs(m - g).max() for m, g in zip(moved, got, strict=True)) > 1e-3
@@ -265,7 +265,7 @@ def test_compiled_shapes_bounded_by_buckets() -> None:
     assert trainer.policy.grad_fn._cache_size() <= len(buckets)
     assert trainer.policy.forward_fn._cache_size() <= len(buckets)
     assert trainer.policy.apply_fn._cache_size() == 1
-    assert trainer.step == 100
+    assert trainer.policy.step == 100
 
 
 def test_bfloat16_compute_keeps_float32_master_params() -> None:
@@ -273,7 +273,7 @@ def test_bfloat16_compute_keeps_float32_master_params() -> None:
     cfg = dict(micro_batch_tokens=64, length_buckets=(64,), lr=1e-3)
     f32 = Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).train_batch(trajs, 0)
     trainer = Trainer(tiny_model(), AlgoConfig(), TrainConfig(compute_dtype="bfloat16", **cfg))
-    assert trainer.graphdef != trainer.policy.source_graphdef
+    assert trainer.policy.graphdef != trainer.policy.source_graphdef
     # Before any update both trainers hold the same float32 weights: their logprobs differ only by
     # bfloat16 rounding, which must show (were bfloat16 ignored, they would agree to ~1e-7).
     lp32 = np.concatenate(Trainer(tiny_model(), AlgoConfig(), TrainConfig(**cfg)).compute_logprobs(trajs))
@@ -281,7 +281,7 @@ def test_bfloat16_compute_keeps_float32_master_params() -> None:
     gap = np.abs(lp16 - lp32).max()
     assert 1e-4 < gap < 0.1, gap
     bf16 = trainer.train_batch(trajs, 0)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.params))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(trainer.policy.params))
     np.testing.assert_allclose(bf16["entropy"], f32["entropy"], rtol=2e-2)
     np.testing.assert_allclose(bf16["grad_norm"], f32["grad_norm"], rtol=0.1)
 
@@ -312,7 +312,7 @@ def test_each_micro_batch_goes_to_the_device_once(estimator: str) -> None:
     with jax.transfer_guard_host_to_device("disallow"):
         stats = trainer.train_prepared(prepared)
     assert np.isfinite(stats["loss"]) and stats["lr"] == pytest.approx(1e-3)
-    assert trainer.step == 2
+    assert trainer.policy.step == 2
 
 
 @pytest.mark.parametrize("n_minibatches", [2, 1])
@@ -339,7 +339,7 @@ def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: 
     forwards = stats["shapes"] if n_minibatches > 1 else 0
     assert warm.policy.grad_fn._cache_size() == stats["shapes"] and warm.policy.forward_fn._cache_size() == forwards
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(warm.model(), nnx.Param))]
-    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)) and warm.step == 0
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)) and warm.policy.step == 0
 
     rng = np.random.default_rng(7)
     for step in range(12):  # answers growing longer, as under RL: more block pairs, new budgets
