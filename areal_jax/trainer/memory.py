@@ -122,7 +122,7 @@ class EngineMemory:
     weight_bytes: int
     """The engine's weights on one device, counted beside every peak. A ``--dtype`` other than
     the trainer's float32 is a cast copy, always there. A float32 engine serves the trainer's
-    own arrays, lent (``Trainer.lend_params``): the optimizer step cannot write over them, so the
+    own arrays, lent (``Learner.lend``): the optimizer step cannot write over them, so the
     new params are a second copy at its peak (exact there; at the gradient step, where the engine
     and the trainer hold the same arrays, an over-count by one copy)."""
     fraction: float | None = None
