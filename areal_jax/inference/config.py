@@ -142,7 +142,8 @@ class EngineConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None (unbounded), got {self.max_queued_requests}")
         if self.kv_cache not in ("slots", "paged"):
-            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
+            raise ValueError(f"kv_cache must be 'paged' or 'slots', got {self.kv_cache!r} (EngineConfig.kv_cache, "
+                             f"areal-jax serve --kv-cache, or the environment's {KV_CACHE_ENV})")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -28,6 +28,9 @@ def test_the_page_pool_is_the_default_and_slots_stay_selectable(monkeypatch: pyt
     assert engine_config(_args("--kv-cache", "paged"), 64).kv_cache == "paged"  # the flag wins
     monkeypatch.setenv(KV_CACHE_ENV, "")  # set but empty: the default, not an error
     assert EngineConfig().kv_cache == "paged"
+    monkeypatch.setenv(KV_CACHE_ENV, "page")
+    with pytest.raises(ValueError, match=f"got 'page'.*{KV_CACHE_ENV}"):
+        EngineConfig()
 
 
 def test_data_parallel_falls_back_to_slots_and_says_so(monkeypatch: pytest.MonkeyPatch,
