@@ -101,7 +101,8 @@ def parser() -> argparse.ArgumentParser:
                         "device memory, the share of available host memory the pool may take (default 0.25)")
     p.add_argument("--kv-cache", default=None, choices=["paged", "slots"],
                    help="'paged': one page pool, admission by free pages; 'slots': one --context-length region per "
-                        "running request (not an SGLang flag; default: slots, or $AREAL_JAX_KV_CACHE)")
+                        "running request (not an SGLang flag; default: paged, or $AREAL_JAX_KV_CACHE; slots over "
+                        "--dp-size > 1)")
     p.add_argument("--chunked-prefill-size", type=int, default=1024,
                    help="prompt tokens per prefill call; longer prompts prefill in chunks (-1: never chunk)")
     p.add_argument("--random-seed", type=int, default=None,
@@ -178,6 +179,8 @@ def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool
         if args.kv_cache == "paged":
             raise SystemExit("areal-jax serve: --kv-cache paged does not split over --dp-size > 1 yet; use "
                              "--kv-cache slots or one server per data-parallel group")
+        log.info("KV cache: slots, not the default paged pool: the pool does not split over data-parallel "
+                 "devices yet (--dp-size > 1, or a local engine's mesh with a data or fsdp axis > 1)")
         kv_cache = "slots"
     return EngineConfig(num_slots=args.max_running_requests, max_seq_len=context,
                         seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
@@ -261,9 +264,9 @@ async def serve_app(app: Any, engine: Any, args: argparse.Namespace, parent: int
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can generate and replace "
                     "the weights", args.host)
-    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)%s",
-             args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
-             cfg.max_seq_len, engine.seed,
+    log.info("serving %s on http://%s:%d (tp %d, dp %d, %s KV cache, %d running requests in %d lane(s), context %d, "
+             "random seed %d)%s", args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.kv_cache,
+             cfg.num_slots, engine.num_lanes, cfg.max_seq_len, engine.seed,
              "" if args.skip_server_warmup else f"; compiling {len(engine.step_shapes())} step shapes first")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""The JAX generation engine: continuous batching over KV slots with on-device sampling."""
+"""The JAX generation engine: continuous batching over a paged KV pool (or KV slots) with on-device sampling."""
 
 from areal_jax.inference.engine import Engine, EngineConfig
 from areal_jax.inference.types import (

@@ -42,8 +42,8 @@ KV_CACHE_ENV = "AREAL_JAX_KV_CACHE"
 
 
 def default_kv_cache() -> str:
-    """``EngineConfig.kv_cache`` when none is given: ``$AREAL_JAX_KV_CACHE``, else ``"slots"``."""
-    return os.environ.get(KV_CACHE_ENV, "slots")
+    """``EngineConfig.kv_cache`` when none is given: ``$AREAL_JAX_KV_CACHE``, else ``"paged"``."""
+    return os.environ.get(KV_CACHE_ENV) or "paged"
 
 
 def usable_cpus() -> int:
@@ -108,11 +108,12 @@ class EngineConfig:
     """Most ``top_logprobs_num`` a request may ask for: every step computes this many top
     logprobs when some running request wants any."""
     kv_cache: str = field(default_factory=lambda: default_kv_cache())
-    """``"slots"`` (the default, unless ``AREAL_JAX_KV_CACHE`` names another): every one of
-    ``num_slots`` slots owns ``max_seq_len`` positions of KV cache.
-    ``"paged"`` (``inference.paged``): one pool of ``page_size``-token pages shared by all
-    requests, admission by free pages, at most ``num_slots`` requests running (SGLang's
-    ``--max-running-requests``), ``max_seq_len`` the context length of one request."""
+    """``"paged"`` (the default, unless ``AREAL_JAX_KV_CACHE`` names another; ``inference.paged``):
+    one pool of ``page_size``-token pages shared by all requests, admission by free pages, at
+    most ``num_slots`` requests running (SGLang's ``--max-running-requests``), ``max_seq_len`` the
+    context length of one request. ``"slots"``: every one of ``num_slots`` slots owns
+    ``max_seq_len`` positions of KV cache (the engine before the page pool; what a mesh with a
+    data axis > 1 still needs, see ``rollout_bridge.serve.engine_config``)."""
     page_size: int = 16
     """Paged: tokens per KV page (SGLang's ``--page-size``)."""
     max_total_tokens: int | None = None
@@ -141,7 +142,8 @@ class EngineConfig:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1 or None (unbounded), got {self.max_queued_requests}")
         if self.kv_cache not in ("slots", "paged"):
-            raise ValueError(f"kv_cache must be 'slots' or 'paged', got {self.kv_cache!r}")
+            raise ValueError(f"kv_cache must be 'paged' or 'slots', got {self.kv_cache!r} (EngineConfig.kv_cache, "
+                             f"areal-jax serve --kv-cache, or the environment's {KV_CACHE_ENV})")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

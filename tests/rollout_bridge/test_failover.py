@@ -51,7 +51,7 @@ def test_killed_server_process_requests_move_to_survivor(tiny_dir: Path) -> None
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
          "--max-running-requests", "8", "--context-length", "512", "--lanes", "2", "--log-level", "warning",
-         "--skip-server-warmup"],
+         "--skip-server-warmup", "--kv-cache", "slots"],  # lanes are the slot engine's (the pool runs one loop)
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     model = load_pretrained(tiny_dir)
 

@@ -326,7 +326,10 @@ def test_warmup_compiles_every_step_shape_before_health_says_ready(tiny_dir: Pat
     from rollout_bridge.server import build_app, start_server
 
     async def main() -> None:
-        cfg = EngineConfig(num_slots=2, max_seq_len=64, chunked_prefill_size=16, max_prefill_batch=2, lanes=1, seed=0)
+        # the slot engine compiles every shape it can ask for at warm-up (the paged one compiles the
+        # first requests' few and the rest on first use: test_paged_server.py)
+        cfg = EngineConfig(num_slots=2, max_seq_len=64, chunked_prefill_size=16, max_prefill_batch=2, lanes=1, seed=0,
+                           kv_cache="slots")
         engine = Engine(load_pretrained(tiny_dir), cfg)
         runner, port = await start_server(build_app(engine, warmup=True), "127.0.0.1", 0)
         url = f"http://127.0.0.1:{port}"
