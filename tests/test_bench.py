@@ -340,7 +340,7 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     env = {**os.environ, "XLA_FLAGS": xla_flags.FAST_COMPILE}
     # --steps 3 (not --quick's 4) reaches the async and interrupt parts' runs; past --quick's one
     # warm-up step it leaves two timed steps per run, so each figure is still taken over a window.
-    # (It was 5: the five runs' four extra steps cost about 15 s and checked nothing more.)
+    # (It was 5: two more steps in each of the five runs, which no assertion reads.)
     # The suite's compilation cache, not the bench's own under --out (new in every tmp_path, so
     # every run of the suite compiled all of it again): a second run of the suite loads the
     # programs, which is all the cache changes, the figures' warm-up steps aside.
