@@ -79,7 +79,10 @@ def _start(cmd: list[str], env: dict, log: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_killed_mid_step_and_mid_save_resumes_like_an_unbroken_run(tmp_path: Path) -> None:
-    env = _env(tmp_path / "jax-cache")
+    # The suite's compilation cache, as the async test below: the runs compile the same programs
+    # (one model, one bucket), so whichever runs second compiles almost nothing. A kill that
+    # lands mid-write leaves a truncated entry, which JAX reads as a miss (a warning) and rewrites.
+    env = _env(Path(os.environ["JAX_COMPILATION_CACHE_DIR"]))
     ref_dir, run_dir = tmp_path / "unbroken", tmp_path / "killed"
     ckpt_dir = run_dir / "checkpoints"
 
