@@ -371,8 +371,7 @@ class ReplicaEngine:
     async def set_state(self, state: Any, *, version: int) -> None:
         """Serve ``state`` (shaped like ``self.state``) on every replica, placed on each
         replica's devices (a copy where they differ from where ``state`` lives)."""
-        placed = [jax.tree.map(lambda x, like: jax.device_put(x, like.sharding), state, r.state)
-                  for r in self.replicas]
+        placed = [_placed_like(state, r.state) for r in self.replicas]
         async with self._update_lock:
             for r, s in zip(self.replicas, placed, strict=True):
                 check_swappable(r.state, s)
@@ -404,3 +403,16 @@ class ReplicaEngine:
     def placement(self) -> dict[str, Any]:
         """Every replica's ``Engine.placement``."""
         return {"replicas": [r.placement() for r in self.replicas]}
+
+
+def _placed_like(state: Any, like: Any) -> Any:
+    """``state``'s arrays on ``like``'s shardings, in ``like``'s tree (its variables' metadata,
+    which records the mesh a model was made on); the parameters must match by path."""
+    keystr = jax.tree_util.keystr
+    given = jax.tree_util.tree_leaves_with_path(state)
+    wanted = jax.tree_util.tree_leaves_with_path(like)
+    if [keystr(p) for p, _ in given] != [keystr(p) for p, _ in wanted]:
+        diff = sorted({keystr(p) for p, _ in given} ^ {keystr(p) for p, _ in wanted})
+        raise ValueError(f"set_state: the given state and the served one differ in parameters {diff[:5]}")
+    leaves = [jax.device_put(x, old.sharding) for (_, x), (_, old) in zip(given, wanted, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)

@@ -148,6 +148,47 @@ def test_bad_weights_change_no_replica(replicas: ReplicaEngine, ckpt: Path) -> N
     assert [r.version for r in replicas.replicas] == [0, 0]
 
 
+def test_bucketed_push_and_handed_over_state_reach_every_replica(replicas: ReplicaEngine, ckpt: Path,
+                                                                   ckpt_v1: Path) -> None:
+    """v1's tensors staged in two buckets (as an HTTP push sends them) serve on both replicas;
+    so does a state handed over from a model on another device (``set_state``, the in-process
+    trainer's path), placed onto each replica's own device."""
+    from flax import nnx
+
+    from areal_jax.models.hf_io import read_hf_dir
+
+    model_v1 = load_pretrained(ckpt_v1)
+    ps = prompts([6, 9], seed=25)
+    want = [reference_greedy(model_v1, p, 6) for p in ps]
+    tensors = read_hf_dir(ckpt_v1)
+    names = sorted(tensors)
+
+    async def answers() -> list[list[int]]:
+        outs = await asyncio.gather(*(replicas.generate(GenerateRequest(p, greedy(6))) for p in ps))
+        assert {o.weight_version for o in outs} == {replicas.version}
+        return [o.output_ids for o in outs]
+
+    async def go() -> tuple:
+        await replicas.start()
+        try:
+            stage = replicas.stage_weights()
+            for part in (names[::2], names[1::2]):
+                stage.add({n: tensors[n] for n in part})
+            assert not stage.missing()
+            await replicas.update_weights(stage=stage, version=1)
+            staged = await answers()
+            await replicas.update_weights(model_dir=str(ckpt), version=2)
+            await replicas.set_state(nnx.split(model_v1)[1], version=3)
+            handed = await answers()
+            return staged, handed, [r.version for r in replicas.replicas]
+        finally:
+            await replicas.update_weights(model_dir=str(ckpt), version=0)
+            await replicas.stop()
+
+    staged, handed, versions = run(go())
+    assert staged == want and handed == want and versions == [3, 3]
+
+
 def test_abort_and_pause_reach_every_replica(replicas: ReplicaEngine) -> None:
     """Answers running on both replicas: one aborted by rid stops on its replica only; a pause in
     place holds both (no token while paused) until resume; abort-all ends the rest on both."""
