@@ -292,9 +292,11 @@ async def serve_app(app: Any, engine: Any, args: argparse.Namespace, parent: int
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can generate and replace "
                     "the weights", args.host)
-    log.info("serving %s on http://%s:%d (tp %d, dp %d, %d slots in %d lane(s), context %d, random seed %d)%s",
-             args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.num_slots, engine.num_lanes,
-             cfg.max_seq_len, engine.seed,
+    # data-parallel replicas (inference.replicas): the limits are each rank's
+    slots = (f"{engine.dp_size} replicas of {cfg.num_slots} running requests" if hasattr(engine, "replicas")
+             else f"{cfg.num_slots} slots in {engine.num_lanes} lane(s)")
+    log.info("serving %s on http://%s:%d (tp %d, dp %d, %s, context %d, random seed %d)%s",
+             args.model_path, args.host, bound, args.tp_size, args.dp_size, slots, cfg.max_seq_len, engine.seed,
              "" if args.skip_server_warmup else f"; compiling {len(engine.step_shapes())} step shapes first")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
