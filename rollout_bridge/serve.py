@@ -5,7 +5,10 @@ As in SGLang, the context length defaults to the model's ``max_position_embeddin
 it only when asked to explicitly.
 
 With ``--tp-size`` / ``--dp-size`` above 1 the model is sharded over that many of the host's
-devices (tensor axis: heads and MLP columns; data axis: the KV slots).
+devices (tensor axis: heads and MLP columns). Over ``--dp-size`` the paged KV cache runs as SGLang
+does: one engine per data-parallel rank, each on its own ``--tp-size`` devices with its own page
+pool, ``--max-running-requests`` and ``--max-total-tokens``, behind this one server
+(``inference.replicas``); the slot cache instead splits its slots over a data axis of one mesh.
 
 It listens on 127.0.0.1 unless ``--host`` says otherwise. ``--api-key`` guards every endpoint but
 the health checks; ``--weight-roots`` bounds where ``/update_weights_from_disk`` may load from;
@@ -81,9 +84,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="parameter, compute and KV-cache dtype (default: the checkpoint's config)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel devices (heads and MLP columns split)")
-    p.add_argument("--dp-size", type=int, default=1, help="data-parallel devices (KV slots split)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data-parallel ranks; with --kv-cache paged one engine per rank (each on --tp-size devices, "
+                        "its own page pool), requests routed to the least loaded, as SGLang's --dp-size; with slots "
+                        "one engine whose KV slots split over the ranks")
     p.add_argument("--max-running-requests", type=int, default=32,
-                   help="most requests decoded at once (with --kv-cache slots: the KV slots)")
+                   help="most requests decoded at once (with --kv-cache slots: the KV slots, split over --dp-size; "
+                        "paged: per data-parallel rank, as in SGLang)")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for a slot; more are refused with 503 (default: unbounded)")
     p.add_argument("--context-length", type=int, default=None,
@@ -94,8 +101,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (SGLang's default is 1; pages of 16 keep the work lists short)")
     p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="tokens the KV pool holds (SGLang's max_total_num_tokens; default: sized from memory, at "
-                        "most --max-running-requests x --context-length)")
+                   help="tokens the KV pool holds, per data-parallel rank as in SGLang (its max_total_num_tokens; "
+                        "default: sized from memory, at most --max-running-requests x --context-length; on a CPU "
+                        "the ranks share the host's share)")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="share of device memory for weights and KV pool (default 0.85); on a CPU, which reports no "
                         "device memory, the share of available host memory the pool may take (default 0.25)")
@@ -169,18 +177,20 @@ def context_length(requested: int | None, model_max: int, allow_longer: bool) ->
 
 def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool = False,
                   seed: int | None = None) -> Any:
-    """The ``EngineConfig`` of parsed serve flags, for a context length of ``context`` tokens. Over
-    data parallelism (requests split over devices) the engine keeps the slot cache: the page pool
-    is one per engine and is not split over a data axis yet."""
+    """The ``EngineConfig`` of parsed serve flags, for a context length of ``context`` tokens.
+    ``data_parallel``: one engine whose mesh has a data axis (its requests split over devices), which
+    keeps the slot cache: a page pool is one per engine and does not split over a data axis (the
+    server runs paged data parallelism as replicas instead, ``inference.replicas``)."""
     from areal_jax.inference.config import EngineConfig, default_kv_cache
 
     kv_cache = args.kv_cache or default_kv_cache()
     if data_parallel and kv_cache == "paged":
         if args.kv_cache == "paged":
-            raise SystemExit("areal-jax serve: --kv-cache paged does not split over --dp-size > 1 yet; use "
-                             "--kv-cache slots or one server per data-parallel group")
-        log.info("KV cache: slots, not the default paged pool: the pool does not split over data-parallel "
-                 "devices yet (--dp-size > 1, or a local engine's mesh with a data or fsdp axis > 1)")
+            raise SystemExit("--kv-cache paged does not split over one mesh's data axis (a local engine whose mesh "
+                             "has a data or fsdp axis > 1); use --kv-cache slots there, or `areal-jax serve "
+                             "--dp-size N`, which runs one paged engine per data-parallel rank")
+        log.info("KV cache: slots, not the default paged pool: the pool does not split over one mesh's data-parallel "
+                 "devices (a local engine's mesh with a data or fsdp axis > 1)")
         kv_cache = "slots"
     return EngineConfig(num_slots=args.max_running_requests, max_seq_len=context,
                         seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
@@ -194,21 +204,25 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.api_key is not None and not args.api_key.strip():
         raise SystemExit("areal-jax serve: --api-key is empty (an unset variable?); give a key, or leave the flag out "
                          "to serve without one")
+    from areal_jax.inference.config import default_kv_cache
     from areal_jax.inference.engine import Engine
     from areal_jax.models import ModelConfig, load_pretrained, load_tokenizer
 
     model_max = ModelConfig.from_json_file(Path(args.model_path) / "config.json").max_position_embeddings
     allow = args.allow_overwrite_longer_context_len or os.environ.get(LONGER_CONTEXT_ENV, "") in ("1", "true", "True")
     max_seq_len = context_length(args.context_length, model_max, allow)
-    mesh = make_mesh_for(args.tp_size, args.dp_size)
-    if args.max_running_requests % args.dp_size:
-        raise SystemExit(f"areal-jax serve: --max-running-requests {args.max_running_requests} must be a multiple "
-                         f"of --dp-size {args.dp_size}")
-    cfg = engine_config(args, max_seq_len, data_parallel=args.dp_size > 1)
-    # q/k/v and gate/up as one matmul each (models.fused): HF tensors in and out keep their names.
-    model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh, fuse_projections=True)
+    if args.dp_size > 1 and (args.kv_cache or default_kv_cache()) == "paged":
+        engine = build_replicas(args, max_seq_len)
+    else:
+        mesh = make_mesh_for(args.tp_size, args.dp_size)
+        if args.max_running_requests % args.dp_size:
+            raise SystemExit(f"areal-jax serve: --max-running-requests {args.max_running_requests} must be a "
+                             f"multiple of --dp-size {args.dp_size}")
+        cfg = engine_config(args, max_seq_len, data_parallel=args.dp_size > 1)
+        # q/k/v and gate/up as one matmul each (models.fused): HF tensors in and out keep their names.
+        model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh, fuse_projections=True)
+        engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
-    engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
                     info={"tp_size": args.tp_size, "dp_size": args.dp_size, **engine.server_info()},
@@ -218,6 +232,24 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
                     weight_transfer_timeout_s=args.weight_transfer_timeout,
                     weight_update_mode=args.weight_update_mode)
     return app, engine
+
+
+def build_replicas(args: argparse.Namespace, max_seq_len: int) -> Any:
+    """The paged engine over ``--dp-size`` ranks: one replica per rank on ``--tp-size`` devices of
+    its own, each with the flags' limits (``inference.replicas.ReplicaEngine``)."""
+    import jax
+
+    from areal_jax.inference.replicas import ReplicaEngine
+    from areal_jax.models import load_pretrained
+
+    make_mesh_for(args.tp_size, args.dp_size)  # checks the sizes against this host's devices
+
+    def load(mesh: Any) -> Any:  # fused q/k/v and gate/up, as one engine loads them
+        return load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh, fuse_projections=True)
+
+    # each replica's eos ids: its model's config (Engine's default)
+    return ReplicaEngine.build(load, engine_config(args, max_seq_len), dp_size=args.dp_size, tp_size=args.tp_size,
+                               devices=jax.local_devices()[:args.dp_size * args.tp_size])
 
 
 def parent_pid() -> int | None:
@@ -264,9 +296,12 @@ async def serve_app(app: Any, engine: Any, args: argparse.Namespace, parent: int
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without --api-key: anyone who reaches this port can generate and replace "
                     "the weights", args.host)
-    log.info("serving %s on http://%s:%d (tp %d, dp %d, %s KV cache, %d running requests in %d lane(s), context %d, "
-             "random seed %d)%s", args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.kv_cache,
-             cfg.num_slots, engine.num_lanes, cfg.max_seq_len, engine.seed,
+    # data-parallel replicas (inference.replicas): the limits are each rank's
+    slots = (f"{engine.dp_size} replicas of {cfg.num_slots} running requests" if hasattr(engine, "replicas")
+             else f"{cfg.num_slots} running requests in {engine.num_lanes} lane(s)")
+    log.info("serving %s on http://%s:%d (tp %d, dp %d, %s KV cache, %s, context %d, random seed %d)%s",
+             args.model_path, args.host, bound, args.tp_size, args.dp_size, cfg.kv_cache, slots, cfg.max_seq_len,
+             engine.seed,
              "" if args.skip_server_warmup else f"; compiling {len(engine.step_shapes())} step shapes first")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -204,20 +204,23 @@ async def get_weight_version(request: web.Request) -> web.Response:
 async def get_server_info(request: web.Request) -> web.Response:
     st = request.app[STATE]
     e = st.engine
+    state = {"num_running": e.num_running, "num_waiting": e.num_waiting,
+             "num_slots": e.lane_slots * e.num_lanes, "free_slots": e.num_free_slots,
+             "live_requests": e.num_live,
+             "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
+             "ready": st.ready, "warmup": st.warmup,
+             "lanes": e.num_lanes, "random_seed": e.seed,
+             "max_queued_requests": e.cfg.max_queued_requests,
+             "chunked_prefill_size": e.cfg.chunked_prefill_size, "placement": e.placement(),
+             **st.info}
+    # data-parallel replicas (inference.replicas): one entry per rank, as SGLang reports dp
+    per_rank = e.replica_states() if hasattr(e, "replica_states") else [{}]
     info = P.ServerInfo(
         model_path=st.model_path, tokenizer_path=st.tokenizer_path,
         served_model_name=st.served_model_name or st.model_path, max_context_length=e.max_seq_len,
         version=SERVER_VERSION, host=st.host, port=st.port,
         incremental_streaming_output=st.incremental_streaming_output, weight_update_mode=st.weight_update_mode,
-        internal_states=[{"num_running": e.num_running, "num_waiting": e.num_waiting,
-                          "num_slots": e.lane_slots * e.num_lanes, "free_slots": e.num_free_slots,
-                          "live_requests": e.num_live,
-                          "weight_version": st.weight_version, "engine_version": e.version, "paused": st.paused,
-                          "ready": st.ready, "warmup": st.warmup,
-                          "lanes": e.num_lanes, "random_seed": e.seed,
-                          "max_queued_requests": e.cfg.max_queued_requests,
-                          "chunked_prefill_size": e.cfg.chunked_prefill_size, "placement": e.placement(),
-                          **st.info}])
+        internal_states=[{**state, **rank} for rank in per_rank])
     # SGLang reports its server args and the KV pool's size (max_total_num_tokens) at the top level
     return json_response({**msgspec.to_builtins(info), **(e.server_info() if hasattr(e, "server_info") else {})})
 

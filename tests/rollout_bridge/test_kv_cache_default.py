@@ -39,7 +39,7 @@ def test_data_parallel_falls_back_to_slots_and_says_so(monkeypatch: pytest.Monke
     with caplog.at_level(logging.INFO, logger="rollout_bridge.serve"):
         assert engine_config(_args(), 64, data_parallel=True).kv_cache == "slots"
     assert any("KV cache: slots" in r.getMessage() and "data-parallel" in r.getMessage() for r in caplog.records)
-    with pytest.raises(SystemExit, match="--kv-cache paged does not split over --dp-size"):
+    with pytest.raises(SystemExit, match="--kv-cache paged does not split over one mesh"):
         engine_config(_args("--kv-cache", "paged"), 64, data_parallel=True)
 
 

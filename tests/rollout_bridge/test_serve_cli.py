@@ -145,6 +145,7 @@ def test_serve_shards_over_devices_and_logs_where_it_listens(tiny_dir: Path, tmp
         proc = subprocess.Popen(
             [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
              "--tp-size", "2", "--dp-size", "2", "--max-running-requests", "4", "--context-length", "64",
+             "--kv-cache", "slots",  # one engine over a data axis (paged dp: test_serve_dp_paged.py)
              "--log-level", "info", "--skip-server-warmup"], env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
