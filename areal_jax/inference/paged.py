@@ -529,19 +529,18 @@ class PagedEngine(Engine):
             if stop is not None and stop.is_set():
                 return done
             kind, rows, width, size = shape[:4]
-            if kind == "mixed":
-                width, size, blocks = self.prefill_block, shape[4], shape[2]
-                rows, width = (rows, 1), (blocks, width)
+            if kind == "mixed":  # (mixed, rows, blocks, work, prefill work)
+                p, z, none = _SamplingRows(rows), np.zeros((rows,), np.int32), np.full((rows,), -1, np.int32)
+                ids = np.zeros((width, self.prefill_block), np.int32)
+                self._run_mixed(lane, z, none, z + SINK_PAGE, z, work(size), ids, ids - 1, ids + SINK_PAGE, ids,
+                                work(shape[4]), p.temperature, p.top_p, p.top_k, p.seed, p.stream, z, p.top_n)
+                self.compiled_shapes.add(shape)
+                continue
             zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
-            if kind == "prefill":
+            if kind == "prefill":  # (prefill, rows, width, work)
                 lane.cache = self._run_paged(self.prefill_fn, self._state, lane.cache, zeros,
                                              np.full((rows, width), -1, np.int32), sink, zeros, work(size))
-            elif kind == "mixed":
-                p, z, none = _SamplingRows(rows[0]), np.zeros(rows[0], np.int32), np.full(rows[0], -1, np.int32)
-                ids, pad = np.zeros(width, np.int32), np.full(width, -1, np.int32)
-                self._run_mixed(lane, z, none, z + SINK_PAGE, z, work(shape[3]), ids, pad, ids + SINK_PAGE, ids,
-                                work(size), p.temperature, p.top_p, p.top_k, p.seed, p.stream, z, p.top_n)
-            else:
+            elif kind == "decode":
                 p, z = _SamplingRows(rows), np.zeros((rows,), np.int32)
                 self._run_decode(lane, z, z, sink, zeros, work(size), p.temperature, p.top_p, p.top_k, p.seed,
                                  p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
