@@ -4,9 +4,10 @@
 - ``prefill_step`` writes the keys and values of ``[rows, width]`` prompt tokens (the
   alternating path: a prefill call, then a decode call);
 - ``decode_step`` advances every running request up to ``num_steps`` tokens in a loop on device;
-- ``mixed_step`` runs one flat token batch: one decode token of every running request and
-  blocks of prefill tokens (``models.paged.mixed_paged_layers``), so a prompt being prefilled
-  never stalls the answers in flight (SGLang's mixed chunk).
+- ``mixed_step`` runs one flat token batch, the first decode token of every running request
+  beside rows of prefill tokens (``models.paged.mixed_paged_layers``), then ``decode_step``'s
+  loop for the answers' further tokens, so a prompt being prefilled never stalls the answers in
+  flight (SGLang's mixed chunk).
 
 Sampling uses each request's own PRNG stream at the index of the token sampled
 (``sampling.row_keys``), so a token is the same whichever step samples it.
@@ -43,14 +44,15 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, t
                  work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
                  top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
                  remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
-                 max_top: int) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
+                 max_top: int, ended: jax.Array | bool = False) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
     """Advance each row up to ``min(num_steps, remaining)`` tokens: step ``i`` feeds the row's
     last token at ``positions + i``, writes its keys and values at ``write_pages[:, i]``,
     ``write_offsets[:, i]`` and samples the next with PRNG step ``step + i``. Every step reads
     through the same work list (it covers each row's last position; keys past a query's position
     are masked). Rows past their ``remaining`` (and padding rows, ``remaining`` 0) compute at
     position -1 and write to the sink page. With ``early``, the loop ends after a step at which
-    some row stops (a stop token or its length). Returns the pool and ``([2, num_steps, rows]``
+    some row stops (a stop token or its length), or at once when ``ended`` (a mixed step's first
+    token stopped a row). Returns the pool and ``([2, num_steps, rows]``
     token ids (float32, exact below 2**24) and logprobs, ``[num_steps, rows, max_top]`` top
     logprobs and ids, the steps run)."""
     model = nnx.merge(graphdef, state)
@@ -76,7 +78,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, t
         i, _, ended = carry[:3]
         return (i < num_steps) & ~(early & ended)
 
-    start = (jnp.int32(0), remaining > 0, jnp.bool_(False), cache, tokens,
+    start = (jnp.int32(0), remaining > 0, jnp.bool_(ended), cache, tokens,
              jnp.zeros((2, num_steps, rows), jnp.float32), jnp.zeros((num_steps, rows, max_top), jnp.float32),
              jnp.zeros((num_steps, rows, max_top), jnp.int32))
     steps, _, _, cache, _, out, top_values, top_ids = jax.lax.while_loop(more, one, start)
@@ -88,26 +90,40 @@ def mixed_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, to
                work: tuple[jax.Array, jax.Array, jax.Array], ids: jax.Array, prefill_positions: jax.Array,
                prefill_pages: jax.Array, prefill_offsets: jax.Array,
                prefill_work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
-               top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array, *,
+               top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
+               remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
                max_top: int) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
-    """One decode token of each of ``rows`` requests and ``[blocks, width]`` prefill tokens, in
-    one flat batch of ``rows + blocks * width`` tokens.
+    """A prefill chunk ``ids [prefill rows, width]`` (a chunk of one request per row) computed
+    in one flat batch with the first decode token of each of ``rows`` requests, then up to
+    ``num_steps - 1`` more decode tokens of each (``decode_step``'s loop), in one call.
 
-    Decode row ``i`` feeds ``tokens[i]`` at ``positions[i]`` (-1: a padding row), writes it at
-    ``(write_pages[i], write_offsets[i])`` and samples the next token with PRNG step ``step[i]``,
-    reading through ``work``. Prefill block ``j`` writes ``ids[j]`` at ``prefill_positions[j]``
-    (-1: padding) into ``prefill_pages[j], prefill_offsets[j]`` and reads through
-    ``prefill_work`` (entries per block and page, so a block skips the pages past it); nothing is
-    sampled there. Returns the pool and (``[2, rows]`` token ids as float32 and logprobs,
-    ``[rows, max_top]`` top logprobs and ids)."""
+    The flat batch has ``rows + prefill rows * width`` tokens: decode row ``i`` feeds
+    ``tokens[i]`` at ``positions[i]`` (-1: a padding row), writes it at ``(write_pages[i, 0],
+    write_offsets[i, 0])`` and samples with PRNG step ``step[i]``; prefill row ``j`` writes
+    ``ids[j]`` at ``prefill_positions[j]`` (-1: padding) into ``prefill_pages[j],
+    prefill_offsets[j]``, reading through ``prefill_work``, and samples nothing. The decode
+    arguments are ``decode_step``'s (``work`` covers every step). Returns the pool and
+    ``decode_step``'s outputs over all ``num_steps``."""
     model = nnx.merge(graphdef, state)
-    rows, (blocks, width) = tokens.shape[0], ids.shape
+    rows, (prefill_rows, width) = tokens.shape[0], ids.shape
     flat = lambda a, b: jnp.concatenate([a, b.reshape(-1)])[None]
-    segments = (Segment(rows, 1, PagedWork(*work)), Segment(blocks, width, PagedWork(*prefill_work)))
+    segments = (Segment(rows, 1, PagedWork(*work)), Segment(prefill_rows, width, PagedWork(*prefill_work)))
     hidden, cache = mixed_paged_layers(model, model.embed_tokens(flat(tokens, ids)), flat(positions, prefill_positions),
-                                       cache, write_pages=flat(write_pages, prefill_pages),
-                                       write_offsets=flat(write_offsets, prefill_offsets), segments=segments)
+                                       cache, write_pages=flat(write_pages[:, 0], prefill_pages),
+                                       write_offsets=flat(write_offsets[:, 0], prefill_offsets), segments=segments)
     logits = model.logits_from_hidden(model.norm(hidden[:, :rows]))[0]
-    new, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step))
+    first, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step))
     values, top_ids = top_logprobs(logits, temperature, top_n, max_top)
-    return cache, (jnp.stack([new.astype(jnp.float32), logprobs]), values, top_ids)
+    out = jnp.stack([first.astype(jnp.float32), logprobs])[:, None]
+    if num_steps == 1:
+        return cache, (out, values[None], top_ids[None], jnp.int32(1))
+    # rows that stopped at their first token decode no more (their later writes land in their own
+    # reserved pages, past their end); with ``early`` the loop then does not run at all
+    stopped = (remaining > 0) & (jnp.any(first[:, None] == stop_ids, axis=-1) | (remaining <= 1))
+    rest = jnp.where(stopped, 0, remaining - 1)
+    cache, (more, more_values, more_ids, steps) = decode_step(
+        graphdef, state, cache, first, positions + 1, write_pages[:, 1:], write_offsets[:, 1:], work, temperature,
+        top_p, top_k, seed, stream, step + 1, top_n, rest, stop_ids, early, num_steps=num_steps - 1, max_top=max_top,
+        ended=jnp.any(stopped))
+    return cache, (jnp.concatenate([out, more], axis=1), jnp.concatenate([values[None], more_values]),
+                   jnp.concatenate([top_ids[None], more_ids]), steps + 1)

@@ -9,7 +9,7 @@ over stacked parameters as ``Decoder.decode``, carrying the pool.
 
 ``mixed_paged_layers`` runs one flat token batch cut into consecutive segments, each a
 ``[rows, width]`` block of queries with its own work list (the paged engine's mixed step: a
-segment of decode rows one token wide, and a segment of prefill blocks): projections and MLPs
+segment of decode rows one token wide, and a segment of prefill rows, a chunk each): projections and MLPs
 see the flat batch once, each segment attends through its own ragged list.
 """
 
@@ -159,7 +159,7 @@ def mixed_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache
                        write_pages: jax.Array, write_offsets: jax.Array,
                        segments: tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
     """The decoder layers on a flat batch ``x [1, T, hidden]`` cut into ``segments``
-    (``attention_segments``): one call computes decode rows and prefill blocks together."""
+    (``attention_segments``): one call computes decode rows and prefill chunks together."""
     return _scan_layers(model, x, positions, cache, write_pages, write_offsets, tuple(segments))
 
 

@@ -1,5 +1,5 @@
-"""Mixed steps of the paged engine: prefill chunks and one decode token of every running answer in
-one device call. Prompts of ragged lengths (on and beside page boundaries, several chunks long)
+"""Mixed steps of the paged engine: a prefill chunk and the decode tokens of every running answer
+in one device call. Prompts of ragged lengths (on and beside page boundaries, several chunks long)
 land while answers decode; every answer and every prompt's answer equals greedy decoding by the
 full forward pass with its logprobs, and while a long prompt prefills no device call leaves a
 running answer without a token (on the alternating path, the prefill calls do)."""
@@ -19,7 +19,7 @@ from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
 from tests.inference.reference import prompts, reference_greedy, reference_logprobs, run
 
-# Pages of 4 tokens, chunks of 16 (blocks of 16): a 70-token prompt prefills in 5 mixed steps.
+# Pages of 4 tokens, chunks of 16: a 70-token prompt prefills in 5 mixed steps.
 CFG = EngineConfig(num_slots=8, max_seq_len=128, max_prefill_batch=4, decode_steps=4, seed=0, kv_cache="paged",
                    page_size=4, max_total_tokens=1024, chunked_prefill_size=16)
 
@@ -109,7 +109,7 @@ def test_prompts_landing_while_answers_decode_equal_the_reference(paged: PagedEn
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "alternating"])
 def test_a_long_prompt_does_not_stall_running_answers(paged: PagedEngine, model: Decoder, mixed: bool) -> None:
     """Six answers decode; a 70-token prompt (5 chunks of 16) arrives. With mixed steps every
-    device call made while the prompt prefills gives every running answer one token; on the
+    device call made while the prompt prefills gives every running answer a token or more; on the
     alternating path (``mixed_chunk = False``) the prefill calls give them none. Both paths
     compute the reference's tokens."""
     paged.mixed_chunk = mixed
@@ -126,7 +126,7 @@ def test_a_long_prompt_does_not_stall_running_answers(paged: PagedEngine, model:
     stalled = [(stat, gained) for stat, gained in during if 0 in gained]
     if mixed:
         assert not stalled, stalled
-        assert all(stat == "mixed_seconds" and set(gained) == {1} for stat, gained in during), during
+        assert all(stat == "mixed_seconds" and min(gained) >= 1 for stat, gained in during), during
     else:
         assert len(stalled) >= 5 and all(stat == "prefill_seconds" for stat, _ in stalled)
     for r, out in zip([*answers, long], outs, strict=True):
@@ -135,7 +135,7 @@ def test_a_long_prompt_does_not_stall_running_answers(paged: PagedEngine, model:
 
 
 def test_warmup_compiles_the_first_mixed_and_decode_shapes(ckpt: Path) -> None:
-    """Three shapes (a mixed step of one and of two prefill blocks, a decode call), and a first
+    """Three shapes (a mixed step of one and of two short prompts, a decode call), and a first
     short request then runs on them alone."""
     engine = Engine(load_pretrained(ckpt), CFG)
     assert engine.warmup() == 3
