@@ -14,9 +14,9 @@ answers decode (100-token prompts) when a 4,000-token prompt is submitted, prefi
 one call) and once on the alternating path (a prefill call per chunk, then a decode call of
 ``decode_steps``), in the same process on the same model. Per mode it reports, over the window
 from the prompt's submission to its first token: the largest gap between two token arrivals of
-one answer, the answers' tokens per second and the device calls. The prompt arrives again (a new
-one of the same length, each time after the last has its token) until an arrival runs no call that
-compiles a new shape (at most 5; the JSON says which, and how many calls compiled).
+one answer, the answers' tokens per second and the device calls. The whole case runs again (fresh
+answers, a new prompt of the same length) until an arrival runs no call that compiles a new shape
+(at most 4; the JSON says which arrival, and how many of its calls compiled).
 
 ``--startup`` also starts ``areal-jax serve`` on a tiny checkpoint with each cache and reports the
 step shapes its warm-up compiled and the seconds from launch to the first /generate reply.
@@ -105,7 +105,7 @@ def long_tail(size: str, calls: int) -> dict:
     return out
 
 
-async def _arrival(engine: Engine, answers: int, mixed: bool, max_passes: int = 5) -> dict:
+async def _arrival(engine: Engine, answers: int, mixed: bool, max_passes: int = 4) -> dict:
     """One mode of ``--arrival`` (see the module docstring)."""
     engine.mixed_chunk = mixed
     fns = (engine.mixed_fn, engine.decode_fn, engine.prefill_fn)
@@ -126,22 +126,25 @@ async def _arrival(engine: Engine, answers: int, mixed: bool, max_passes: int = 
     engine._notify, engine._timed = noting, timing  # noqa: SLF001
     await engine.start()
     try:
-        sp = SamplingParams(max_new_tokens=CONTEXT - 2 * SHORT, temperature=0, ignore_eos=True)
-        tasks = [asyncio.create_task(engine.generate(GenerateRequest([4 + (i + j) % 100 for j in range(SHORT)], sp)))
-                 for i in range(answers)]
-        while len(arrivals) < answers:
-            await asyncio.sleep(0.01)  # every answer has a token
-        one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
-        answer_ids, result = set(arrivals), {}
-        for k in range(1, max_passes + 1):  # an arrival in which no call compiled a new shape
+        result: dict = {}
+        for k in range(1, max_passes + 1):  # until an arrival in which no call compiled a new shape
+            # fresh answers each time, so each arrival meets answers of the same lengths
+            arrivals.clear()
+            sp = SamplingParams(max_new_tokens=CONTEXT - 2 * SHORT, temperature=0, ignore_eos=True)
+            tasks = [asyncio.create_task(engine.generate(
+                GenerateRequest([4 + (i + j) % 100 for j in range(SHORT)], sp))) for i in range(answers)]
+            while len(arrivals) < answers or engine.num_waiting:
+                await asyncio.sleep(0.01)  # every answer has a token
+            answer_ids = set(arrivals)
             ncalls, t0 = len(calls), time.perf_counter()
+            one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
             await engine.generate(GenerateRequest([4 + (k * 7 + 3 * j) % 120 for j in range(LONG)], one))
             result = _window(arrivals, answer_ids, calls[ncalls:], t0, time.perf_counter())
             result.update(mixed=mixed, arrival=k)
+            await engine.abort(abort_all=True)
+            await asyncio.gather(*tasks)
             if not result["compiling_calls"]:
                 break
-        await engine.abort(abort_all=True)
-        await asyncio.gather(*tasks)
     finally:
         await engine.stop()
     return result
@@ -170,7 +173,7 @@ def arrival(size: str, answers: int, chunk: int) -> dict:
     model = Decoder(ModelConfig(vocab_size=128, max_position_embeddings=CONTEXT, **TINY_SIZES[size]),
                     rngs=nnx.Rngs(0))
     cfg = EngineConfig(num_slots=answers + 1, max_seq_len=CONTEXT, kv_cache="paged", page_size=16, lanes=1,
-                       max_total_tokens=(answers + 2) * 512 + 2 * CONTEXT, chunked_prefill_size=chunk, seed=0)
+                       max_total_tokens=(answers + 2) * 256 + 2 * CONTEXT, chunked_prefill_size=chunk, seed=0)
     out: dict = {"answers": answers, "chunk": chunk, "decode_steps": cfg.decode_steps}
     for mode in ("mixed", "alternating"):
         r = out[mode] = asyncio.run(_arrival(Engine(model, cfg), answers, mode == "mixed"))
