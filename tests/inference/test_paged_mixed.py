@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import pytest
 
@@ -17,7 +18,7 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference.paged import PagedEngine
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
-from tests.inference.reference import prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import _logits, prompts, reference_greedy, reference_logprobs, run
 
 # Pages of 4 tokens, chunks of 16: a 70-token prompt prefills in 5 mixed steps.
 CFG = EngineConfig(num_slots=8, max_seq_len=128, max_prefill_batch=4, decode_steps=4, seed=0, kv_cache="paged",
@@ -132,6 +133,30 @@ def test_a_long_prompt_does_not_stall_running_answers(paged: PagedEngine, model:
     for r, out in zip([*answers, long], outs, strict=True):
         assert out.output_ids == reference_greedy(model, r.input_ids, r.sampling.max_new_tokens)
     assert paged.allocator.used_pages == 0
+
+
+def test_top_logprobs_and_sampled_tokens_of_answers_decoded_in_mixed_steps(paged: PagedEngine, model: Decoder) -> None:
+    """Answers that ask for top logprobs, and a seeded sampled answer, decode while a 41-token
+    prompt prefills (3 mixed steps, each giving the answers their first token in the chunk's
+    forward pass and the rest in the call's decode loop): every token's top 3 equal the full
+    forward pass's, and the sampled answer equals the same request run alone (its token ``i``
+    is drawn from its own stream at step ``i`` whichever call samples it)."""
+    tops = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, top_logprobs_num=3)
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, ignore_eos=True)
+    p_sampled = prompts([9], seed=27)[0]
+    before = paged.stats["mixed_calls"]
+    answers = [GenerateRequest(p, tops) for p in prompts([5, 11], seed=26)] + [GenerateRequest(p_sampled, sampled)]
+    outs = _answers_then_prompts(paged, answers, [GenerateRequest(prompts([41], seed=28)[0], greedy(4))])
+    assert paged.stats["mixed_calls"] >= before + 3
+    for r, out in zip(answers[:2], outs, strict=False):
+        ids = r.input_ids + out.output_ids
+        logp = np.asarray(jax.nn.log_softmax(_logits(model, ids)[len(r.input_ids) - 1:-1], axis=-1))
+        for t, top in enumerate(out.output_top_logprobs):
+            want = np.argsort(-logp[t])[:3]
+            assert [tok for _, tok in top] == want.tolist()
+            np.testing.assert_allclose([v for v, _ in top], logp[t][want], atol=1e-4)
+    (alone,) = run(_one(paged, GenerateRequest(p_sampled, sampled)))
+    assert outs[2].output_ids == alone.output_ids
 
 
 def test_warmup_compiles_the_first_mixed_and_decode_shapes(ckpt: Path) -> None:
