@@ -8,21 +8,27 @@ pages under ``max_running_requests``, lets a group's answers share their prompt'
 retracts the requests with the fewest output tokens when a decode call needs pages the pool does
 not have (they go back to the queue's front with every token, and prefill again when pages free).
 
-One loop steps the pool. Each round admits what fits, then runs at most two device calls:
+One loop steps the pool. Each round admits what fits, then makes one device call:
 
-- a prefill call that writes keys and values of up to ``chunked_prefill_size`` tokens over the
-  admitted requests (a long prompt takes several rounds, one chunk each, while the running
-  answers keep decoding between them). Prefill samples nothing: it writes every token but a
-  request's last, which its first decode step computes and samples from.
-- a decode call that advances every request whose tokens but the last are written by up to
+- a mixed step (``paged_steps.mixed_step``) while some prompt has tokens to prefill: the next
+  chunk of up to ``chunked_prefill_size`` prompt tokens (over one or more requests, a row each)
+  and the first decode token of every running answer run as one flat token batch, each segment
+  reading only its own pages, then the answers decode up to ``decode_steps - 1`` more tokens in
+  the same call. A long prompt so never stalls the answers in flight (SGLang's mixed chunk).
+  Prefill samples nothing: it writes every token but a request's last, which its first decode
+  step computes and samples from.
+- else a decode call that advances every request whose tokens but the last are written by up to
   ``decode_steps`` tokens, each row reading only its own pages through a ragged work list
   (``Decoder.decode_paged_layers``), so a step costs the tokens live, not rows x the longest.
+
+``mixed_chunk = False`` keeps the alternating path: a prefill call per chunk, then a decode call.
 
 A request that shares pages another request writes in the same round (a group admitted together,
 or a long prompt still being prefilled in chunks) waits until that one has written them. Shapes:
 rows, prefill width and work-list length are each padded to a power of two, so the number of
 compiled shapes grows with the logarithm of the batch and the pool, and ``warmup`` compiles the
-few the first requests need (the rest compile when first used).
+few the first requests need (the rest compile when first used). The host arrays of each call are
+built in ``paged_batches``, the compiled steps live in ``paged_steps``.
 """
 
 from __future__ import annotations
@@ -36,18 +42,15 @@ from functools import partial
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.engine import Engine, _Lane, _SamplingRows, _Seq
-from areal_jax.inference.pages import SINK_PAGE, PageAllocator, paged_work
-from areal_jax.inference.sampling import row_keys, sample
+from areal_jax.inference.paged_batches import MIN_DECODE_ROWS, MIN_WIDTH, MIN_WORK, PagedBatches, pow2
+from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_step
+from areal_jax.inference.pages import NO_POSITION, SINK_PAGE, PageAllocator
 from areal_jax.inference.schedule import Request, Scheduler, kv_pool_tokens
-from areal_jax.inference.steps import top_logprobs
-from areal_jax.models.attention import PagedWork
 from areal_jax.models.decoder import K_PAGE_AXES, V_PAGE_AXES, Decoder, PagedKVCache, kv_head_replicas
 from sharding import activate, logical_to_sharding
 
@@ -55,28 +58,8 @@ __all__ = ["PagedEngine", "pool_tokens"]
 
 log = logging.getLogger(__name__)
 
-MIN_WIDTH = 16
-"""Narrowest padded prefill row (tokens)."""
-MIN_WORK = 32
-"""Shortest padded work list (pages read in one call): below it a call costs about the same."""
-MIN_DECODE_ROWS = 8
-"""Fewest padded rows of a decode call: fewer cost about the same, and each count is a shape."""
 DEFAULT_DEVICE_FRACTION = 0.85
 DEFAULT_HOST_FRACTION = 0.25
-
-
-def pow2(n: int, least: int = 1) -> int:
-    """The smallest power of two >= max(n, least)."""
-    return 1 << (max(n, least) - 1).bit_length()
-
-
-def work_bucket(n: int, least: int = MIN_WORK) -> int:
-    """The padded length of a work list of ``n`` entries: the smallest of ``2**k`` and
-    ``3 * 2**(k - 1)`` that holds it (at least ``least``). Attention costs the padded length, so
-    the half steps keep the padding under a third (a long tail of 691 entries pads to 768, not
-    1,024) for twice the shapes of powers of two alone."""
-    p = pow2(n, least)
-    return p * 3 // 4 if p >= 4 * least and n <= p * 3 // 4 else p
 
 
 def kv_bytes_per_token(model: Decoder, dtype: Any = None) -> int:
@@ -136,64 +119,13 @@ class _Request(Request):
     seq: _Seq | None = None
 
 
-def _prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, ids: jax.Array,
-                  positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
-                  work: tuple[jax.Array, jax.Array, jax.Array]) -> PagedKVCache:
-    """Write the keys and values of ``ids [rows, width]`` at ``positions`` (-1: padding) into the
-    pool; nothing is sampled."""
-    model = nnx.merge(graphdef, state)
-    _, cache = model.decode_paged_layers(model.embed_tokens(ids), positions, cache, write_pages=write_pages,
-                                         write_offsets=write_offsets, work=PagedWork(*work))
-    return cache
-
-
-def _decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens: jax.Array,
-                 positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
-                 work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
-                 top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
-                 remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
-                 max_top: int) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
-    """Advance each row up to ``min(num_steps, remaining)`` tokens: step ``i`` feeds the row's
-    last token at ``positions + i``, writes its keys and values at ``write_pages[:, i]``,
-    ``write_offsets[:, i]`` and samples the next with PRNG step ``step + i``. Every step reads
-    through the same work list (it covers each row's last position; keys past a query's position
-    are masked). Rows past their ``remaining`` (and padding rows, ``remaining`` 0) compute at
-    position -1 and write to the sink page. With ``early``, the loop ends after a step at which
-    some row stops (a stop token or its length). Returns the pool and ``([2, num_steps, rows]``
-    token ids (float32, exact below 2**24) and logprobs, ``[num_steps, rows, max_top]`` top
-    logprobs and ids, the steps run)."""
-    model = nnx.merge(graphdef, state)
-    work = PagedWork(*work)
-    rows = tokens.shape[0]
-
-    def one(carry: tuple) -> tuple:
-        i, live, ended, cache, tok, out, top_values, top_ids = carry
-        pos = jnp.where(i < remaining, positions + i, -1)[:, None]
-        wp = jax.lax.dynamic_slice_in_dim(write_pages, i, 1, axis=1)
-        wo = jax.lax.dynamic_slice_in_dim(write_offsets, i, 1, axis=1)
-        hidden, cache = model.decode_paged_layers(model.embed_tokens(tok[:, None]), pos, cache, write_pages=wp,
-                                                  write_offsets=wo, work=work)
-        logits = model.logits_from_hidden(model.norm(hidden))[:, 0]
-        new, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step + i))
-        values, ids = top_logprobs(logits, temperature, top_n, max_top)
-        ends = live & (jnp.any(new[:, None] == stop_ids, axis=-1) | (remaining - i <= 1))
-        out = out.at[:, i].set(jnp.stack([new.astype(jnp.float32), logprobs]))
-        return (i + 1, live & ~ends, ended | jnp.any(ends), cache, new, out, top_values.at[i].set(values),
-                top_ids.at[i].set(ids))
-
-    def more(carry: tuple) -> jax.Array:
-        i, _, ended = carry[:3]
-        return (i < num_steps) & ~(early & ended)
-
-    start = (jnp.int32(0), remaining > 0, jnp.bool_(False), cache, tokens,
-             jnp.zeros((2, num_steps, rows), jnp.float32), jnp.zeros((num_steps, rows, max_top), jnp.float32),
-             jnp.zeros((num_steps, rows, max_top), jnp.int32))
-    steps, _, _, cache, _, out, top_values, top_ids = jax.lax.while_loop(more, one, start)
-    return cache, (out, top_values, top_ids, steps)
-
-
-class PagedEngine(Engine):
+class PagedEngine(PagedBatches, Engine):
     """``Engine`` over a paged KV pool (see the module docstring)."""
+
+    mixed_chunk: bool = True
+    """Prefill chunks run in mixed steps beside the decode tokens of every running answer; False:
+    the alternating path (a prefill call, then a decode call of ``decode_steps``). Set it on an
+    engine before it starts."""
 
     def __init__(self, model: Decoder, cfg: EngineConfig, *, eos_token_ids: list[int] | None = None,
                  mesh: Mesh | None = None, version: int = 0):
@@ -202,13 +134,15 @@ class PagedEngine(Engine):
         super().__init__(model, cfg, eos_token_ids=eos_token_ids, mesh=mesh, version=version)
         self.scheduler = self._new_scheduler()
         # the slot engine's names, so what wraps a step (a test's failing device) wraps these
-        self.prefill_fn = jax.jit(partial(_prefill_step, self._graphdef), donate_argnums=(1,))
-        self.decode_fn = jax.jit(partial(_decode_step, self._graphdef), donate_argnums=(1,),
+        self.prefill_fn = jax.jit(partial(prefill_step, self._graphdef), donate_argnums=(1,))
+        self.decode_fn = jax.jit(partial(decode_step, self._graphdef), donate_argnums=(1,),
                                  static_argnames=("num_steps", "max_top"))
+        self.mixed_fn = jax.jit(partial(mixed_step, self._graphdef), donate_argnums=(1,),
+                                static_argnames=("num_steps", "max_top"))
         self.compiled_shapes: set[tuple] = set()
         """Every (step, rows, width, work) shape called so far: the compilations it cost."""
-        self.stats.update({"retractions": 0, "prefill_tokens": 0, "decode_rows": 0, "decode_padded_rows": 0,
-                           "work_entries": 0, "work_padded_entries": 0})
+        self.stats.update({"retractions": 0, "mixed_calls": 0, "mixed_seconds": 0.0, "prefill_tokens": 0,
+                           "decode_rows": 0, "decode_padded_rows": 0, "work_entries": 0, "work_padded_entries": 0})
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.allocator, max_running_requests=self.cfg.num_slots, context_length=self.max_seq_len,
@@ -336,7 +270,9 @@ class PagedEngine(Engine):
         return False
 
     async def _round(self, lane: _Lane) -> None:
-        """One scheduling round: admit, one prefill call, one decode call."""
+        """One scheduling round: admit, then one mixed call (a prefill chunk and the decode tokens
+        of every running answer) or a decode call; on the alternating path a prefill call, then a
+        decode call."""
         self._admit_waiting(lane)
         if not self.scheduler.running and self.scheduler.waiting:
             # the head does not fit an empty pool (a resumed answer grown past it): end it there
@@ -352,115 +288,66 @@ class PagedEngine(Engine):
             elif state:
                 ready.append(req.seq)
         prefill = [s for s in ready if s.computed < s.length - 1]
-        if prefill:
+        if prefill and not self.mixed_chunk:
             await self._prefill_paged(lane, prefill)
             if self._paused is not None:  # a pause waits for this round: do not make it wait for a decode too
                 return
-        n = self.cfg.decode_steps
-        growth = self.scheduler.grow(n)
+            prefill = []
+        self._grow(self.cfg.decode_steps)
+        prefill = [s for s in prefill if s.sched.table is not None]  # not retracted for the pages
+        decode = [r.seq for r in self.scheduler.running
+                  if r.seq.source is None and r.seq.computed == r.seq.length - 1 and r.seq.finish_reason is None]
+        if prefill:
+            await self._mixed_paged(lane, prefill, decode)
+        elif decode:
+            await self._decode_paged(lane, decode)
+
+    def _grow(self, tokens: int) -> None:
+        """Pages for ``tokens`` more tokens of every running request, retracting (or, alone,
+        cutting) what the pool cannot hold."""
+        growth = self.scheduler.grow(tokens)
         for req in growth.retracted:
             self.stats["retractions"] += 1
             self._unseat(req.seq)
         for req in growth.cut:  # alone and still short of pages: the pool cannot hold more of it
             self._finish(req.seq, {"type": "length", "length": len(req.seq.out_ids)})
-        decode = [r.seq for r in self.scheduler.running
-                  if r.seq.source is None and r.seq.computed == r.seq.length - 1 and r.seq.finish_reason is None]
-        if decode:
-            await self._decode_paged(lane, decode)
-
-    def _work(self, tables: list[list[int]], lens: list[int]) -> tuple[np.ndarray, ...]:
-        size = self.allocator.page_size
-        entries = sum(-(-n // size) for n in lens)
-        padded = work_bucket(entries)
-        self.stats["work_entries"] += entries
-        self.stats["work_padded_entries"] += padded
-        return paged_work(tables, lens, size, size=padded)
 
     async def _prefill_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
-        """Write the keys and values of the next tokens of ``seqs`` (all but each one's last), up
-        to ``chunked_prefill_size`` tokens in all, oldest first."""
-        chunk = self.cfg.chunked_prefill_size
-        budget = self.max_seq_len if chunk == -1 else chunk
-        rows: list[tuple[_Seq, int, int]] = []
-        widest = real = 0
-        for seq in seqs:
-            take = min(seq.length - 1 - seq.computed, budget)
-            if take <= 0:
-                break
-            # rows pad to the widest: a row joins only while the call computes at most twice its
-            # real tokens (or is small anyway) and at most max_prefill_tokens
-            padded = pow2(len(rows) + 1) * pow2(max(widest, take), MIN_WIDTH)
-            if rows and (padded > self.cfg.max_prefill_tokens or padded > max(2 * (real + take), 256)):
-                break
-            rows.append((seq, seq.computed, take))
-            widest, real = max(widest, take), real + take
-            budget -= take
-            if len(rows) == self.cfg.max_prefill_batch:
-                break
-        num_rows, width = pow2(len(rows)), pow2(max(t for _, _, t in rows), MIN_WIDTH)
-        ids, pos = np.zeros((num_rows, width), np.int32), np.full((num_rows, width), -1, np.int32)
-        wp, wo = np.full((num_rows, width), SINK_PAGE, np.int32), np.zeros((num_rows, width), np.int32)
-        tables, lens = [], []
-        for i, (seq, start, take) in enumerate(rows):
-            ids[i, :take] = (seq.req.input_ids + seq.out_ids)[start:start + take]
-            pos[i, :take] = np.arange(start, start + take)
-            wp[i, :take], wo[i, :take] = seq.sched.table.write_slots(start, start + take)
-            tables.append(seq.sched.table.pages)
-            lens.append(start + take)
-        work = self._work(tables, lens)
-        self.compiled_shapes.add(("prefill", num_rows, width, len(work[0])))
-        self.stats["prefill_padded_tokens"] += num_rows * width
-        self.stats["prefill_tokens"] += sum(t for _, _, t in rows)
+        """The alternating path's prefill call: the next chunk of ``seqs`` (``_prefill_rows``)."""
+        rows, (ids, pos, wp, wo, work) = self._prefill_rows(seqs)
+        self.compiled_shapes.add(("prefill", *ids.shape, len(work[0])))
         lane.cache = await self._timed("prefill_seconds", self._run_paged, self.prefill_fn, self._state,
                                        lane.cache, ids, pos, wp, wo, work)
         self.stats["prefill_calls"] += 1
-        for seq, start, take in rows:
-            if seq.finish_reason is None and seq.computed == start:  # not aborted meanwhile
-                seq.computed = start + take
-                # a chunk: a call that wrote part of a request's tokens, the rest left for later ones
-                self.stats["prefill_chunks"] += seq.computed < seq.length - 1
+        self._prefilled(rows)
 
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
-        num_rows = pow2(len(seqs), self.min_decode_rows)
-        tokens, positions = np.zeros((num_rows,), np.int32), np.zeros((num_rows,), np.int32)
-        step, count = np.zeros((num_rows,), np.int32), np.zeros((num_rows,), np.int32)
-        wp, wo = np.full((num_rows, n), SINK_PAGE, np.int32), np.zeros((num_rows, n), np.int32)
-        params = _SamplingRows(num_rows)
-        tables, lens = [], []
-        for i, seq in enumerate(seqs):
-            length = seq.length
-            tokens[i] = seq.out_ids[-1] if seq.out_ids else seq.req.input_ids[-1]
-            positions[i], step[i] = length - 1, len(seq.out_ids)
-            params.fill(i, seq, self, sampled_here=False)
-            c = count[i] = min(n, int(params.remaining[i]))
-            wp[i, :c], wo[i, :c] = seq.sched.table.write_slots(length - 1, length - 1 + c)
-            tables.append(seq.sched.table.pages)
-            lens.append(length - 1 + c)
-        work = self._work(tables, lens)
-        self.compiled_shapes.add(("decode", num_rows, n, len(work[0])))
-        self.stats["decode_rows"] += len(seqs)
-        self.stats["decode_padded_rows"] += num_rows
+        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(seqs, n)
+        self.compiled_shapes.add(("decode", len(tokens), n, len(work[0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
-        p = params
         version = self._version
         out = await self._timed(
             "decode_seconds", self._run_decode, lane, tokens, positions, wp, wo, work, p.temperature, p.top_p,
             p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids, early)
         self.stats["decode_calls"] += 1
-        main, top_values, top_ids, steps = out
-        steps = int(steps)
-        self.stats["decode_steps"] += steps
-        toks, logprobs = main[0].astype(np.int64).tolist(), main[1].tolist()
-        for i, seq in enumerate(seqs):
-            if seq.finish_reason is not None or seq.sched.table is None:  # aborted meanwhile
-                continue
-            for j in range(min(steps, int(count[i]))):
-                self.stats["decode_tokens"] += 1
-                seq.computed += 1
-                if self._append(seq, toks[j][i], logprobs[j][i], version, top_values[j, i], top_ids[j, i]):
-                    break
-            self._notify(seq)
+        self._take_tokens(seqs, count, version, *out)
+
+    async def _mixed_paged(self, lane: _Lane, prefill: list[_Seq], decode: list[_Seq]) -> None:
+        """One mixed call: the next chunk of ``prefill`` beside up to ``decode_steps`` tokens of
+        each of ``decode`` (the first in the chunk's forward pass)."""
+        n = self.cfg.decode_steps
+        rows, chunk = self._prefill_rows(prefill, half_steps=False)
+        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False)
+        self.compiled_shapes.add(("mixed", len(tokens), *chunk[0].shape, len(work[0]), len(chunk[4][0])))
+        early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
+        version = self._version
+        out = await self._timed("mixed_seconds", self._run_mixed, lane, tokens, positions, wp, wo, work, *chunk,
+                                p.temperature, p.top_p, p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids,
+                                early)
+        self.stats["mixed_calls"] += 1
+        self._prefilled(rows)
+        self._take_tokens(decode, count, version, *out)
 
     def _run_step(self, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh)."""
@@ -469,6 +356,11 @@ class PagedEngine(Engine):
 
     def _run_paged(self, fn: Any, state: Any, cache: Any, *args: Any) -> Any:
         return self._run_step(fn, state, cache, *args)
+
+    def _run_mixed(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
+        lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, *args,
+                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
+        return tuple(np.asarray(x) for x in jax.device_get(out))
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
         lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,
@@ -481,12 +373,18 @@ class PagedEngine(Engine):
     def min_decode_rows(self) -> int:
         return min(MIN_DECODE_ROWS, pow2(self.cfg.num_slots))
 
-    def step_shapes(self) -> list[tuple[str, int, int, int]]:
-        """The shapes ``warmup`` compiles, as ``(step, rows, width, work)``: those of the first
-        short requests (a short prefill of one and of two prompts, a decode call of the fewest
-        rows); every other shape compiles when first used (``compiled_shapes``)."""
-        return [("prefill", 1, MIN_WIDTH, MIN_WORK), ("prefill", 2, MIN_WIDTH, MIN_WORK),
-                ("decode", self.min_decode_rows, self.cfg.decode_steps, MIN_WORK)]
+    def step_shapes(self) -> list[tuple[Any, ...]]:
+        """The shapes ``warmup`` compiles: those of the first short requests. Mixed steps
+        ``("mixed", rows, prefill rows, width, work, prefill work)``: one and two short prompts
+        beside the fewest decode rows (on the alternating path, ``("prefill", rows, width, work)``
+        of one and two short prompts), and ``("decode", rows, steps, work)`` of the fewest rows.
+        Every other shape compiles when first used (``compiled_shapes``)."""
+        rows = self.min_decode_rows
+        if self.mixed_chunk:
+            first = [("mixed", rows, n, MIN_WIDTH, MIN_WORK, MIN_WORK) for n in (1, 2)]
+        else:
+            first = [("prefill", 1, MIN_WIDTH, MIN_WORK), ("prefill", 2, MIN_WIDTH, MIN_WORK)]
+        return [*first, ("decode", rows, self.cfg.decode_steps, MIN_WORK)]
 
     def warmup(self, stop: Any = None) -> int:
         """Compile ``step_shapes`` by running each on padding (every write goes to the sink page);
@@ -494,17 +392,26 @@ class PagedEngine(Engine):
         if self._running:
             raise RuntimeError("warmup() runs before start(): it steps the pool")
         lane = self._lanes[0]
-        for done, (kind, rows, width, size) in enumerate(self.step_shapes()):
+        work = lambda n: (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
+        for done, shape in enumerate(self.step_shapes()):
             if stop is not None and stop.is_set():
                 return done
-            work = (np.zeros((size,), np.int32), np.zeros((size,), np.int32), np.full((size,), 2**30, np.int32))
+            kind, rows, width, size = shape[:4]
+            if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
+                p, z, none = _SamplingRows(rows), np.zeros((rows,), np.int32), np.full((rows,), -1, np.int32)
+                ids, n = np.zeros(shape[2:4], np.int32), self.cfg.decode_steps
+                self._run_mixed(lane, z, none, np.full((rows, n), SINK_PAGE, np.int32), np.zeros((rows, n), np.int32),
+                                work(shape[4]), ids, ids - 1, ids + SINK_PAGE, ids, work(shape[5]), p.temperature,
+                                p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
+                self.compiled_shapes.add(shape)
+                continue
             zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
-            if kind == "prefill":
+            if kind == "prefill":  # (prefill, rows, width, work)
                 lane.cache = self._run_paged(self.prefill_fn, self._state, lane.cache, zeros,
-                                             np.full((rows, width), -1, np.int32), sink, zeros, work)
-            else:
+                                             np.full((rows, width), -1, np.int32), sink, zeros, work(size))
+            elif kind == "decode":
                 p, z = _SamplingRows(rows), np.zeros((rows,), np.int32)
-                self._run_decode(lane, z, z, sink, zeros, work, p.temperature, p.top_p, p.top_k, p.seed, p.stream,
-                                 z, p.top_n, z, p.stop_ids, np.bool_(False))
-            self.compiled_shapes.add((kind, rows, width, size))
+                self._run_decode(lane, z, z, sink, zeros, work(size), p.temperature, p.top_p, p.top_k, p.seed,
+                                 p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
+            self.compiled_shapes.add(shape)
         return len(self.step_shapes())

@@ -6,6 +6,11 @@ pages a request owns, and the ragged work list a step reads through (``attention
 are the host's business (``inference.pages``). ``Decoder.init_paged_cache`` and
 ``Decoder.decode_paged`` call through to the functions here; the layers run under the same scan
 over stacked parameters as ``Decoder.decode``, carrying the pool.
+
+``mixed_paged_layers`` runs one flat token batch cut into consecutive segments, each a
+``[rows, width]`` block of queries with its own work list (the paged engine's mixed step: a
+segment of decode rows one token wide, and a segment of prefill rows, a chunk each): projections and MLPs
+see the flat batch once, each segment attends through its own ragged list.
 """
 
 from __future__ import annotations
@@ -81,12 +86,49 @@ def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: 
     return attn.o_proj(out.reshape(*x.shape[:2], -1)), PagedKVCache(k_all, v_all)
 
 
+class Segment(NamedTuple):
+    """``rows x width`` consecutive tokens of a flat batch that attend as ``[rows, width]`` query
+    rows through ``work`` (whose ``rows`` index these rows)."""
+
+    rows: int
+    width: int
+    work: PagedWork
+
+
+def attention_segments(attn: Attention, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
+                       write_pages: jax.Array, write_offsets: jax.Array,
+                       segments: tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+    """``attention_paged`` over a flat batch ``x [1, T, hidden]`` (positions, write pages and
+    offsets ``[1, T]``) cut into ``segments`` that cover ``T`` in order: every token's keys and
+    values are written first, so a segment reads the tokens this call writes for its rows."""
+    q, k, v = attn._qkv(x, positions)
+    k, v = attn._replicate_kv(k, v, cache.k.shape[2] // attn.num_kv_heads)
+    at = jnp.full_like(write_pages, layer)
+    k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
+    v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
+    outs, start = [], 0
+    for seg in segments:
+        n = seg.rows * seg.width
+        qs = q[0, start:start + n].reshape(seg.rows, seg.width, *q.shape[2:])
+        ps = positions[0, start:start + n].reshape(seg.rows, seg.width)
+        at = jnp.full_like(seg.work.pages, layer)
+        keys, values = k_all[at, seg.work.pages], v_all[at, seg.work.pages]
+        out = attend_ragged(qs, keys.astype(q.dtype), values.astype(q.dtype), ps, seg.work, attn.precision)
+        outs.append(out.reshape(n, -1))
+        start += n
+    if start != x.shape[1]:
+        raise ValueError(f"segments cover {start} tokens of a batch of {x.shape[1]}")
+    return attn.o_proj(jnp.concatenate(outs)[None]), PagedKVCache(k_all, v_all)
+
+
 def layer_paged(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cache: PagedKVCache, index: jax.Array,
                 write_pages: jax.Array, write_offsets: jax.Array,
-                work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-    """One decoder layer against the pool (``index``: the layer's place in the stacked pool)."""
-    attn, cache = attention_paged(layer.self_attn, layer.input_layernorm(x), positions, cache, index, write_pages,
-                                  write_offsets, work)
+                work: PagedWork | tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+    """One decoder layer against the pool (``index``: the layer's place in the stacked pool);
+    ``work`` a tuple of segments: a flat batch (``attention_segments``)."""
+    attend = attention_paged if isinstance(work, PagedWork) else attention_segments
+    attn, cache = attend(layer.self_attn, layer.input_layernorm(x), positions, cache, index, write_pages,
+                         write_offsets, work)
     x = x + attn
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, cache
@@ -110,6 +152,19 @@ def decode_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cach
                         work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
     """The decoder layers of ``decode_paged`` on embeddings ``x [b, t, hidden]``: a scan over the
     stacked layer parameters carrying the pool, as ``Decoder.decode_layers`` carries the cache."""
+    return _scan_layers(model, x, positions, cache, write_pages, write_offsets, work)
+
+
+def mixed_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
+                       write_pages: jax.Array, write_offsets: jax.Array,
+                       segments: tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+    """The decoder layers on a flat batch ``x [1, T, hidden]`` cut into ``segments``
+    (``attention_segments``): one call computes decode rows and prefill chunks together."""
+    return _scan_layers(model, x, positions, cache, write_pages, write_offsets, tuple(segments))
+
+
+def _scan_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, write_pages: jax.Array,
+                 write_offsets: jax.Array, work: PagedWork | tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
     graphdef, params = nnx.split(model.layers)
     layers = model.config.num_hidden_layers
 

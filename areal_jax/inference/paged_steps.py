@@ -1,0 +1,129 @@
+"""The paged engine's compiled steps (``inference.paged.PagedEngine``), pure functions of
+``(graphdef, model state, pool, host arrays)`` jitted once per engine with the pool donated:
+
+- ``prefill_step`` writes the keys and values of ``[rows, width]`` prompt tokens (the
+  alternating path: a prefill call, then a decode call);
+- ``decode_step`` advances every running request up to ``num_steps`` tokens in a loop on device;
+- ``mixed_step`` runs one flat token batch, the first decode token of every running request
+  beside rows of prefill tokens (``models.paged.mixed_paged_layers``), then ``decode_step``'s
+  loop for the answers' further tokens, so a prompt being prefilled never stalls the answers in
+  flight (SGLang's mixed chunk).
+
+Sampling uses each request's own PRNG stream at the index of the token sampled
+(``sampling.row_keys``), so a token is the same whichever step samples it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from areal_jax.inference.sampling import row_keys, sample
+from areal_jax.inference.steps import top_logprobs
+from areal_jax.models.attention import PagedWork
+from areal_jax.models.decoder import PagedKVCache
+from areal_jax.models.paged import Segment, mixed_paged_layers
+
+__all__ = ["decode_step", "mixed_step", "prefill_step"]
+
+
+def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, ids: jax.Array,
+                  positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
+                  work: tuple[jax.Array, jax.Array, jax.Array]) -> PagedKVCache:
+    """Write the keys and values of ``ids [rows, width]`` at ``positions`` (-1: padding) into the
+    pool; nothing is sampled."""
+    model = nnx.merge(graphdef, state)
+    _, cache = model.decode_paged_layers(model.embed_tokens(ids), positions, cache, write_pages=write_pages,
+                                         write_offsets=write_offsets, work=PagedWork(*work))
+    return cache
+
+
+def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens: jax.Array,
+                 positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
+                 work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
+                 top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
+                 remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
+                 max_top: int, ended: jax.Array | bool = False) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
+    """Advance each row up to ``min(num_steps, remaining)`` tokens: step ``i`` feeds the row's
+    last token at ``positions + i``, writes its keys and values at ``write_pages[:, i]``,
+    ``write_offsets[:, i]`` and samples the next with PRNG step ``step + i``. Every step reads
+    through the same work list (it covers each row's last position; keys past a query's position
+    are masked). Rows past their ``remaining`` (and padding rows, ``remaining`` 0) compute at
+    position -1 and write to the sink page. With ``early``, the loop ends after a step at which
+    some row stops (a stop token or its length), or at once when ``ended`` (a mixed step's first
+    token stopped a row). Returns the pool and ``([2, num_steps, rows]``
+    token ids (float32, exact below 2**24) and logprobs, ``[num_steps, rows, max_top]`` top
+    logprobs and ids, the steps run)."""
+    model = nnx.merge(graphdef, state)
+    work = PagedWork(*work)
+    rows = tokens.shape[0]
+
+    def one(carry: tuple) -> tuple:
+        i, live, ended, cache, tok, out, top_values, top_ids = carry
+        pos = jnp.where(i < remaining, positions + i, -1)[:, None]
+        wp = jax.lax.dynamic_slice_in_dim(write_pages, i, 1, axis=1)
+        wo = jax.lax.dynamic_slice_in_dim(write_offsets, i, 1, axis=1)
+        hidden, cache = model.decode_paged_layers(model.embed_tokens(tok[:, None]), pos, cache, write_pages=wp,
+                                                  write_offsets=wo, work=work)
+        logits = model.logits_from_hidden(model.norm(hidden))[:, 0]
+        new, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step + i))
+        values, ids = top_logprobs(logits, temperature, top_n, max_top)
+        ends = live & (jnp.any(new[:, None] == stop_ids, axis=-1) | (remaining - i <= 1))
+        out = out.at[:, i].set(jnp.stack([new.astype(jnp.float32), logprobs]))
+        return (i + 1, live & ~ends, ended | jnp.any(ends), cache, new, out, top_values.at[i].set(values),
+                top_ids.at[i].set(ids))
+
+    def more(carry: tuple) -> jax.Array:
+        i, _, ended = carry[:3]
+        return (i < num_steps) & ~(early & ended)
+
+    start = (jnp.int32(0), remaining > 0, jnp.bool_(ended), cache, tokens,
+             jnp.zeros((2, num_steps, rows), jnp.float32), jnp.zeros((num_steps, rows, max_top), jnp.float32),
+             jnp.zeros((num_steps, rows, max_top), jnp.int32))
+    steps, _, _, cache, _, out, top_values, top_ids = jax.lax.while_loop(more, one, start)
+    return cache, (out, top_values, top_ids, steps)
+
+
+def mixed_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, tokens: jax.Array,
+               positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
+               work: tuple[jax.Array, jax.Array, jax.Array], ids: jax.Array, prefill_positions: jax.Array,
+               prefill_pages: jax.Array, prefill_offsets: jax.Array,
+               prefill_work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
+               top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
+               remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
+               max_top: int) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
+    """A prefill chunk ``ids [prefill rows, width]`` (a chunk of one request per row) computed
+    in one flat batch with the first decode token of each of ``rows`` requests, then up to
+    ``num_steps - 1`` more decode tokens of each (``decode_step``'s loop), in one call.
+
+    The flat batch has ``rows + prefill rows * width`` tokens: decode row ``i`` feeds
+    ``tokens[i]`` at ``positions[i]`` (-1: a padding row), writes it at ``(write_pages[i, 0],
+    write_offsets[i, 0])`` and samples with PRNG step ``step[i]``; prefill row ``j`` writes
+    ``ids[j]`` at ``prefill_positions[j]`` (-1: padding) into ``prefill_pages[j],
+    prefill_offsets[j]``, reading through ``prefill_work``, and samples nothing. The decode
+    arguments are ``decode_step``'s (``work`` covers every step). Returns the pool and
+    ``decode_step``'s outputs over all ``num_steps``."""
+    model = nnx.merge(graphdef, state)
+    rows, (prefill_rows, width) = tokens.shape[0], ids.shape
+    flat = lambda a, b: jnp.concatenate([a, b.reshape(-1)])[None]
+    segments = (Segment(rows, 1, PagedWork(*work)), Segment(prefill_rows, width, PagedWork(*prefill_work)))
+    hidden, cache = mixed_paged_layers(model, model.embed_tokens(flat(tokens, ids)), flat(positions, prefill_positions),
+                                       cache, write_pages=flat(write_pages[:, 0], prefill_pages),
+                                       write_offsets=flat(write_offsets[:, 0], prefill_offsets), segments=segments)
+    logits = model.logits_from_hidden(model.norm(hidden[:, :rows]))[0]
+    first, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step))
+    values, top_ids = top_logprobs(logits, temperature, top_n, max_top)
+    out = jnp.stack([first.astype(jnp.float32), logprobs])[:, None]
+    if num_steps == 1:
+        return cache, (out, values[None], top_ids[None], jnp.int32(1))
+    # rows that stopped at their first token decode no more (their later writes land in their own
+    # reserved pages, past their end); with ``early`` the loop then does not run at all
+    stopped = (remaining > 0) & (jnp.any(first[:, None] == stop_ids, axis=-1) | (remaining <= 1))
+    rest = jnp.where(stopped, 0, remaining - 1)
+    cache, (more, more_values, more_ids, steps) = decode_step(
+        graphdef, state, cache, first, positions + 1, write_pages[:, 1:], write_offsets[:, 1:], work, temperature,
+        top_p, top_k, seed, stream, step + 1, top_n, rest, stop_ids, early, num_steps=num_steps - 1, max_top=max_top,
+        ended=jnp.any(stopped))
+    return cache, (jnp.concatenate([out, more], axis=1), jnp.concatenate([values[None], more_values]),
+                   jnp.concatenate([top_ids[None], more_ids]), steps + 1)
