@@ -76,6 +76,9 @@ def _answers_then_prompts(engine: PagedEngine, answers: list[GenerateRequest], l
             first = [asyncio.create_task(engine.generate(r)) for r in answers]
             while not all((s := engine._live.get(r.rid)) is not None and len(s.out_ids) >= 2  # noqa: SLF001
                           for r in answers):
+                # an answer that finished before it was seen decoding would leave this loop waiting forever
+                # (a warm engine runs a short answer between two polls): fail instead, naming the cause
+                assert not any(t.done() for t in first), "an answer finished before the late prompts arrived"
                 await asyncio.sleep(0.005)
             if calls is not None:
                 _record_calls(engine, answers, calls)
@@ -141,8 +144,8 @@ def test_top_logprobs_and_sampled_tokens_of_answers_decoded_in_mixed_steps(paged
     forward pass and the rest in the call's decode loop): every token's top 3 equal the full
     forward pass's, and the sampled answer equals the same request run alone (its token ``i``
     is drawn from its own stream at step ``i`` whichever call samples it)."""
-    tops = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, top_logprobs_num=3)
-    sampled = SamplingParams(max_new_tokens=16, temperature=0.9, seed=3, ignore_eos=True)
+    tops = SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True, top_logprobs_num=3)
+    sampled = SamplingParams(max_new_tokens=48, temperature=0.9, seed=3, ignore_eos=True)
     p_sampled = prompts([9], seed=27)[0]
     before = paged.stats["mixed_calls"]
     answers = [GenerateRequest(p, tops) for p in prompts([5, 11], seed=26)] + [GenerateRequest(p_sampled, sampled)]
