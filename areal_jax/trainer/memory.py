@@ -205,37 +205,9 @@ def abstract(tree: Any) -> Any:
                         tree)
 
 
-def device_capacity(memory_gb: float | None, devices: Sequence[jax.Device]) -> tuple[int | None, str]:
-    """Bytes per device the train step may plan for, and where the figure came from: ``memory_gb``
-    (``train.device_memory_gb``) when set, else ``DEVICE_HEADROOM`` of the smallest limit the
-    devices report (``memory_stats()['bytes_limit']``: GPU, TPU) less the most any of them has
-    in use already (the loaded model, an engine's page pool), else None (CPU)."""
-    if memory_gb is not None:
-        return int(memory_gb * GiB), f"train.device_memory_gb={memory_gb:g}"
-    limits, used = [], []
-    for d in devices:
-        try:
-            stats = d.memory_stats()
-        except Exception:  # some backends raise instead of returning None
-            stats = None
-        if not stats or not stats.get("bytes_limit"):
-            return None, "no device memory limit known"
-        limits.append(int(stats["bytes_limit"]))
-        used.append(int(stats.get("bytes_in_use", 0)))
-    if not limits:
-        return None, "no device memory limit known"
-    source = f"{DEVICE_HEADROOM:.0%} of the {min(limits) / GiB:.1f} GiB the device reports"
-    if max(used):
-        source += f", less {max(used) / GiB:.1f} GiB already in use"
-    return int(min(limits) * DEVICE_HEADROOM) - max(used), source
-
-
-def device_limit(memory_gb: float | None, devices: Sequence[jax.Device]) -> int | None:
-    """A device's whole size in bytes: ``train.device_memory_gb`` when set, else the smallest limit
-    the devices report, else None (CPU)."""
-    if memory_gb is not None:
-        return int(memory_gb * GiB)
-    limits = []
+def _device_stats(devices: Sequence[jax.Device]) -> list[tuple[int, int]] | None:
+    """Each device's (``bytes_limit``, ``bytes_in_use``), or None when any reports no limit (CPU)."""
+    out = []
     for d in devices:
         try:
             stats = d.memory_stats()
@@ -243,8 +215,34 @@ def device_limit(memory_gb: float | None, devices: Sequence[jax.Device]) -> int 
             stats = None
         if not stats or not stats.get("bytes_limit"):
             return None
-        limits.append(int(stats["bytes_limit"]))
-    return min(limits, default=None)
+        out.append((int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))))
+    return out or None
+
+
+def device_capacity(memory_gb: float | None, devices: Sequence[jax.Device]) -> tuple[int | None, str]:
+    """Bytes per device the train step may plan for, and where the figure came from: ``memory_gb``
+    (``train.device_memory_gb``) when set, else ``DEVICE_HEADROOM`` of the smallest limit the
+    devices report (``memory_stats()['bytes_limit']``: GPU, TPU) less the most any of them has
+    in use already (the loaded model, an engine's page pool), else None (CPU)."""
+    if memory_gb is not None:
+        return int(memory_gb * GiB), f"train.device_memory_gb={memory_gb:g}"
+    stats = _device_stats(devices)
+    if stats is None:
+        return None, "no device memory limit known"
+    limit, used = min(s[0] for s in stats), max(s[1] for s in stats)
+    source = f"{DEVICE_HEADROOM:.0%} of the {limit / GiB:.1f} GiB the device reports"
+    if used:
+        source += f", less {used / GiB:.1f} GiB already in use"
+    return int(limit * DEVICE_HEADROOM) - used, source
+
+
+def device_limit(memory_gb: float | None, devices: Sequence[jax.Device]) -> int | None:
+    """A device's whole size in bytes: ``train.device_memory_gb`` when set, else the smallest limit
+    the devices report, else None (CPU)."""
+    if memory_gb is not None:
+        return int(memory_gb * GiB)
+    stats = _device_stats(devices)
+    return None if stats is None else min(s[0] for s in stats)
 
 
 def step_memory(learner: Any, batch: dict[str, jax.ShapeDtypeStruct], scalars: dict[str, Any],
