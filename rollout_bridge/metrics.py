@@ -52,6 +52,8 @@ class _ServerCollector:
                   "of requests resumed after a pause), summed over lanes.", e.stats["prefill_seconds"])
         yield one(c, "areal_jax:decode_seconds", "Seconds in compiled decode calls, summed over lanes.",
                   e.stats["decode_seconds"])
+        yield one(c, "areal_jax:mixed_seconds", "Seconds in compiled calls that prefill a chunk beside the running "
+                  "answers' decode tokens (paged engine), summed over lanes.", e.stats["mixed_seconds"])
         yield one(c, "areal_jax:paused_seconds", "Seconds paused (from each pause_generation to the "
                   "continue_generation after it): weight updates that keep the server from generating.",
                   e.stats["paused_seconds"])

@@ -83,7 +83,9 @@ class ServerPoller:
                     vals = metric_values(text)
                     busy = int(vals["sglang:num_running_reqs"] + vals["sglang:num_queue_reqs"])
                     self.samples.append((time.perf_counter(), busy, vals["sglang:generation_tokens_total"],
-                                         vals.get("areal_jax:prefill_seconds_total", math.nan),
+                                         # a paged mixed call prefills a chunk (and decodes beside it)
+                                         vals.get("areal_jax:prefill_seconds_total", math.nan)
+                                         + vals.get("areal_jax:mixed_seconds_total", 0.0),
                                          vals.get("areal_jax:decode_seconds_total", math.nan),
                                          vals.get("areal_jax:paused_seconds_total", math.nan)))
                 except (OSError, http.client.HTTPException, KeyError, ValueError):

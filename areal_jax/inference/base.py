@@ -91,10 +91,12 @@ class EngineBase(WeightSwaps):
                       "prompt_tokens": 0, "shared_prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "finished_slot_steps": 0, "idle_slot_steps_while_waiting": 0,
                       "prefill_padded_tokens": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
-                      "paused_seconds": 0.0}
+                      "mixed_seconds": 0.0, "paused_seconds": 0.0}
         """``prefill_seconds`` and ``decode_seconds``: wall seconds from handing a compiled prefill
         (its chunks included) or decode call to the worker thread to holding its result, summed
         over lanes (so with several lanes they can add up to more than the time that passed).
+        ``mixed_seconds``: the same for the paged engine's mixed calls, a prefill chunk beside the
+        running answers' decode tokens (0 on the slot engine).
         ``paused_seconds``: wall seconds between each ``pause`` and the ``resume`` after it, the
         time weight updates keep the engine from generating."""
         self._paused_at = 0.0

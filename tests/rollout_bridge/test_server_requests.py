@@ -63,6 +63,7 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             assert "# TYPE sglang:generation_tokens_total counter" in text
             assert f"areal_jax:prefill_seconds_total{{{name}}} 0.0" in text  # nothing has run yet
             assert f"areal_jax:decode_seconds_total{{{name}}} 0.0" in text
+            assert f"areal_jax:mixed_seconds_total{{{name}}} 0.0" in text
             t_resume = time.monotonic()
             async with s.post(url + "/continue_generation", json={}) as r:
                 assert r.status == 200
@@ -79,12 +80,13 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
             rate = float(next(line.split()[-1] for line in text.splitlines()
                               if line.startswith("sglang:gen_throughput{")))
             assert 24 / (t_after_2 - t_before) <= rate <= 24 / (t_before_2 - t_after), rate
-            # One request, so one lane at a time: its prefill and decode calls ran between resume and reply.
+            # One request, so one lane at a time: its prefill and decode calls ran between resume and
+            # reply (the paged engine prefills in a mixed call, which also decodes its first token).
             seconds = {k: float(next(line.split()[-1] for line in text.splitlines()
                                      if line.startswith(f"areal_jax:{k}_seconds_total{{")))
-                       for k in ("prefill", "decode")}
-            assert seconds["prefill"] > 0 and seconds["decode"] > 0, seconds
-            assert seconds["prefill"] + seconds["decode"] <= t_done - t_resume, seconds
+                       for k in ("prefill", "mixed", "decode")}
+            assert seconds["prefill"] + seconds["mixed"] > 0 and seconds["decode"] > 0, seconds
+            assert sum(seconds.values()) <= t_done - t_resume, seconds
 
     asyncio.run(main())
 
@@ -118,7 +120,7 @@ def test_full_queue_answers_503_and_the_client_backs_off(tiny_dir: Path) -> None
 @pytest.mark.serial  # a 0.5 s client timeout
 def test_disconnects_and_client_timeouts_abort_on_the_server(tiny_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        async with running_server(tiny_dir, max_seq_len=64) as (addr, engine), \
+        async with running_server(tiny_dir, max_seq_len=1024) as (addr, engine), \
                 running_server(tiny_dir, max_seq_len=64) as (other, _):
             url = f"http://{addr}"
             async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
@@ -131,7 +133,10 @@ def test_disconnects_and_client_timeouts_abort_on_the_server(tiny_dir: Path, cap
                 await _until(lambda: engine.num_waiting == 0)
                 await s.post(url + "/continue_generation", json={})
                 # a stream closed after its first event, while the server is paused mid-answer
-                async with s.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": LONG,
+                # long enough to be running at the pause: the paged engine decodes several tokens a call
+                # and finished a 24-token answer before the pause landed
+                longer = {"max_new_tokens": 1000, "ignore_eos": True}
+                async with s.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": longer,
                                                            "stream": True}) as r:
                     await r.content.readline()
                     await s.post(url + "/pause_generation", json={"mode": "in_place"})
