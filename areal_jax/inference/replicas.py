@@ -84,6 +84,11 @@ class ReplicaStage:
         return self.stages[0].missing()
 
 
+
+def _total(name: str) -> property:
+    """A read-only property: the sum of attribute ``name`` over ``self.replicas``."""
+    return property(lambda self: sum(getattr(r, name) for r in self.replicas))
+
 class ReplicaEngine:
     """``Engine``'s API over data-parallel replicas (see the module docstring). Build one with
     ``ReplicaEngine.build``, or wrap engines made elsewhere (each on its own devices)."""
@@ -165,25 +170,12 @@ class ReplicaEngine:
         """The oldest weights any replica serves (all equal outside a weight update)."""
         return min(r.version for r in self.replicas)
 
-    @property
-    def num_running(self) -> int:
-        return sum(r.num_running for r in self.replicas)
-
-    @property
-    def num_waiting(self) -> int:
-        return sum(r.num_waiting for r in self.replicas)
-
-    @property
-    def num_live(self) -> int:
-        return sum(r.num_live for r in self.replicas)
-
-    @property
-    def num_free_slots(self) -> int:
-        return sum(r.num_free_slots for r in self.replicas)
-
-    @property
-    def num_lanes(self) -> int:
-        return sum(r.num_lanes for r in self.replicas)
+    # counts over every rank: the sum of each replica's own
+    num_running = _total("num_running")
+    num_waiting = _total("num_waiting")
+    num_live = _total("num_live")
+    num_free_slots = _total("num_free_slots")
+    num_lanes = _total("num_lanes")
 
     @property
     def lane_slots(self) -> int:
