@@ -108,9 +108,11 @@ def _divides(a: int, b: int) -> bool:
 
 
 def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh: Any = None,
-                 seed: int | None = None) -> Engine:
+                 seed: int | None = None, fuse_projections: bool = False) -> Engine:
     """An engine for ``model_dir`` sized by ``areal-jax serve`` flags (``--max-running-requests``,
-    ``--context-length``, ``--dtype``, ``--random-seed``, ...), on ``mesh`` (None: one device)."""
+    ``--context-length``, ``--dtype``, ``--random-seed``, ...), on ``mesh`` (None: one device).
+    ``fuse_projections``: q/k/v and gate/up as one matmul each, as ``areal-jax serve`` loads them
+    (for an engine that takes HF-named tensors, not the trainer's own arrays: see ``handover``)."""
     from areal_jax.inference.config import EngineConfig
     from areal_jax.models import load_pretrained
     from rollout_bridge.serve import engine_config, parser
@@ -124,7 +126,7 @@ def build_engine(model_dir: str | Path, server_args: Sequence[str] = (), *, mesh
         raise ValueError(f"--max-running-requests {args.max_running_requests} must be a multiple of {ways}: the "
                          f"engine's mesh {dict(mesh.shape)} splits its KV slots over data x fsdp")
     cfg = engine_config(args, args.context_length or EngineConfig.max_seq_len, data_parallel=ways > 1, seed=seed)
-    model = load_pretrained(model_dir, dtype=args.dtype, mesh=mesh)
+    model = load_pretrained(model_dir, dtype=args.dtype, mesh=mesh, fuse_projections=fuse_projections)
     return Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
 
 

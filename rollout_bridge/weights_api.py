@@ -285,6 +285,20 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
         return await _apply(st, label, stage=staged.stage, flush=q.flush_cache)
 
 
+async def hold_stage(st: ServerState, transfer_id: str, label: str, stage: Any) -> None:
+    """Hold a ``stage`` (``engine.stage_weights()``) filled in this process, not over HTTP, as a
+    transfer sent with ``hold`` would be held: ``/commit_weights`` with ``transfer_id`` and
+    ``label`` then serves it (a pod's hosts each stage their own gathered copy of the trainer's
+    weights this way, and process 0 commits them all as one version). Raises, holding nothing,
+    if a tensor is missing or the weights do not build."""
+    missing = stage.missing()
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensors missing from transfer {transfer_id!r} (e.g. {missing[:3]})")
+    async with st.weight_lock:
+        state = await st.engine.prepare_weights(stage=stage)
+        st.held = _Held(transfer_id, label, state)
+
+
 def _refused(form: str) -> web.Response:
     """SGLang's failed-update reply (400, ``success: false``) saying why ``form`` is not served."""
     return json_response(P.UpdateWeightsResult(success=False, message=P.WEIGHTS_JSON_REFUSED[form]), 400)

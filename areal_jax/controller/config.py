@@ -25,6 +25,11 @@ class LocalRolloutConfig:
     engine_mesh: MeshConfig = field(default_factory=lambda: MeshConfig(data=1, fsdp=1, tensor=-1))
     """With ``split``: the engine's mesh over its devices (``tensor``: heads and MLP columns split;
     ``data``: KV slots split)."""
+    host: str | None = None
+    """With several processes (a pod): the address this host's engine listens on and process 0
+    reaches it at (every host serves its engine over HTTP, see ``rollout_bridge/hosts.py``; each
+    host passes its own, ``rollout.local.host=10.0.0.5``). None: the address of the interface that
+    reaches the ``jax.distributed`` coordinator."""
 
 
 @dataclass

@@ -26,7 +26,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -100,6 +100,9 @@ class EngineBase(WeightSwaps):
         ``paused_seconds``: wall seconds between each ``pause`` and the ``resume`` after it, the
         time weight updates keep the engine from generating."""
         self._paused_at = 0.0
+        self.tokens_by_version: Counter[int] = Counter()
+        """Tokens sampled under each engine version (what the per-token stamps said), e.g. to check
+        that every engine of a pod served each pushed version."""
 
     def _resolve_lanes(self) -> int:
         return self.cfg.resolve_lanes(jax.default_backend(), self.mesh is not None)
@@ -384,6 +387,7 @@ class EngineBase(WeightSwaps):
         if n:
             seq.tops.append([(float(v), int(t)) for v, t in zip(top_values[:n], top_ids[:n], strict=True)])
         self.stats["generated_tokens"] += 1
+        self.tokens_by_version[version] += 1
         sp = seq.req.sampling
         if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
             self._finish(seq, {"type": "stop", "matched": token})

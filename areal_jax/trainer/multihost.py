@@ -172,6 +172,14 @@ def _store() -> Any:
     return distributed.global_state.client
 
 
+def coordinator_host() -> str | None:
+    """The host name or IP of the ``jax.distributed`` coordinator (process 0's host), or None."""
+    from jax._src import distributed
+
+    address = getattr(distributed.global_state, "coordinator_address", None)
+    return address.rsplit(":", 1)[0].strip("[]") if address else None
+
+
 class StepHub:
     """The channel from process 0 (the leader) to the other processes of a run."""
 
@@ -182,6 +190,8 @@ class StepHub:
         """The trainer's ``BatchPreparer.row_owners``: set, a ``train`` message sends each
         follower its own share of the batch only; None, the whole batch."""
         self._sent = 0
+        self._messages = 0
+        """Messages announced (process 0) or received (a follower) so far."""
 
     def announce(self, op: str, **payload: Any) -> None:
         """Process 0: tell every other process to do ``op`` (a no-op with one process)."""
@@ -194,6 +204,7 @@ class StepHub:
             except Exception:  # a batch the plan refuses goes whole: every process meets the same error
                 shares = None
         if shares is None:
+            self._next()
             _broadcast(b"W" + encode({"op": op, **payload}))
             return
         self._sent += 1
@@ -204,7 +215,52 @@ class StepHub:
             for k, piece in enumerate(pieces):
                 store.key_value_set_bytes(f"areal_jax/train/{self._sent}/{p}/{k}", piece)
             store.key_value_set(f"areal_jax/train/{self._sent}/{p}/n", str(len(pieces)))
+        self._next()
         _broadcast(b"S" + header)  # the first byte says whole (W) or split (S)
+
+    # A follower spends most of a run waiting for process 0's next message. It waits on the
+    # key-value store, not inside the broadcast: a collective that waits holds this host's
+    # devices, and an engine on them (``backend: local``) could not generate meanwhile, while
+    # process 0 waits for its answers before it announces anything.
+
+    def _next(self) -> None:
+        """Process 0: say that message ``n`` is about to be broadcast (and drop the word for the
+        one before, which every follower has read: they all entered its broadcast)."""
+        store = _store()
+        self._messages += 1
+        store.key_value_set(f"areal_jax/next/{self._messages}", "1")
+        if self._messages > 1:
+            store.key_value_delete(f"areal_jax/next/{self._messages - 1}")
+
+    def _wait_next(self) -> None:
+        """A follower: wait, off the devices, until process 0 is about to broadcast the next message."""
+        self._messages += 1
+        while True:
+            try:
+                _store().blocking_key_value_get(f"areal_jax/next/{self._messages}", _WAIT_MS)
+                return
+            except Exception as e:  # a long step on process 0: wait on; anything else is raised
+                if "deadline" not in str(e).lower():
+                    raise
+
+    def post(self, key: str, value: str) -> None:
+        """A follower: put ``value`` under ``key`` for process 0 (``collect``), through the
+        coordinator's key-value store; an engine's address, the outcome of staging a push."""
+        _store().key_value_set(f"areal_jax/{key}/{jax.process_index()}", value)
+
+    def collect(self, key: str, timeout_s: float) -> list[str]:
+        """Process 0: what every follower ``post``ed under ``key``, in process order (waiting at
+        most ``timeout_s`` for each); taken out of the store, so the key can be used again."""
+        store, out = _store(), []
+        for p in range(1, self.processes):
+            name = f"areal_jax/{key}/{p}"
+            try:
+                out.append(store.blocking_key_value_get(name, max(int(timeout_s * 1000), 1)))
+            except Exception as e:  # the store's deadline error names no key: say which wait ran out
+                raise TimeoutError(f"process {p} did not post {key!r} within {timeout_s:g}s "
+                                   f"({type(e).__name__}: {e})") from None
+            store.key_value_delete(name)
+        return out
 
     def barrier(self, name: str) -> None:
         """Every process waits here until all have arrived (a no-op with one process)."""
@@ -219,6 +275,7 @@ class StepHub:
         (how many are its own), ``token_bytes`` (what it received of their per-token arrays),
         ``whole_token_bytes`` (what the whole batch's are) and ``header_bytes`` (the broadcast
         part: lengths, loss masks, scalars)."""
+        self._wait_next()
         data = _broadcast(None)
         if data[:1] == b"W":
             return decode(data[1:])

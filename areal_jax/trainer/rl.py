@@ -46,6 +46,7 @@ from areal_jax.trainer.rollout import (
     engine_beside_trainer,
     local_devices,
     open_rollout,
+    start_engine_host,
     start_fleet_early,
 )
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
@@ -245,6 +246,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             early.stop()
         raise
     result = RunResult(run_dir=run_dir, metrics=logger.history)
+    host = None  # this host's engine (``backend: local`` on several processes)
     if sandbox_line is not None:
         logger.write(sandbox_line)
     try:
@@ -285,9 +287,11 @@ async def _train(cfg: RunConfig, resume: bool = False,
                          f"{meta['version']}, {len(meta['controller']['pending'])} prompts in flight submitted again)")
         run = Run(cfg, hub, files, trainer, logger, data, tokenizer, base, ckpts=ckpts, meta=meta, start=start,
                   t_start=t_start, on_step=on_step)
+        if local and hub.processes > 1:  # an engine on every host, each served by its own process
+            host = await start_engine_host(cfg, serve_dir, trainer.mesh, hub)
         if hub.leader:
             try:
-                await _lead(run, serve_dir, early)
+                await _lead(run, serve_dir, early, host)
                 result.eval_before, result.eval_after = run.eval_before, run.eval_after
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
@@ -298,7 +302,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
                 raise
             await asyncio.to_thread(hub.announce, "stop")
         else:
-            await asyncio.to_thread(follow, hub, trainer, ckpts)
+            await asyncio.to_thread(follow, hub, trainer, ckpts, host)
         if ckpts is not None:  # the last save completes (or its failure is raised) before the run ends
             ckpts, closing = None, ckpts
             closing.close()
@@ -307,6 +311,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if logger.history:
             result.plot = plot_metrics(logger.history, run_dir / "curves.png", eval_before=result.eval_before)
     finally:
+        if host is not None:  # after process 0 said stop: no one routes to it any more
+            await host.stop()
         if early is not None and not early.taken:  # the run failed before its rollout opened
             early.stop()
         if ckpts is not None:  # the run failed: let a save in progress finish, the first error stands
@@ -329,20 +335,24 @@ async def _train(cfg: RunConfig, resume: bool = False,
     return result
 
 
-async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
+async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) -> None:
     """Process 0's part of the run: open rollout (serving ``serve_dir``; ``early``: servers
-    started already), the weight push, rewards, evaluation and the controller, then the steps
-    (each announced to the other processes of a multi-process run)."""
+    started already; ``host``: this host's engine, one of every host's), the weight push,
+    rewards, evaluation and the controller, then the steps (each announced to the other
+    processes of a multi-process run)."""
     from areal_jax.rewards import RewardPool
     from areal_jax.trainer.weight_push import WeightPush, make_sink
 
     cfg, logger, meta = run.cfg, run.logger, run.meta
     rollout, local = cfg.rollout, cfg.rollout.backend == "local"
     run_dir = run.files.local
+    hosts = None if host is None else (host, run.hub)
     async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=run.trainer.mesh,
-                            early=early) as (client, fleet):
+                            early=early, hosts=hosts) as (client, fleet):
         run.client, run.fleet = client, fleet
-        where = (f"an engine in this process ({rollout.local.placement} placement)" if local
+        where = (f"an engine on each of {len(client.servers)} hosts ({rollout.local.placement} placement, each "
+                 f"served over HTTP by its own process: {', '.join(s.url for s in client.servers)})" if hosts
+                 else f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
         logger.write(f"rollout: {where}, mode {rollout.mode}, max_staleness {rollout.effective_max_staleness}")
         for advice in cfg.advisories():
@@ -352,7 +362,7 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
                 log.warning(advice)
         if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
             await client.update_weights_from_disk(str(serve_dir), version=0)
-        sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base)
+        sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base, hosts=hosts)
         run.weights = WeightPush(cfg, run.trainer, client, sink, hub=run.hub)
         logger.write(run.weights.describe())
         version = 0

@@ -217,9 +217,10 @@ async def save(run: Run, step: int, time_s: float) -> None:
         await asyncio.to_thread(run.files.publish, "metrics.jsonl", "tensorboard", "logs")
 
 
-def follow(hub: Any, trainer: Any, ckpts: Any) -> None:
+def follow(hub: Any, trainer: Any, ckpts: Any, host: Any = None) -> None:
     """A follower's part of a multi-process run (process 1 and up): the collective work process
-    0 announces, step by step, until it stops the run."""
+    0 announces, step by step, until it stops the run. ``host``: this host's engine
+    (``backend: local``), which a push stages its own copy of the weights into."""
     import jax
 
     me = jax.process_index()
@@ -236,8 +237,9 @@ def follow(hub: Any, trainer: Any, ckpts: Any) -> None:
                 trainer.train_batch(message["trajectories"], message["version"])
                 log.info("process %d: step %d trained %d trajectories of prompts %s", me, message["step"],
                          len(message["trajectories"]), message["prompt_ids"])
-            elif op == "push":  # take part in the gathers; process 0 sends the tensors
-                take_part(trainer, message.get("hf_layout", True))
+            elif op == "push":  # take part in the gathers; process 0 sends the tensors, or each host keeps its own
+                take_part(trainer, message.get("hf_layout", True), host=host if message.get("hosts") else None,
+                          hub=hub, version=message.get("version", 0))
             elif op == "save":
                 ckpts.save(message["step"], trainer.checkpoint_state(), message["meta"])
             else:

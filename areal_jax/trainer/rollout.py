@@ -18,27 +18,38 @@ from areal_jax.trainer.run_config import RunConfig
 
 def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
     """``(trainer devices, engine devices)`` of ``backend: local``: all of this process's
-    devices for both (``shared``), or disjoint groups (``split``)."""
+    devices for both (``shared``), or disjoint groups (``split``). With several processes the
+    engine's are this host's and the trainer's are every host's (its mesh spans the run), each
+    host split the same way."""
     import jax
 
     from rollout_bridge.local import split_devices
 
-    if jax.process_count() > 1:
-        from areal_jax.config import ConfigError
+    def split(devices: list[Any]) -> tuple[list[Any], list[Any]]:
+        if cfg.rollout.local.placement == "split":
+            return split_devices(devices, cfg.rollout.local.engine_devices)
+        return devices, devices
 
-        raise ConfigError(f"rollout.backend=local runs its engine inside one process, and this run has "
-                          f"{jax.process_count()} processes: on several hosts use rollout.backend=embedded or servers "
-                          "(an engine on every host's chips is not built yet; BUILD.md, 'A TPU pod')")
-    devices = jax.local_devices()
-    if cfg.rollout.local.placement == "split":
-        return split_devices(devices, cfg.rollout.local.engine_devices)
-    return devices, devices
+    trainer, engine = split(jax.local_devices())
+    if jax.process_count() > 1:
+        hosts: dict[int, list[Any]] = {}
+        for d in jax.devices():
+            hosts.setdefault(d.process_index, []).append(d)
+        trainer = [d for p in sorted(hosts) for d in split(hosts[p])[0]]
+    return trainer, engine
+
+
+def _processes() -> int:
+    import jax
+
+    return jax.process_count()
 
 
 def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
     """``Trainer`` arguments that plan an in-process engine beside the step: with ``backend:
     local`` and placement ``shared`` the engine's ``EngineConfig`` (from ``rollout.server_args``,
-    as ``build_engine`` reads them, on the trainer's mesh) and ``--dtype``; else none."""
+    as ``build_engine`` reads them, on its mesh: the trainer's, or this host's on several) and
+    ``--dtype``; else none."""
     rollout = cfg.rollout
     if rollout.backend != "local" or rollout.local.placement != "shared":
         return {}
@@ -46,7 +57,8 @@ def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
     from rollout_bridge.serve import engine_config, parser
 
     args = parser().parse_args(["--model-path", "-", *rollout.server_args])
-    ways = trainer_mesh.shape["data"] * trainer_mesh.shape["fsdp"]
+    mesh = _local_engine_mesh(cfg, trainer_mesh) if _processes() > 1 else trainer_mesh
+    ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     engine = engine_config(args, args.context_length or EngineConfig.max_seq_len, data_parallel=ways > 1,
                            seed=cfg.seed)
     return {"engine": engine, "engine_dtype": args.dtype}
@@ -54,14 +66,43 @@ def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
 
 def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
     """The in-process engine's mesh: the trainer's (shared; None on one device, which lets the
-    engine run lanes), or ``rollout.local.engine_mesh`` over its own devices (split)."""
-    from sharding import make_mesh
+    engine run lanes), or ``rollout.local.engine_mesh`` over its own devices (split). With
+    several processes the engine is this host's, on this host's devices only: shared, a mesh
+    like the trainer's over them (its ``tensor`` size where that fits, the rest ``fsdp``)."""
+    from sharding import MeshConfig, make_mesh
 
     _, devices = local_devices(cfg)
     if cfg.rollout.local.placement == "split":
         return make_mesh(cfg.rollout.local.engine_mesh, devices)
+    if _processes() > 1:
+        tensor = trainer_mesh.shape["tensor"] if trainer_mesh is not None else 1
+        mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=tensor if len(devices) % tensor == 0 else 1), devices)
+        return mesh if mesh.size > 1 else None
     mesh = trainer_mesh if trainer_mesh is not None else make_mesh(cfg.mesh, devices)
     return mesh if mesh.size > 1 else None
+
+
+async def start_engine_host(cfg: RunConfig, serve_dir: Path, trainer_mesh: Any, hub: Any) -> Any:
+    """A multi-process run's engine on this host (``backend: local``, any process): built on
+    this host's devices as placed (``_local_engine_mesh``), served over HTTP on this process's
+    event loop (``rollout_bridge.hosts``) at the address that reaches the coordinator (or
+    ``rollout.local.host``); a follower posts its URL for process 0 (``engine_addresses``)."""
+    import jax
+
+    from areal_jax.models import load_tokenizer
+    from areal_jax.trainer.multihost import coordinator_host
+    from rollout_bridge.hosts import EngineHost, reachable_address
+    from rollout_bridge.local import build_engine
+
+    rollout = cfg.rollout
+    engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args,
+                                     mesh=_local_engine_mesh(cfg, trainer_mesh), seed=cfg.seed, fuse_projections=True)
+    host = EngineHost(engine, load_tokenizer(serve_dir), api_key=rollout.api_key, model_path=serve_dir,
+                      process=jax.process_index())
+    await host.start(rollout.local.host or reachable_address(coordinator_host()))
+    if not hub.leader:
+        await asyncio.to_thread(hub.post, "engine", host.url)
+    return host
 
 
 class EarlyFleet:
@@ -109,15 +150,24 @@ def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path,
-                       trainer_mesh: Any = None, early: EarlyFleet | None = None) -> AsyncIterator[tuple[Any, Any]]:
+async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path, trainer_mesh: Any = None,
+                       early: EarlyFleet | None = None, hosts: tuple[Any, Any] | None = None
+                       ) -> AsyncIterator[tuple[Any, Any]]:
     """``(client, fleet)``: an ``HttpRolloutClient`` on the configured servers, or with ``backend:
     local`` a ``LocalRolloutClient`` over an engine in this process (shared placement: on
     ``trainer_mesh``); ``fleet`` is the ``ServerFleet`` of embedded servers this started (else
-    None). ``early``: servers already starting (``start_fleet_early``), taken over here."""
+    None). ``early``: servers already starting (``start_fleet_early``), taken over here.
+    ``hosts``: ``(this process's EngineHost, StepHub)`` of a multi-process ``backend: local``
+    run: an ``HttpRolloutClient`` over every host's engine, this one's first."""
     from rollout_bridge.client import HttpRolloutClient
 
     rollout = cfg.rollout
+    if hosts is not None:
+        host, hub = hosts
+        others = await asyncio.to_thread(hub.collect, "engine", rollout.startup_timeout_s)
+        async with HttpRolloutClient([host.url, *others], api_key=rollout.api_key) as client:
+            yield client, None
+        return
     if rollout.backend == "local":
         from rollout_bridge.local import LocalRolloutClient, build_engine
 

@@ -20,6 +20,14 @@ on each process), so it gathers every tensor first, in the run's order, onto pro
 (one copy of the model in the push dtype there), and only the sending, which is most of a
 push's time, overlaps the next update. A held push is the same push sent before the pause, so
 it works as either. The other processes' half is ``take_part``.
+
+With ``backend: local`` on several processes every host has its own engine, served over HTTP
+(``rollout_bridge/hosts.py``, which says why), and no weight crosses the network: every process
+keeps what its gathers give and stages it into its own engine (``HostsSink``), the followers
+post how that went, and process 0 commits the version on every engine that holds it, inside its
+pause or with the commit's own, so that every engine swaps to the new version under its label
+(its tokens stamped with it from the swap on, never before). The staging is the collective part
+(an overlapped push does it before the next update); the commit is all that overlaps.
 """
 
 from __future__ import annotations
@@ -28,23 +36,30 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from areal_jax.models.hf_io import HFTensorStream, iter_hf_tensors
 from areal_jax.trainer.run_config import RunConfig
+from rollout_bridge.records import WeightUpdateError
+from rollout_bridge.streamer import HttpBucketSink, TransferMetrics
 
 log = logging.getLogger(__name__)
 
 
-def make_sink(cfg: RunConfig, client: Any, hf_config: dict[str, Any], run_dir: Path, tokenizer_dir: Path) -> Any:
+def make_sink(cfg: RunConfig, client: Any, hf_config: dict[str, Any], run_dir: Path, tokenizer_dir: Path,
+              hosts: tuple[Any, Any] | None = None) -> Any:
     """The weight sink of ``cfg.rollout``: device to device to an in-process engine, HTTP buckets
     to our servers, or safetensors on disk that the servers load (``hf_config`` and
-    ``tokenizer_dir`` make that directory a model they can read)."""
-    from rollout_bridge.streamer import DiskSink, HttpBucketSink, LocalSink
+    ``tokenizer_dir`` make that directory a model they can read). ``hosts``: ``(EngineHost,
+    StepHub)`` of a multi-process ``backend: local`` run (``HostsSink``)."""
+    from rollout_bridge.streamer import DiskSink, LocalSink
 
     rollout = cfg.rollout
+    if hosts is not None:
+        return HostsSink(client, *hosts)
     if rollout.backend == "local":
         return LocalSink(client)
     if rollout.weight_sync == "http":
@@ -53,10 +68,65 @@ def make_sink(cfg: RunConfig, client: Any, hf_config: dict[str, Any], run_dir: P
                     tokenizer_dir=tokenizer_dir, server_root=rollout.servers_weights_dir)
 
 
-def take_part(trainer: Any, hf_layout: bool) -> None:
+def take_part(trainer: Any, hf_layout: bool, *, host: Any = None, hub: Any = None, version: int = 0) -> None:
     """A follower's half of a push (process 1 and up): the gathers, collectives that process 0
-    enters too; only process 0 keeps and sends the tensors."""
-    collections.deque(iter_hf_tensors(trainer.model(), owned=lambda name: False, hf_layout=hf_layout), 0)
+    enters too. Without a ``host`` only process 0 keeps and sends the tensors; with this host's
+    ``EngineHost`` (``backend: local`` on several processes) this process keeps them too, stages
+    them into its engine as ``version`` and posts how that went to process 0 through ``hub``."""
+    tensors = iter_hf_tensors(trainer.model(), owned=None if host is not None else lambda name: False,
+                              hf_layout=hf_layout)
+    if host is None:
+        collections.deque(tensors, 0)
+        return
+    error = host.hold(tensors, transfer_id(version), str(version))
+    hub.post(f"push/{transfer_id(version)}", error or "")
+
+
+def transfer_id(version: int) -> str:
+    """The transfer every host holds ``version`` under, until process 0 commits it."""
+    return f"v{version}"
+
+
+class HostsSink(HttpBucketSink):
+    """The engines of a multi-process ``backend: local`` run, one per host, each served over HTTP
+    by its own process (see the module docstring): ``stage`` this process's gathered copy into
+    its own engine and learn how the followers' went, then ``deliver`` (commit, now or held)."""
+
+    hosts = True
+
+    def __init__(self, client: Any, host: Any, hub: Any):
+        super().__init__(client, native_layout=True)  # our own engines: kernels in our layout
+        self.host, self.hub = host, hub
+
+    async def stage(self, version: int, tensors: HFTensorStream) -> dict[str, str]:
+        """This process's half of ``version`` (every follower does the same in ``take_part``);
+        returns, by URL, why each engine that does not hold it failed."""
+        t_id = transfer_id(version)
+        error = await asyncio.to_thread(self.host.hold, tensors, t_id, str(version))
+        posted = await asyncio.to_thread(self.hub.collect, f"push/{t_id}", self.client.cfg.weight_timeout_s)
+        urls = [s.url for s in self.client.servers]  # in process order: this process's engine first
+        return {urls[p]: why for p, why in enumerate([error or "", *posted]) if why}
+
+    async def deliver(self, version: int, failed: dict[str, str], *, hold: bool = False) -> None:
+        """Every engine that holds ``version`` (all but ``failed``) serves it now, or with
+        ``hold`` at ``commit(version)``; ``WeightUpdateError`` names those that failed."""
+        servers = self.client.servers
+        if len(failed) >= len(servers):
+            self._held = None
+            raise WeightUpdateError(f"no host could stage version {version}: " + "; ".join(
+                f"{url} {why}" for url, why in failed.items()), failed)
+        self._held = (version, transfer_id(version), failed)
+        if not hold:
+            await self.commit(version)
+        if failed:
+            raise WeightUpdateError(f"version {version} could not be staged on "
+                                    + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
+
+    async def push(self, version: int, tensors: Any, *, hold: bool = False) -> TransferMetrics:
+        t0 = time.perf_counter()
+        await self.deliver(version, await self.stage(version, tensors), hold=hold)
+        return TransferMetrics(version=version, bytes=0, seconds=time.perf_counter() - t0, buckets=0,
+                               tensors=len(tensors.layout), servers=len(self.client.servers))
 
 
 class WeightPush:
@@ -73,6 +143,8 @@ class WeightPush:
         """The push of a version runs while the next batch trains."""
         self.in_flight: asyncio.Task | None = None
         """The overlapped push still running, if any."""
+        self.hosts = getattr(sink, "hosts", False)
+        """An engine on every host of a multi-process ``backend: local`` run (``HostsSink``)."""
 
     def describe(self) -> str:
         """The log line that says how this run pushes its weights."""
@@ -86,7 +158,10 @@ class WeightPush:
             parts.append("held (sent while rollout generates, swapped in within one pause)")
         else:
             parts.append("between a pause and a continue")
-        if processes > 1 and rollout.overlap_weight_push and rollout.backend != "local":
+        if self.hosts:
+            parts.append(f"staged by each of {processes} processes into its own host's engine from its own gathers, "
+                         "committed on every engine as one version")
+        elif processes > 1 and rollout.overlap_weight_push and rollout.backend != "local":
             parts.append(f"gathered across {processes} processes onto process 0's host before the next update")
         return "weight push: " + ", ".join(parts)
 
@@ -131,6 +206,10 @@ class WeightPush:
         ``version``; ``hold``: the servers serve it only at ``sink.commit(version)``. ``announce``:
         tell the other processes to take part in the gathers (not for a push the caller starts
         apart, whose gathering ``gather`` did)."""
+        if self.hosts:  # ``tensors``: what ``gather`` staged (by URL, the engines that failed)
+            failed = tensors if tensors is not None else await self._stage_on_hosts(version, announce)
+            await self.sink.deliver(version, failed, hold=hold)
+            return
         if self.rollout.backend == "local":  # device to device; shared: the engine keeps the trainer's arrays
             shared = self.rollout.local.placement == "shared"
             policy = self.trainer.policy
@@ -153,15 +232,25 @@ class WeightPush:
                 # stopped early (every server refused it) still has to finish the gathers.
                 await asyncio.to_thread(collections.deque, tensors, 0)
 
-    async def gather(self, version: int) -> HFTensorStream:
+    async def gather(self, version: int) -> Any:
         """A multi-process push's collective half, now: tell the other processes, gather every
         tensor with them and keep the whole model on this host; returns the tensors (over host
-        arrays) for ``send(..., tensors=)`` to send later, while the next update runs."""
+        arrays) for ``send(..., tensors=)`` to send later, while the next update runs. With an
+        engine on every host, each host stages its copy now; returns the engines that failed."""
+        if self.hosts:  # every host stages its own copy now; only the commit is left
+            return await self._stage_on_hosts(version, True)
         hf_layout = self._hf_layout
         await asyncio.to_thread(self.hub.announce, "push", version=version, hf_layout=hf_layout)
         stream = iter_hf_tensors(self.trainer.model(), hf_layout=hf_layout)
         host = await asyncio.to_thread(list, stream)
         return HFTensorStream(iter(host), stream.layout, hf_layout=stream.hf_layout)
+
+    async def _stage_on_hosts(self, version: int, announce: bool) -> dict[str, str]:
+        """``HostsSink.stage`` with the followers told first (``announce``); by URL, the engines
+        that failed."""
+        if announce and self.hub is not None:
+            await asyncio.to_thread(self.hub.announce, "push", version=version, hf_layout=False, hosts=True)
+        return await self.sink.stage(version, iter_hf_tensors(self.trainer.model(), hf_layout=False))
 
     async def start(self, version: int, step: int) -> asyncio.Task:
         """Start pushing ``version`` from lent params (several processes: from tensors gathered now,

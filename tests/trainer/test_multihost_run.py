@@ -188,12 +188,29 @@ def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_pat
 
 
 @pytest.mark.slow
-def test_the_in_process_engine_on_two_processes_stops_at_start_saying_what_to_use(tmp_path: Path) -> None:
-    """``rollout.backend: local`` is one process's engine: a two-process run of it ends on both
-    processes before any model is built, naming the backends that work."""
-    codes, logs = _run_two(tmp_path, ["steps=1", "warm_start=null", "rollout.backend=local"], timeout=240)
-    assert codes[0] != 0 and codes[1] != 0, logs
-    for log in logs:
-        assert "rollout.backend=local runs its engine inside one process, and this run has 2 processes" in log
-        assert "Traceback" not in log  # a config error, told as one
-    assert not (tmp_path / "run" / "base").exists()
+def test_the_in_process_engine_runs_on_every_host_and_each_serves_every_pushed_version(tmp_path: Path) -> None:
+    """``rollout.backend: local`` on two processes: each builds an engine on its own two devices
+    and serves it over HTTP, process 0 routes over both, and every push is staged by each
+    process from its own gathers and committed on both engines as one version. Asynchronous with
+    ``max_staleness`` 0, so a trained token was sampled by the version that trains on it: its
+    behaviour logprob must equal the trainer's recompute up to float32 rounding (an engine that
+    served other weights under the version's stamp would be off by far more at a learning rate of
+    0.01). Each engine sampled tokens under the starting weights and under both pushed versions
+    (the last through the final evaluation)."""
+    import ast
+
+    codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "rollout.backend=local",
+                                      "rollout.max_staleness=0", "train.lr=0.01",
+                                      "reward.name=tests.rewards.fns:echo"], timeout=300)
+    assert codes == [0, 0], "\n---\n".join(logs)[-6000:]
+    assert "rollout: an engine on each of 2 hosts (shared placement" in logs[0]
+    assert "staged by each of 2 processes into its own host's engine" in logs[0]
+    lines = _metrics(tmp_path / "run")
+    assert [m["version"] for m in lines] == [1, 2]
+    assert lines[-1]["served_versions"] == ["2", "2"]
+    for m in lines:  # exp(recomputed - behaviour) per token: 1 up to float32 rounding of two forwards
+        assert abs(m["behavior_imp_weight_max"] - 1) < 1e-4 and m["behavior_kl"] < 1e-6, m
+    for i, log in enumerate(logs):
+        sampled = ast.literal_eval(re.search(rf"process {i}: its engine sampled (\{{.*?\}})", log).group(1))
+        assert all(sampled.get(label, 0) > 0 for label in ("default", "1", "2")), (i, sampled)
+        assert "serving weights '2' (update 2; held weights swapped" in log
