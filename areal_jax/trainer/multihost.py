@@ -11,7 +11,10 @@ it and does its part. With one process ``announce`` does nothing.
 
 A message is broadcast from process 0 with ``jax.experimental.multihost_utils``: first its length,
 then its bytes padded to a power of two (so the broadcast compiles for a handful of sizes only).
-Trajectories travel as binary blobs; nothing is pickled.
+Trajectories travel as binary blobs; nothing is pickled. A follower waits for the next message
+on the coordinator's key-value store (process 0 posts a word before each broadcast), not inside
+the broadcast: a collective that waits holds the host's devices, so an engine on them
+(``rollout.backend: local`` on every host) could not generate while process 0 waits for it.
 
 A ``train`` message does not send every host the whole batch. Given the batch's ``row_owners``
 (per process, the trajectories whose packed rows its devices hold, ``BatchPreparer.row_owners``),
@@ -25,10 +28,11 @@ step, which the two-process tests would see).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from typing import Any
 
@@ -204,8 +208,8 @@ class StepHub:
             except Exception:  # a batch the plan refuses goes whole: every process meets the same error
                 shares = None
         if shares is None:
-            self._next()
-            _broadcast(b"W" + encode({"op": op, **payload}))
+            with self._next():
+                _broadcast(b"W" + encode({"op": op, **payload}))
             return
         self._sent += 1
         header, blobs = encode_shares({"op": op, "seq": self._sent, **payload}, shares)
@@ -215,22 +219,26 @@ class StepHub:
             for k, piece in enumerate(pieces):
                 store.key_value_set_bytes(f"areal_jax/train/{self._sent}/{p}/{k}", piece)
             store.key_value_set(f"areal_jax/train/{self._sent}/{p}/n", str(len(pieces)))
-        self._next()
-        _broadcast(b"S" + header)  # the first byte says whole (W) or split (S)
+        with self._next():
+            _broadcast(b"S" + header)  # the first byte says whole (W) or split (S)
 
     # A follower spends most of a run waiting for process 0's next message. It waits on the
     # key-value store, not inside the broadcast: a collective that waits holds this host's
     # devices, and an engine on them (``backend: local``) could not generate meanwhile, while
     # process 0 waits for its answers before it announces anything.
 
-    def _next(self) -> None:
-        """Process 0: say that message ``n`` is about to be broadcast (and drop the word for the
-        one before, which every follower has read: they all entered its broadcast)."""
+    @contextlib.contextmanager
+    def _next(self) -> Iterator[None]:
+        """Process 0, around a broadcast: say that the next message comes, and once the broadcast
+        is through (every follower entered it, so read the word) take the word back."""
         store = _store()
         self._messages += 1
-        store.key_value_set(f"areal_jax/next/{self._messages}", "1")
-        if self._messages > 1:
-            store.key_value_delete(f"areal_jax/next/{self._messages - 1}")
+        key = f"areal_jax/next/{self._messages}"
+        store.key_value_set(key, "1")
+        try:
+            yield
+        finally:
+            store.key_value_delete(key)
 
     def _wait_next(self) -> None:
         """A follower: wait, off the devices, until process 0 is about to broadcast the next message."""
