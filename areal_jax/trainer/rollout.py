@@ -18,9 +18,9 @@ from areal_jax.trainer.run_config import RunConfig
 
 def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
     """``(trainer devices, engine devices)`` of ``backend: local``: all of this process's
-    devices for both (``shared``), or disjoint groups (``split``). With several processes the
-    engine's are this host's and the trainer's are every host's (its mesh spans the run), each
-    host split the same way."""
+    devices for both (``shared``), or disjoint groups (``split``, one process only). With several
+    processes the engine's are this host's and the trainer's are every host's (its mesh spans the
+    run)."""
     import jax
 
     from rollout_bridge.local import split_devices
@@ -30,6 +30,15 @@ def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
             return split_devices(devices, cfg.rollout.local.engine_devices)
         return devices, devices
 
+    if jax.process_count() > 1 and cfg.rollout.local.placement == "split":
+        from areal_jax.config import ConfigError
+
+        # Tried on two CPU processes: the engine generating on its own devices while the train
+        # step's cross-process collectives run on the others desynchronised them (gloo: "collective
+        # mismatch") at the first step. Not yet understood, so refused rather than left to hang.
+        raise ConfigError(f"rollout.local.placement=split is not supported with several processes (this run has "
+                          f"{jax.process_count()}): use rollout.local.placement=shared, which puts an engine on "
+                          "every host's devices, or rollout.backend=embedded / servers (BUILD.md, 'A TPU pod')")
     trainer, engine = split(jax.local_devices())
     if jax.process_count() > 1:
         hosts: dict[int, list[Any]] = {}
@@ -74,10 +83,9 @@ def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
     _, devices = local_devices(cfg)
     if cfg.rollout.local.placement == "split":
         return make_mesh(cfg.rollout.local.engine_mesh, devices)
-    if _processes() > 1:
+    if _processes() > 1:  # a mesh even of one device: without one the engine would take the global device 0
         tensor = trainer_mesh.shape["tensor"] if trainer_mesh is not None else 1
-        mesh = make_mesh(MeshConfig(data=1, fsdp=-1, tensor=tensor if len(devices) % tensor == 0 else 1), devices)
-        return mesh if mesh.size > 1 else None
+        return make_mesh(MeshConfig(data=1, fsdp=-1, tensor=tensor if len(devices) % tensor == 0 else 1), devices)
     mesh = trainer_mesh if trainer_mesh is not None else make_mesh(cfg.mesh, devices)
     return mesh if mesh.size > 1 else None
 
@@ -95,8 +103,12 @@ async def start_engine_host(cfg: RunConfig, serve_dir: Path, trainer_mesh: Any, 
     from rollout_bridge.local import build_engine
 
     rollout = cfg.rollout
-    engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args,
-                                     mesh=_local_engine_mesh(cfg, trainer_mesh), seed=cfg.seed, fuse_projections=True)
+    mesh = _local_engine_mesh(cfg, trainer_mesh)
+    # JAX's default device is the global device 0, on process 0's host: an array the engine makes
+    # without a sharding must stay on this host's own engine devices.
+    jax.config.update("jax_default_device", mesh.devices.flat[0])
+    engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args, mesh=mesh, seed=cfg.seed,
+                                     fuse_projections=True)
     host = EngineHost(engine, load_tokenizer(serve_dir), api_key=rollout.api_key, model_path=serve_dir,
                       process=jax.process_index())
     await host.start(rollout.local.host or reachable_address(coordinator_host()))

@@ -214,3 +214,19 @@ def test_the_in_process_engine_runs_on_every_host_and_each_serves_every_pushed_v
         sampled = ast.literal_eval(re.search(rf"process {i}: its engine sampled (\{{.*?\}})", log).group(1))
         assert all(sampled.get(label, 0) > 0 for label in ("default", "1", "2")), (i, sampled)
         assert "serving weights '2' (update 2; held weights swapped" in log
+
+
+def test_the_split_placement_on_several_processes_is_refused_naming_what_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``rollout.local.placement: split`` over several processes is not supported yet (see
+    ``trainer/rollout.py``): it stops before any model, naming the placement and backends that work."""
+    import jax
+
+    from areal_jax.config import ConfigError
+    from areal_jax.trainer.rollout import local_devices
+    from areal_jax.trainer.run_config import load_run_config
+
+    cfg = load_run_config(DEMO, ["rollout.backend=local", "rollout.local.placement=split"])
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="placement=split is not supported with several processes.*"
+                                          "use rollout.local.placement=shared"):
+        local_devices(cfg)
