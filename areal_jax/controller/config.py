@@ -18,7 +18,8 @@ class LocalRolloutConfig:
     """``shared``: on the trainer's devices and mesh, taking turns; a weight update hands the
     engine the trainer's params, with no copy where dtypes and layouts match. ``split``: the last
     ``engine_devices`` of this process's devices generate while the others train (``mesh`` then
-    applies to the trainer's devices); a weight update reshards device to device."""
+    applies to the trainer's devices); a weight update reshards device to device. With several
+    processes: ``shared`` only, the engine on each host's own devices."""
     engine_devices: int | None = None
     """With ``split``: how many devices generate; None: half of them. It and the number left to
     train must divide one another (the handover copies whole shards between the two groups)."""
@@ -41,7 +42,9 @@ class RolloutConfig:
     start ``num_servers`` real SGLang servers (``areal-jax[sglang]``, GPU; options in ``sglang``;
     weights go over disk); ``servers``: use the running servers (ours or SGLang) at
     ``servers``; ``local``: one engine inside the trainer's process (a TPU host, a notebook), no
-    HTTP, weights handed over on device; sized by ``server_args`` and placed by ``local``."""
+    HTTP, weights handed over on device; sized by ``server_args`` and placed by ``local``. With
+    several processes (a pod), one such engine per host, each served over HTTP by its own process
+    and given each version from that process's own gathers (``rollout_bridge/hosts.py``)."""
     num_servers: int = 1
     """Servers to start (``embedded`` and ``sglang``)."""
     server_devices: list[int] = field(default_factory=list)

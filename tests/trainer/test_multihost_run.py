@@ -2,7 +2,8 @@
 global fsdp mesh of four): process 0 owns rollout, the controller, evaluation and the metrics and
 hands each step's batch to process 1; both train it, join the weight gathers (pushes overlapped
 with the next update and held, as on one host), save the checkpoint, are killed, resume from it
-and write the export together."""
+and write the export together. With ``rollout.backend: local`` each process also serves an
+engine on its own devices and stages every pushed version into it."""
 
 import json
 import os
@@ -193,10 +194,11 @@ def test_the_in_process_engine_runs_on_every_host_and_each_serves_every_pushed_v
     and serves it over HTTP, process 0 routes over both, and every push is staged by each
     process from its own gathers and committed on both engines as one version. Asynchronous with
     ``max_staleness`` 0, so a trained token was sampled by the version that trains on it: its
-    behaviour logprob must equal the trainer's recompute up to float32 rounding (an engine that
-    served other weights under the version's stamp would be off by far more at a learning rate of
-    0.01). Each engine sampled tokens under the starting weights and under both pushed versions
-    (the last through the final evaluation)."""
+    behaviour logprob must equal the trainer's recompute up to float32 rounding. The reward (the
+    answer's length) differs within a group, so the weights move: with one host's staging
+    switched off (its engine serving the old weights under the new label) the importance weight
+    reached 1.40 at step 2, against 1 + 5e-7 here. Each engine sampled tokens under the starting
+    weights and under both pushed versions (the last through the final evaluation)."""
     import ast
 
     codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "rollout.backend=local",
