@@ -33,9 +33,11 @@ def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
     if jax.process_count() > 1 and cfg.rollout.local.placement == "split":
         from areal_jax.config import ConfigError
 
-        # Tried on two CPU processes: the engine generating on its own devices while the train
-        # step's cross-process collectives run on the others desynchronised them (gloo: "collective
-        # mismatch") at the first step. Not yet understood, so refused rather than left to hang.
+        # Tried on two CPU processes of two devices, one training and one generating on each: the
+        # first train step's cross-process collectives failed (gloo: "collective mismatch"), in
+        # sync mode too, where the engine is idle during the step. A trainer mesh over part of
+        # each process's devices, on the CPU's gloo collectives, is the suspect; not yet told
+        # apart, so refused rather than left to fail mid-run.
         raise ConfigError(f"rollout.local.placement=split is not supported with several processes (this run has "
                           f"{jax.process_count()}): use rollout.local.placement=shared, which puts an engine on "
                           "every host's devices, or rollout.backend=embedded / servers (BUILD.md, 'A TPU pod')")
