@@ -1,8 +1,9 @@
 """Rollout setup: ``open_rollout`` is the one place that turns the rollout config into a running
 client: embedded servers started as child processes (stopped again on exit, and named when one
 dies), the URLs of servers already running, ours or SGLang, or an engine inside this process
-(``backend: local``, placed by ``local_devices``). ``device_split`` says which devices a
-config's embedded servers take, before the trainer's JAX starts.
+(``backend: local``, placed by ``local_devices``; with several processes one on every host,
+``start_engine_host``, each served over HTTP by its own process). ``device_split`` says which
+devices a config's embedded servers take, before the trainer's JAX starts.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ async def start_engine_host(cfg: RunConfig, serve_dir: Path, trainer_mesh: Any, 
     """A multi-process run's engine on this host (``backend: local``, any process): built on
     this host's devices as placed (``_local_engine_mesh``), served over HTTP on this process's
     event loop (``rollout_bridge.hosts``) at the address that reaches the coordinator (or
-    ``rollout.local.host``); a follower posts its URL for process 0 (``engine_addresses``)."""
+    ``rollout.local.host``); a follower posts its URL for process 0 (``open_rollout`` collects them)."""
     import jax
 
     from areal_jax.models import load_tokenizer
