@@ -324,6 +324,7 @@ class PagedEngine(PagedBatches, Engine):
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
         tokens, positions, step, count, wp, wo, p, work = self._decode_rows(seqs, n)
+        work = self._fixed_work(work, len(tokens))
         self.compiled_shapes.add(("decode", len(tokens), n, len(work[0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
@@ -338,7 +339,12 @@ class PagedEngine(PagedBatches, Engine):
         each of ``decode`` (the first in the chunk's forward pass)."""
         n = self.cfg.decode_steps
         rows, chunk = self._prefill_rows(prefill, half_steps=False)
-        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False)
+        # the fixed shapes ``warmup`` compiled (``mixed_shape``): every running row, the most
+        # prefill rows of this width, work lists at their fixed lengths
+        chunk = self._pad_prefill(chunk, self.mixed_prefill_rows(chunk[0].shape[1]))
+        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False,
+                                                                            num_rows=self.mixed_rows)
+        work = self._fixed_work(work, len(tokens))
         self.compiled_shapes.add(("mixed", len(tokens), *chunk[0].shape, len(work[0]), len(chunk[4][0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
@@ -373,18 +379,57 @@ class PagedEngine(PagedBatches, Engine):
     def min_decode_rows(self) -> int:
         return min(MIN_DECODE_ROWS, pow2(self.cfg.num_slots))
 
+    @property
+    def row_pages(self) -> int:
+        """The most pages one row of a call reads: a full context."""
+        return self.allocator.pages_for(self.max_seq_len)
+
+    @property
+    def mixed_rows(self) -> int:
+        """Decode rows of every mixed step: room for every running request. A mixed step runs
+        while prompts are prefilled (a transient); one row count there keeps its shapes to one
+        per prefill width (decode calls keep a row count per power of two)."""
+        return pow2(self.cfg.num_slots, self.min_decode_rows)
+
+    def prefill_widths(self) -> list[int]:
+        """Every padded width a prefill row can have: powers of two from ``MIN_WIDTH`` up to the
+        longest take (a chunk, or a whole prompt shorter than the context)."""
+        chunk = self.cfg.chunked_prefill_size
+        longest = min(self.max_seq_len - 1, self.max_seq_len if chunk == -1 else chunk)
+        return [w for w in (MIN_WIDTH << k for k in range(64)) if w <= pow2(longest, MIN_WIDTH)]
+
+    def mixed_prefill_rows(self, width: int) -> int:
+        """Prefill rows of a mixed step of ``width``-token rows: the most ``_prefill_rows`` can
+        give that width (``max_prefill_batch`` rows, padded at most twice the real tokens or
+        256, the call at most ``max_prefill_tokens``, the real tokens at most a chunk)."""
+        chunk = self.cfg.chunked_prefill_size
+        real = self.cfg.max_prefill_batch * (self.max_seq_len - 1)
+        if chunk != -1:
+            real = min(real, chunk)
+        tokens = min(self.cfg.max_prefill_tokens, max(2 * real, 256))
+        return min(pow2(self.cfg.max_prefill_batch), 1 << max(tokens // width, 1).bit_length() - 1)
+
+    def _mixed_shape(self, width: int) -> tuple[Any, ...]:
+        rows, prefill_rows = self.mixed_rows, self.mixed_prefill_rows(width)
+        return ("mixed", rows, prefill_rows, width, rows * self.row_pages, prefill_rows * self.row_pages)
+
+    def _decode_shape(self, rows: int) -> tuple[Any, ...]:
+        return ("decode", rows, self.cfg.decode_steps, rows * self.row_pages)
+
     def step_shapes(self) -> list[tuple[Any, ...]]:
-        """The shapes ``warmup`` compiles: those of the first short requests. Mixed steps
-        ``("mixed", rows, prefill rows, width, work, prefill work)``: one and two short prompts
-        beside the fewest decode rows (on the alternating path, ``("prefill", rows, width, work)``
-        of one and two short prompts), and ``("decode", rows, steps, work)`` of the fewest rows.
-        Every other shape compiles when first used (``compiled_shapes``)."""
-        rows = self.min_decode_rows
+        """The shapes ``warmup`` compiles, every one a running engine calls: mixed steps
+        ``("mixed", rows, prefill rows, width, work, prefill work)``, one per prefill width
+        (``prefill_widths``), and decode calls ``("decode", rows, steps, work)``, one per power of
+        two of rows. Work lists have a fixed length per shape (``_fixed_work``): the pages read
+        are chosen on device. On the alternating path (``mixed_chunk`` False) prefill calls
+        ``("prefill", rows, width, work)`` of one and two short prompts are compiled first, and
+        its other prefill shapes when first used (``compiled_shapes``)."""
         if self.mixed_chunk:
-            first = [("mixed", rows, n, MIN_WIDTH, MIN_WORK, MIN_WORK) for n in (1, 2)]
+            first = [self._mixed_shape(w) for w in self.prefill_widths()]
         else:
             first = [("prefill", 1, MIN_WIDTH, MIN_WORK), ("prefill", 2, MIN_WIDTH, MIN_WORK)]
-        return [*first, ("decode", rows, self.cfg.decode_steps, MIN_WORK)]
+        rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
+        return [*first, *(self._decode_shape(r) for r in rows)]
 
     def warmup(self, stop: Any = None) -> int:
         """Compile ``step_shapes`` by running each on padding (every write goes to the sink page);
@@ -392,7 +437,9 @@ class PagedEngine(PagedBatches, Engine):
         if self._running:
             raise RuntimeError("warmup() runs before start(): it steps the pool")
         lane = self._lanes[0]
-        work = lambda n: (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
+        def work(n: int, live: bool = True) -> tuple[np.ndarray, ...]:
+            padding = (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
+            return (*padding, np.int32(0)) if live else padding
         for done, shape in enumerate(self.step_shapes()):
             if stop is not None and stop.is_set():
                 return done
@@ -408,7 +455,7 @@ class PagedEngine(PagedBatches, Engine):
             zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
             if kind == "prefill":  # (prefill, rows, width, work)
                 lane.cache = self._run_paged(self.prefill_fn, self._state, lane.cache, zeros,
-                                             np.full((rows, width), -1, np.int32), sink, zeros, work(size))
+                                             np.full((rows, width), -1, np.int32), sink, zeros, work(size, False))
             elif kind == "decode":
                 p, z = _SamplingRows(rows), np.zeros((rows,), np.int32)
                 self._run_decode(lane, z, z, sink, zeros, work(size), p.temperature, p.top_p, p.top_k, p.seed,
