@@ -24,11 +24,17 @@ One loop steps the pool. Each round admits what fits, then makes one device call
 ``mixed_chunk = False`` keeps the alternating path: a prefill call per chunk, then a decode call.
 
 A request that shares pages another request writes in the same round (a group admitted together,
-or a long prompt still being prefilled in chunks) waits until that one has written them. Shapes:
-rows, prefill width and work-list length are each padded to a power of two, so the number of
-compiled shapes grows with the logarithm of the batch and the pool, and ``warmup`` compiles the
-few the first requests need (the rest compile when first used). The host arrays of each call are
-built in ``paged_batches``, the compiled steps live in ``paged_steps``.
+or a long prompt still being prefilled in chunks) waits until that one has written them.
+
+Shapes: ``warmup`` compiles every shape a running engine calls, so nothing compiles mid-run (a
+compile there stalls every answer for seconds and grows the process). A work list, whose length
+follows the pages the requests hold, has a fixed length per call shape (every row a full
+context) and is read on device only up to the smallest of ``models.paged.work_sizes`` that holds
+its live entries: the pages read cost what they are without being part of the shape. A mixed
+step has a row for every running request and, per padded prefill width (a power of two), the
+most prefill rows that width can have: one shape per width. A decode call pads its rows to a
+power of two: one shape per power of two up to ``max_running_requests``. The host arrays of each
+call are built in ``paged_batches``, the compiled steps live in ``paged_steps``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -363,10 +370,29 @@ class PagedEngine(PagedBatches, Engine):
     def _run_paged(self, fn: Any, state: Any, cache: Any, *args: Any) -> Any:
         return self._run_step(fn, state, cache, *args)
 
-    def _run_mixed(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
-        lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, *args,
-                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
-        return tuple(np.asarray(x) for x in jax.device_get(out))
+    def _run_mixed(self, lane: _Lane, tokens: np.ndarray, positions: np.ndarray, wp: np.ndarray, wo: np.ndarray,
+                   work: tuple[np.ndarray, ...], ids: np.ndarray, prefill_positions: np.ndarray,
+                   prefill_pages: np.ndarray, prefill_offsets: np.ndarray, prefill_work: tuple[np.ndarray, ...],
+                   temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seed: np.ndarray,
+                   stream: np.ndarray, step: np.ndarray, top_n: np.ndarray, remaining: np.ndarray,
+                   stop_ids: np.ndarray, early: np.bool_) -> tuple[np.ndarray, ...]:
+        """The mixed step (the chunk and each answer's first token), then, unless no answer has
+        a token left (or one stopped and ``early``), a decode call of the same rows for the
+        rest: ``decode_step``'s outputs over both."""
+        sampling = (temperature, top_p, top_k, seed, stream)
+        lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo, work, ids,
+                                         prefill_positions, prefill_pages, prefill_offsets, prefill_work, *sampling,
+                                         step, top_n, remaining, stop_ids, early, num_steps=self.cfg.decode_steps,
+                                         max_top=self.max_top)
+        main, values, top_ids, rest, ended = (np.asarray(x) for x in jax.device_get(out))
+        if not rest.any() or (early and ended):
+            return main, values, top_ids, 1
+        # the decode call's arrays: one token on, the write columns shifted (a sink column last)
+        shift = lambda a, v: np.concatenate([a[:, 1:], np.full((len(a), 1), v, a.dtype)], axis=1)
+        more = self._run_decode(lane, main[0, 0].astype(np.int32), positions + 1, shift(wp, SINK_PAGE), shift(wo, 0),
+                                work, *sampling, step + 1, top_n, rest.astype(np.int32), stop_ids, early)
+        return (np.concatenate([main, more[0]], axis=1), np.concatenate([values, more[1]]),
+                np.concatenate([top_ids, more[2]]), 1 + int(more[3]))
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
         lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,
@@ -431,34 +457,52 @@ class PagedEngine(PagedBatches, Engine):
         rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
         return [*first, *(self._decode_shape(r) for r in rows)]
 
-    def warmup(self, stop: Any = None) -> int:
-        """Compile ``step_shapes`` by running each on padding (every write goes to the sink page);
-        returns how many. Call before ``start()``."""
-        if self._running:
-            raise RuntimeError("warmup() runs before start(): it steps the pool")
-        lane = self._lanes[0]
+    def _warm_call(self, shape: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """(jitted step, host arguments after the pool, static arguments) of a call of ``shape``
+        on padding: every write goes to the sink page, every work entry is masked."""
         def work(n: int, live: bool = True) -> tuple[np.ndarray, ...]:
             padding = (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
             return (*padding, np.int32(0)) if live else padding
-        for done, shape in enumerate(self.step_shapes()):
+
+        kind, rows, width, size = shape[:4]
+        steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top}
+        p, z, n = _SamplingRows(rows), np.zeros((rows,), np.int32), self.cfg.decode_steps
+        sampling = (p.temperature, p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
+        if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
+            ids = np.zeros(shape[2:4], np.int32)
+            return self.mixed_fn, (z, z - 1, np.full((rows, n), SINK_PAGE, np.int32), np.zeros((rows, n), np.int32),
+                                   work(shape[4]), ids, ids - 1, ids + SINK_PAGE, ids, work(shape[5]),
+                                   *sampling), steps
+        zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
+        if kind == "prefill":  # (prefill, rows, width, work)
+            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size, False)), {}
+        return self.decode_fn, (z, z, sink, zeros, work(size), *sampling), steps  # (decode, rows, steps, work)
+
+    def warmup(self, stop: Any = None) -> int:
+        """Compile ``step_shapes``, then run each once on padding (``_warm_call``); returns how
+        many. The compiles run in worker threads at once (XLA compiles outside the GIL, and a
+        compiled shape is cached for the step's first call), the runs one after another (each
+        donates the pool). Call before ``start()``."""
+        if self._running:
+            raise RuntimeError("warmup() runs before start(): it steps the pool")
+        lane = self._lanes[0]
+        shapes = self.step_shapes()
+        calls = [self._warm_call(shape) for shape in shapes]
+
+        def compile_one(call: tuple[Any, tuple[Any, ...], dict[str, Any]]) -> None:
+            if stop is not None and stop.is_set():
+                return
+            fn, args, static = call
+            with activate(self.mesh):
+                fn.lower(self._state, lane.cache, *jax.tree.map(self._replicated, args), **static).compile()
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(calls), os.cpu_count() or 1))) as pool:
+            list(pool.map(compile_one, calls))
+        for done, (shape, (fn, args, static)) in enumerate(zip(shapes, calls, strict=True)):
             if stop is not None and stop.is_set():
                 return done
-            kind, rows, width, size = shape[:4]
-            if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
-                p, z, none = _SamplingRows(rows), np.zeros((rows,), np.int32), np.full((rows,), -1, np.int32)
-                ids, n = np.zeros(shape[2:4], np.int32), self.cfg.decode_steps
-                self._run_mixed(lane, z, none, np.full((rows, n), SINK_PAGE, np.int32), np.zeros((rows, n), np.int32),
-                                work(shape[4]), ids, ids - 1, ids + SINK_PAGE, ids, work(shape[5]), p.temperature,
-                                p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
-                self.compiled_shapes.add(shape)
-                continue
-            zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
-            if kind == "prefill":  # (prefill, rows, width, work)
-                lane.cache = self._run_paged(self.prefill_fn, self._state, lane.cache, zeros,
-                                             np.full((rows, width), -1, np.int32), sink, zeros, work(size, False))
-            elif kind == "decode":
-                p, z = _SamplingRows(rows), np.zeros((rows,), np.int32)
-                self._run_decode(lane, z, z, sink, zeros, work(size), p.temperature, p.top_p, p.top_k, p.seed,
-                                 p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
+            out = self._run_step(fn, self._state, lane.cache, *args, **static)
+            lane.cache = out if fn is self.prefill_fn else out[0]
+            jax.block_until_ready(lane.cache)
             self.compiled_shapes.add(shape)
-        return len(self.step_shapes())
+        return len(shapes)

@@ -2,10 +2,11 @@
 requests a call computes, where their keys and values go, the ragged work lists they read through,
 and the tokens a call sampled back into the requests. A mixin of ``PagedEngine``; NumPy only.
 
-Every shape is padded to a bucket so the compiled shapes stay few: rows and prefill widths to
-powers of two, work lists to ``work_bucket`` (powers of two and the half steps between them in
-decode calls; powers of two alone in mixed steps, whose shape is the product of two lists, so a
-decode list crossing a bucket recompiles fewer chunk shapes).
+Every shape is padded so the compiled shapes are few and known at warm-up: rows and prefill
+widths to powers of two (a mixed step to every running row and the most prefill rows of its width,
+``_pad_prefill``), work lists to a fixed length per call shape with their live count
+(``_fixed_work``), so the pages the requests hold never make a new shape. The alternating path's
+prefill calls still pad their work lists to ``work_bucket`` (compiled on first use).
 """
 
 from __future__ import annotations
