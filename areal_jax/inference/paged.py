@@ -14,7 +14,9 @@ One loop steps the pool. Each round admits what fits, then makes one device call
   chunk of up to ``chunked_prefill_size`` prompt tokens (over one or more requests, a row each)
   and the first decode token of every running answer run as one flat token batch, each segment
   reading only its own pages, then the answers decode up to ``decode_steps - 1`` more tokens in
-  the same call. A long prompt so never stalls the answers in flight (SGLang's mixed chunk).
+  a decode call of the same rows right after it (``_run_mixed``: one worker-thread call, the
+  decode loop compiled once for both kinds of call). A long prompt so never stalls the answers
+  in flight (SGLang's mixed chunk).
   Prefill samples nothing: it writes every token but a request's last, which its first decode
   step computes and samples from.
 - else a decode call that advances every request whose tokens but the last are written by up to
