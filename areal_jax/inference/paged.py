@@ -14,7 +14,9 @@ One loop steps the pool. Each round admits what fits, then makes one device call
   chunk of up to ``chunked_prefill_size`` prompt tokens (over one or more requests, a row each)
   and the first decode token of every running answer run as one flat token batch, each segment
   reading only its own pages, then the answers decode up to ``decode_steps - 1`` more tokens in
-  the same call. A long prompt so never stalls the answers in flight (SGLang's mixed chunk).
+  a decode call of the same rows right after it (``_run_mixed``: one worker-thread call, the
+  decode loop compiled once for both kinds of call). A long prompt so never stalls the answers
+  in flight (SGLang's mixed chunk).
   Prefill samples nothing: it writes every token but a request's last, which its first decode
   step computes and samples from.
 - else a decode call that advances every request whose tokens but the last are written by up to
@@ -24,11 +26,17 @@ One loop steps the pool. Each round admits what fits, then makes one device call
 ``mixed_chunk = False`` keeps the alternating path: a prefill call per chunk, then a decode call.
 
 A request that shares pages another request writes in the same round (a group admitted together,
-or a long prompt still being prefilled in chunks) waits until that one has written them. Shapes:
-rows, prefill width and work-list length are each padded to a power of two, so the number of
-compiled shapes grows with the logarithm of the batch and the pool, and ``warmup`` compiles the
-few the first requests need (the rest compile when first used). The host arrays of each call are
-built in ``paged_batches``, the compiled steps live in ``paged_steps``.
+or a long prompt still being prefilled in chunks) waits until that one has written them.
+
+Shapes: ``warmup`` compiles every shape a running engine calls, so nothing compiles mid-run (a
+compile there stalls every answer for seconds and grows the process). A work list, whose length
+follows the pages the requests hold, has a fixed length per call shape (every row a full
+context) and is read on device only up to the smallest of ``models.paged.work_sizes`` that holds
+its live entries: the pages read cost what they are without being part of the shape. A mixed
+step has a row for every running request and, per padded prefill width (a power of two), the
+most prefill rows that width can have: one shape per width. A decode call pads its rows to a
+power of two: one shape per power of two up to ``max_running_requests``. The host arrays of each
+call are built in ``paged_batches``, the compiled steps live in ``paged_steps``.
 """
 
 from __future__ import annotations
@@ -324,6 +332,7 @@ class PagedEngine(PagedBatches, Engine):
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
         tokens, positions, step, count, wp, wo, p, work = self._decode_rows(seqs, n)
+        work = self._fixed_work(work, len(tokens))
         self.compiled_shapes.add(("decode", len(tokens), n, len(work[0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
@@ -338,7 +347,12 @@ class PagedEngine(PagedBatches, Engine):
         each of ``decode`` (the first in the chunk's forward pass)."""
         n = self.cfg.decode_steps
         rows, chunk = self._prefill_rows(prefill, half_steps=False)
-        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False)
+        # the fixed shapes ``warmup`` compiled (``mixed_shape``): every running row, the most
+        # prefill rows of this width, work lists at their fixed lengths
+        chunk = self._pad_prefill(chunk, self.mixed_prefill_rows(chunk[0].shape[1]))
+        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False,
+                                                                            num_rows=self.mixed_rows)
+        work = self._fixed_work(work, len(tokens))
         self.compiled_shapes.add(("mixed", len(tokens), *chunk[0].shape, len(work[0]), len(chunk[4][0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
@@ -357,10 +371,29 @@ class PagedEngine(PagedBatches, Engine):
     def _run_paged(self, fn: Any, state: Any, cache: Any, *args: Any) -> Any:
         return self._run_step(fn, state, cache, *args)
 
-    def _run_mixed(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
-        lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, *args,
-                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
-        return tuple(np.asarray(x) for x in jax.device_get(out))
+    def _run_mixed(self, lane: _Lane, tokens: np.ndarray, positions: np.ndarray, wp: np.ndarray, wo: np.ndarray,
+                   work: tuple[np.ndarray, ...], ids: np.ndarray, prefill_positions: np.ndarray,
+                   prefill_pages: np.ndarray, prefill_offsets: np.ndarray, prefill_work: tuple[np.ndarray, ...],
+                   temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seed: np.ndarray,
+                   stream: np.ndarray, step: np.ndarray, top_n: np.ndarray, remaining: np.ndarray,
+                   stop_ids: np.ndarray, early: np.bool_) -> tuple[np.ndarray, ...]:
+        """The mixed step (the chunk and each answer's first token), then, unless no answer has
+        a token left (or one stopped and ``early``), a decode call of the same rows for the
+        rest: ``decode_step``'s outputs over both."""
+        sampling = (temperature, top_p, top_k, seed, stream)
+        lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo, work, ids,
+                                         prefill_positions, prefill_pages, prefill_offsets, prefill_work, *sampling,
+                                         step, top_n, remaining, stop_ids, early, num_steps=self.cfg.decode_steps,
+                                         max_top=self.max_top)
+        main, values, top_ids, rest, ended = (np.asarray(x) for x in jax.device_get(out))
+        if not rest.any() or (early and ended):
+            return main, values, top_ids, 1
+        # the decode call's arrays: one token on, the write columns shifted (a sink column last)
+        shift = lambda a, v: np.concatenate([a[:, 1:], np.full((len(a), 1), v, a.dtype)], axis=1)
+        more = self._run_decode(lane, main[0, 0].astype(np.int32), positions + 1, shift(wp, SINK_PAGE), shift(wo, 0),
+                                work, *sampling, step + 1, top_n, rest.astype(np.int32), stop_ids, early)
+        return (np.concatenate([main, more[0]], axis=1), np.concatenate([values, more[1]]),
+                np.concatenate([top_ids, more[2]]), 1 + int(more[3]))
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
         lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,
@@ -373,45 +406,93 @@ class PagedEngine(PagedBatches, Engine):
     def min_decode_rows(self) -> int:
         return min(MIN_DECODE_ROWS, pow2(self.cfg.num_slots))
 
+    @property
+    def row_pages(self) -> int:
+        """The most pages one row of a call reads: a full context."""
+        return self.allocator.pages_for(self.max_seq_len)
+
+    @property
+    def mixed_rows(self) -> int:
+        """Decode rows of every mixed step: room for every running request. A mixed step runs
+        while prompts are prefilled (a transient); one row count there keeps its shapes to one
+        per prefill width (decode calls keep a row count per power of two)."""
+        return pow2(self.cfg.num_slots, self.min_decode_rows)
+
+    def prefill_widths(self) -> list[int]:
+        """Every padded width a prefill row can have: powers of two from ``MIN_WIDTH`` up to the
+        longest take (a chunk, or a whole prompt shorter than the context)."""
+        chunk = self.cfg.chunked_prefill_size
+        longest = min(self.max_seq_len - 1, self.max_seq_len if chunk == -1 else chunk)
+        return [w for w in (MIN_WIDTH << k for k in range(64)) if w <= pow2(longest, MIN_WIDTH)]
+
+    def mixed_prefill_rows(self, width: int) -> int:
+        """Prefill rows of a mixed step of ``width``-token rows: the most ``_prefill_rows`` can
+        give that width (``max_prefill_batch`` rows, padded at most twice the real tokens or
+        256, the call at most ``max_prefill_tokens``, the real tokens at most a chunk)."""
+        chunk = self.cfg.chunked_prefill_size
+        real = self.cfg.max_prefill_batch * (self.max_seq_len - 1)
+        if chunk != -1:
+            real = min(real, chunk)
+        tokens = min(self.cfg.max_prefill_tokens, max(2 * real, 256))
+        return min(pow2(self.cfg.max_prefill_batch), 1 << max(tokens // width, 1).bit_length() - 1)
+
+    def _mixed_shape(self, width: int) -> tuple[Any, ...]:
+        rows, prefill_rows = self.mixed_rows, self.mixed_prefill_rows(width)
+        return ("mixed", rows, prefill_rows, width, rows * self.row_pages, prefill_rows * self.row_pages)
+
+    def _decode_shape(self, rows: int) -> tuple[Any, ...]:
+        return ("decode", rows, self.cfg.decode_steps, rows * self.row_pages)
+
     def step_shapes(self) -> list[tuple[Any, ...]]:
-        """The shapes ``warmup`` compiles: those of the first short requests. Mixed steps
-        ``("mixed", rows, prefill rows, width, work, prefill work)``: one and two short prompts
-        beside the fewest decode rows (on the alternating path, ``("prefill", rows, width, work)``
-        of one and two short prompts), and ``("decode", rows, steps, work)`` of the fewest rows.
-        Every other shape compiles when first used (``compiled_shapes``)."""
-        rows = self.min_decode_rows
+        """The shapes ``warmup`` compiles, every one a running engine calls: mixed steps
+        ``("mixed", rows, prefill rows, width, work, prefill work)``, one per prefill width
+        (``prefill_widths``), and decode calls ``("decode", rows, steps, work)``, one per power of
+        two of rows. Work lists have a fixed length per shape (``_fixed_work``): the pages read
+        are chosen on device. On the alternating path (``mixed_chunk`` False) prefill calls
+        ``("prefill", rows, width, work)`` of one and two short prompts are compiled first, and
+        its other prefill shapes when first used (``compiled_shapes``)."""
         if self.mixed_chunk:
-            first = [("mixed", rows, n, MIN_WIDTH, MIN_WORK, MIN_WORK) for n in (1, 2)]
+            first = [self._mixed_shape(w) for w in self.prefill_widths()]
         else:
             first = [("prefill", 1, MIN_WIDTH, MIN_WORK), ("prefill", 2, MIN_WIDTH, MIN_WORK)]
-        return [*first, ("decode", rows, self.cfg.decode_steps, MIN_WORK)]
+        rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
+        return [*first, *(self._decode_shape(r) for r in rows)]
+
+    def _warm_call(self, shape: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        """(jitted step, host arguments after the pool, static arguments) of a call of ``shape``
+        on padding: every write goes to the sink page, every work entry is masked."""
+        def work(n: int, live: bool = True) -> tuple[np.ndarray, ...]:
+            padding = (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
+            return (*padding, np.int32(0)) if live else padding
+
+        kind, rows, width, size = shape[:4]
+        steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top}
+        p, z, n = _SamplingRows(rows), np.zeros((rows,), np.int32), self.cfg.decode_steps
+        sampling = (p.temperature, p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
+        if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
+            ids = np.zeros(shape[2:4], np.int32)
+            return self.mixed_fn, (z, z - 1, np.full((rows, n), SINK_PAGE, np.int32), np.zeros((rows, n), np.int32),
+                                   work(shape[4]), ids, ids - 1, ids + SINK_PAGE, ids, work(shape[5]),
+                                   *sampling), steps
+        zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
+        if kind == "prefill":  # (prefill, rows, width, work)
+            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size, False)), {}
+        return self.decode_fn, (z, z, sink, zeros, work(size), *sampling), steps  # (decode, rows, steps, work)
 
     def warmup(self, stop: Any = None) -> int:
-        """Compile ``step_shapes`` by running each on padding (every write goes to the sink page);
-        returns how many. Call before ``start()``."""
+        """Compile ``step_shapes`` by running each once on padding (``_warm_call``), one after
+        another; returns how many. Call before ``start()``. (Compiling them in worker threads at
+        once was no faster on 2 busy cores and kept about 270 MiB more resident: each thread's
+        allocator arena.)"""
         if self._running:
             raise RuntimeError("warmup() runs before start(): it steps the pool")
         lane = self._lanes[0]
-        work = lambda n: (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
-        for done, shape in enumerate(self.step_shapes()):
+        shapes = self.step_shapes()
+        for done, shape in enumerate(shapes):
             if stop is not None and stop.is_set():
                 return done
-            kind, rows, width, size = shape[:4]
-            if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
-                p, z, none = _SamplingRows(rows), np.zeros((rows,), np.int32), np.full((rows,), -1, np.int32)
-                ids, n = np.zeros(shape[2:4], np.int32), self.cfg.decode_steps
-                self._run_mixed(lane, z, none, np.full((rows, n), SINK_PAGE, np.int32), np.zeros((rows, n), np.int32),
-                                work(shape[4]), ids, ids - 1, ids + SINK_PAGE, ids, work(shape[5]), p.temperature,
-                                p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
-                self.compiled_shapes.add(shape)
-                continue
-            zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
-            if kind == "prefill":  # (prefill, rows, width, work)
-                lane.cache = self._run_paged(self.prefill_fn, self._state, lane.cache, zeros,
-                                             np.full((rows, width), -1, np.int32), sink, zeros, work(size))
-            elif kind == "decode":
-                p, z = _SamplingRows(rows), np.zeros((rows,), np.int32)
-                self._run_decode(lane, z, z, sink, zeros, work(size), p.temperature, p.top_p, p.top_k, p.seed,
-                                 p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
+            fn, args, static = self._warm_call(shape)
+            out = self._run_step(fn, self._state, lane.cache, *args, **static)
+            lane.cache = out if fn is self.prefill_fn else out[0]
             self.compiled_shapes.add(shape)
-        return len(self.step_shapes())
+        return len(shapes)

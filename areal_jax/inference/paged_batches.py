@@ -2,10 +2,11 @@
 requests a call computes, where their keys and values go, the ragged work lists they read through,
 and the tokens a call sampled back into the requests. A mixin of ``PagedEngine``; NumPy only.
 
-Every shape is padded to a bucket so the compiled shapes stay few: rows and prefill widths to
-powers of two, work lists to ``work_bucket`` (powers of two and the half steps between them in
-decode calls; powers of two alone in mixed steps, whose shape is the product of two lists, so a
-decode list crossing a bucket recompiles fewer chunk shapes).
+Every shape is padded so the compiled shapes are few and known at warm-up: rows and prefill
+widths to powers of two (a mixed step to every running row and the most prefill rows of its width,
+``_pad_prefill``), work lists to a fixed length per call shape with their live count
+(``_fixed_work``), so the pages the requests hold never make a new shape. The alternating path's
+prefill calls still pad their work lists to ``work_bucket`` (compiled on first use).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from areal_jax.inference.engine import _SamplingRows, _Seq
-from areal_jax.inference.pages import SINK_PAGE, paged_work
+from areal_jax.inference.pages import NO_POSITION, SINK_PAGE, paged_work
+from areal_jax.models.paged import work_sizes
 
 if TYPE_CHECKING:
     from areal_jax.inference.paged import PagedEngine
@@ -54,6 +56,34 @@ class PagedBatches:
         self.stats["work_entries"] += entries
         self.stats["work_padded_entries"] += padded
         return paged_work(tables, lens, size, size=padded)
+
+    def _fixed_work(self: PagedEngine, work: tuple[np.ndarray, ...], rows: int) -> tuple[np.ndarray, ...]:
+        """``work`` (a padded list, ``_work``) at the fixed length of a call of ``rows`` rows,
+        each reading at most a full context of pages (``row_pages``), with its live count: the
+        step reads the shortest of ``work_sizes`` that holds it (``models.paged.attend_work``),
+        so how many pages the requests hold never changes a compiled shape."""
+        cap = max(rows * self.row_pages, len(work[0]))
+        live = int(np.count_nonzero(work[2] != NO_POSITION))
+        read = next(n for n in work_sizes(cap) if n >= live)
+        self.stats["work_padded_entries"] += read - len(work[0])  # ``_work`` counted its own padding
+        out = (np.full((cap,), work[0][-1], np.int32), np.full((cap,), SINK_PAGE, np.int32),
+               np.full((cap,), NO_POSITION, np.int32))
+        for new, old in zip(out, work, strict=True):
+            new[:len(old)] = old
+        return (*out, np.int32(live))
+
+    def _pad_prefill(self: PagedEngine, chunk: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
+        """A mixed step's prefill arrays (``_prefill_rows``: ids, positions, write pages and
+        offsets ``[rows, width]``, work list) padded to ``rows`` rows (padding rows compute
+        nothing: position -1, writes to the sink page, no work entries) and the work list to its
+        fixed length (``_fixed_work``)."""
+        ids, pos, wp, wo, work = chunk
+        extra = rows - ids.shape[0]
+        if extra > 0:
+            pad = lambda a, v: np.concatenate([a, np.full((extra, a.shape[1]), v, a.dtype)])
+            ids, pos, wp, wo = pad(ids, 0), pad(pos, -1), pad(wp, SINK_PAGE), pad(wo, 0)
+            self.stats["prefill_padded_tokens"] += extra * ids.shape[1]
+        return ids, pos, wp, wo, self._fixed_work(work, ids.shape[0])
 
     def _prefill_rows(self: PagedEngine, seqs: list[_Seq],
                       half_steps: bool = True) -> tuple[list[tuple[_Seq, int, int]], tuple[Any, ...]]:
@@ -102,11 +132,12 @@ class PagedBatches:
                 # a chunk: a call that wrote part of a request's tokens, the rest left for later ones
                 self.stats["prefill_chunks"] += seq.computed < seq.length - 1
 
-    def _decode_rows(self: PagedEngine, seqs: list[_Seq], n: int, half_steps: bool = True) -> tuple[Any, ...]:
-        """The host arrays of up to ``n`` decode tokens of each of ``seqs`` (rows padded to a
-        power of two): tokens, positions, PRNG steps, token counts, write pages and offsets
-        ``[rows, n]``, sampling rows and the work list."""
-        num_rows = pow2(len(seqs), self.min_decode_rows)
+    def _decode_rows(self: PagedEngine, seqs: list[_Seq], n: int, half_steps: bool = True,
+                     num_rows: int | None = None) -> tuple[Any, ...]:
+        """The host arrays of up to ``n`` decode tokens of each of ``seqs`` (rows padded to
+        ``num_rows``, by default a power of two): tokens, positions, PRNG steps, token counts,
+        write pages and offsets ``[rows, n]``, sampling rows and the work list."""
+        num_rows = num_rows or pow2(len(seqs), self.min_decode_rows)
         tokens, positions = np.zeros((num_rows,), np.int32), np.full((num_rows,), -1, np.int32)
         step, count = np.zeros((num_rows,), np.int32), np.zeros((num_rows,), np.int32)
         wp, wo = np.full((num_rows, n), SINK_PAGE, np.int32), np.zeros((num_rows, n), np.int32)

@@ -5,9 +5,9 @@
   alternating path: a prefill call, then a decode call);
 - ``decode_step`` advances every running request up to ``num_steps`` tokens in a loop on device;
 - ``mixed_step`` runs one flat token batch, the first decode token of every running request
-  beside rows of prefill tokens (``models.paged.mixed_paged_layers``), then ``decode_step``'s
-  loop for the answers' further tokens, so a prompt being prefilled never stalls the answers in
-  flight (SGLang's mixed chunk).
+  beside rows of prefill tokens (``models.paged.mixed_paged_layers``); a ``decode_step`` call of
+  the same rows then gives the answers their further tokens, so a prompt being prefilled never
+  stalls the answers in flight (SGLang's mixed chunk).
 
 Sampling uses each request's own PRNG stream at the index of the token sampled
 (``sampling.row_keys``), so a token is the same whichever step samples it.
@@ -76,7 +76,9 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, t
 
     def more(carry: tuple) -> jax.Array:
         i, _, ended = carry[:3]
-        return (i < num_steps) & ~(early & ended)
+        # and some row has a token left: a loop whose rows are all done stops (a mixed step's
+        # further tokens are one fewer than the call's steps)
+        return (i < num_steps) & ~(early & ended) & jnp.any(i < remaining)
 
     start = (jnp.int32(0), remaining > 0, jnp.bool_(ended), cache, tokens,
              jnp.zeros((2, num_steps, rows), jnp.float32), jnp.zeros((num_steps, rows, max_top), jnp.float32),
@@ -94,16 +96,21 @@ def mixed_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, to
                remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
                max_top: int) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
     """A prefill chunk ``ids [prefill rows, width]`` (a chunk of one request per row) computed
-    in one flat batch with the first decode token of each of ``rows`` requests, then up to
-    ``num_steps - 1`` more decode tokens of each (``decode_step``'s loop), in one call.
+    in one flat batch with the first decode token of each of ``rows`` requests, in one call; the
+    answers' further tokens are a ``decode_step`` call of the same rows after it (the engine
+    makes it with the returned ``remaining``), so the decode loop is compiled once for both
+    kinds of call rather than again inside every mixed shape.
 
     The flat batch has ``rows + prefill rows * width`` tokens: decode row ``i`` feeds
     ``tokens[i]`` at ``positions[i]`` (-1: a padding row), writes it at ``(write_pages[i, 0],
     write_offsets[i, 0])`` and samples with PRNG step ``step[i]``; prefill row ``j`` writes
     ``ids[j]`` at ``prefill_positions[j]`` (-1: padding) into ``prefill_pages[j],
     prefill_offsets[j]``, reading through ``prefill_work``, and samples nothing. The decode
-    arguments are ``decode_step``'s (``work`` covers every step). Returns the pool and
-    ``decode_step``'s outputs over all ``num_steps``."""
+    arguments are ``decode_step``'s. Returns the pool and ``([2, 1, rows]`` token ids and
+    logprobs, ``[1, rows, max_top]`` top logprobs and ids, then each row's tokens left to
+    decode: 0 for a row that stopped at its first, and whether some row stopped).
+    ``num_steps`` is the decode call's (unused here: one signature for both)."""
+    del num_steps
     model = nnx.merge(graphdef, state)
     rows, (prefill_rows, width) = tokens.shape[0], ids.shape
     flat = lambda a, b: jnp.concatenate([a, b.reshape(-1)])[None]
@@ -115,15 +122,8 @@ def mixed_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, to
     first, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step))
     values, top_ids = top_logprobs(logits, temperature, top_n, max_top)
     out = jnp.stack([first.astype(jnp.float32), logprobs])[:, None]
-    if num_steps == 1:
-        return cache, (out, values[None], top_ids[None], jnp.int32(1))
     # rows that stopped at their first token decode no more (their later writes land in their own
-    # reserved pages, past their end); with ``early`` the loop then does not run at all
+    # reserved pages, past their end); with ``early`` the decode call is then not made at all
     stopped = (remaining > 0) & (jnp.any(first[:, None] == stop_ids, axis=-1) | (remaining <= 1))
-    rest = jnp.where(stopped, 0, remaining - 1)
-    cache, (more, more_values, more_ids, steps) = decode_step(
-        graphdef, state, cache, first, positions + 1, write_pages[:, 1:], write_offsets[:, 1:], work, temperature,
-        top_p, top_k, seed, stream, step + 1, top_n, rest, stop_ids, early, num_steps=num_steps - 1, max_top=max_top,
-        ended=jnp.any(stopped))
-    return cache, (jnp.concatenate([out, more], axis=1), jnp.concatenate([values[None], more_values]),
-                   jnp.concatenate([top_ids[None], more_ids]), steps + 1)
+    rest = jnp.where(stopped, 0, jnp.maximum(remaining - 1, 0))
+    return cache, (out, values[None], top_ids[None], rest, jnp.any(stopped))

@@ -198,10 +198,11 @@ def paged_work(page_lists: Sequence[Sequence[int]], kv_lens: Sequence[int], page
     size = len(rows) if size is None else size
     if size < len(rows):
         raise ValueError(f"the work list has {len(rows)} entries, more than size={size}")
-    pad = size - len(rows)
-    last = max(len(page_lists) - 1, 0)
-    return (np.asarray(rows + [last] * pad, np.int32), np.asarray(pages + [SINK_PAGE] * pad, np.int32),
-            np.asarray(first + [NO_POSITION] * pad, np.int32))
+    n = len(rows)
+    out_rows = np.full((size,), max(len(page_lists) - 1, 0), np.int32)
+    out_pages, out_first = np.full((size,), SINK_PAGE, np.int32), np.full((size,), NO_POSITION, np.int32)
+    out_rows[:n], out_pages[:n], out_first[:n] = rows, pages, first
+    return out_rows, out_pages, out_first
 
 
 def work_size(entries: int, stride: int = 128) -> int:

@@ -117,6 +117,11 @@ class PagedWork(NamedTuple):
     """The physical page it reads."""
     first: jax.Array
     """The absolute position of the page's first token in that row's sequence."""
+    live: jax.Array | None = None
+    """How many leading entries are real (a scalar), or None: all are read. With a count, the
+    list's length is a fixed maximum and a step attends through the shortest of
+    ``models.paged.work_sizes`` that holds the live entries (``models.paged.attend_work``), so
+    the number of pages read is not part of a compiled step's shape."""
 
 
 def attend_ragged(q: jax.Array, keys: jax.Array, values: jax.Array, q_positions: jax.Array, work: PagedWork,

@@ -66,6 +66,49 @@ def init_paged_cache(model: Decoder, num_pages: int, page_size: int, dtype: Any 
                         v=jnp.zeros((layers, num_pages + 1, heads, page_size, d), dtype))
 
 
+MIN_WORK_SIZE = 32
+"""The shortest work list a step attends through: below it a call costs about the same."""
+
+
+def work_sizes(n: int, least: int = MIN_WORK_SIZE) -> tuple[int, ...]:
+    """The lengths a work list of at most ``n`` entries is attended at: ``2**k`` and the half
+    steps ``3 * 2**(k - 1)`` between them from ``least``, then ``n`` itself. Attention costs the
+    length chosen, so the half steps keep the padding under a third of the live entries."""
+    sizes, p = [], least
+    while p < n:
+        sizes.append(p)
+        if p >= 2 * least and p * 3 // 2 < n:
+            sizes.append(p * 3 // 2)
+        p *= 2
+    return (*sizes, n)
+
+
+def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, positions: jax.Array,
+                work: PagedWork, precision: jax.lax.Precision | None = None) -> jax.Array:
+    """``attend_ragged`` of ``q`` over the pages ``work`` names in layer ``layer`` of the pool
+    (``[layers, pages, ...]``), gathering exactly those pages (the layer and page indices
+    together, so no copy of the layer's whole pool is made first).
+
+    A work list with a ``live`` count has a fixed length (the most a step can read) and is read
+    only up to the shortest of ``work_sizes`` that holds the live entries, chosen on device
+    (``lax.switch``): the pages a step reads vary from call to call without a new compiled
+    shape, and its cost still follows them. Entries past ``live`` are padding (masked)."""
+    def attend(rows: jax.Array, pages: jax.Array, first: jax.Array) -> jax.Array:
+        at = jnp.full_like(pages, layer)
+        keys, values = k_pages[at, pages], v_pages[at, pages]
+        return attend_ragged(q, keys.astype(q.dtype), values.astype(q.dtype), positions,
+                             PagedWork(rows, pages, first), precision)
+
+    if work.live is None:
+        return attend(work.rows, work.pages, work.first)
+    sizes = work_sizes(work.pages.shape[0])
+    if len(sizes) == 1:
+        return attend(work.rows, work.pages, work.first)
+    branches = [lambda r, p, f, n=n: attend(r[:n], p[:n], f[:n]) for n in sizes]
+    index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), work.live), len(sizes) - 1)
+    return jax.lax.switch(index, branches, work.rows, work.pages, work.first)
+
+
 def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
                     write_pages: jax.Array, write_offsets: jax.Array,
                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
@@ -78,11 +121,7 @@ def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: 
     # As in Attention.decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
     k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
     v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
-    # One gather per pool of exactly the pages read (the layer and page indices together, so no
-    # copy of the layer's whole pool is made first).
-    at = jnp.full_like(work.pages, layer)
-    keys, values = k_all[at, work.pages], v_all[at, work.pages]
-    out = attend_ragged(q, keys.astype(q.dtype), values.astype(q.dtype), positions, work, attn.precision)
+    out = attend_work(q, k_all, v_all, layer, positions, work, attn.precision)
     return attn.o_proj(out.reshape(*x.shape[:2], -1)), PagedKVCache(k_all, v_all)
 
 
@@ -111,9 +150,7 @@ def attention_segments(attn: Attention, x: jax.Array, positions: jax.Array, cach
         n = seg.rows * seg.width
         qs = q[0, start:start + n].reshape(seg.rows, seg.width, *q.shape[2:])
         ps = positions[0, start:start + n].reshape(seg.rows, seg.width)
-        at = jnp.full_like(seg.work.pages, layer)
-        keys, values = k_all[at, seg.work.pages], v_all[at, seg.work.pages]
-        out = attend_ragged(qs, keys.astype(q.dtype), values.astype(q.dtype), ps, seg.work, attn.precision)
+        out = attend_work(qs, k_all, v_all, layer, ps, seg.work, attn.precision)
         outs.append(out.reshape(n, -1))
         start += n
     if start != x.shape[1]:

@@ -18,6 +18,7 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference.paged import PagedEngine
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
+from areal_jax.models.paged import work_sizes
 from tests.inference.reference import _logits, prompts, reference_greedy, reference_logprobs, run
 
 # Pages of 4 tokens, chunks of 16: a 70-token prompt prefills in 5 mixed steps.
@@ -162,14 +163,62 @@ def test_top_logprobs_and_sampled_tokens_of_answers_decoded_in_mixed_steps(paged
     assert outs[2].output_ids == alone.output_ids
 
 
-def test_warmup_compiles_the_first_mixed_and_decode_shapes(ckpt: Path) -> None:
-    """Three shapes (a mixed step of one and of two short prompts, a decode call), and a first
-    short request then runs on them alone."""
-    engine = Engine(load_pretrained(ckpt), CFG)
-    assert engine.warmup() == 3
+def test_after_warmup_a_run_crossing_page_buckets_compiles_nothing_and_leaves_no_state(paged: PagedEngine) -> None:
+    """Warm-up compiles every shape a running engine calls (``step_shapes``): answers of ragged
+    lengths whose pages cross several work-list sizes (powers of two and the steps between), prompts
+    landing in mixed steps beside them in waves, each chunked, then decode calls of fewer rows,
+    compile nothing more (counted in the jitted steps' caches, not timed). Before the work lists had
+    a fixed length a mixed step's shape was the product of the decode pages' bucket and the prefill
+    chunk's, and each new pair compiled mid-run. Afterwards the pool, the scheduler's tables and the
+    engine's request records hold nothing."""
+    engine = paged
+    assert engine.warmup() == len(engine.step_shapes())
+    steps = (engine.mixed_fn, engine.decode_fn, engine.prefill_fn)
+    compiled = [f._cache_size() for f in steps]  # noqa: SLF001 - the count of compiled shapes
     shapes = set(engine.compiled_shapes)
-    (out,) = run(_one(engine, GenerateRequest(prompts([5], seed=25)[0], greedy(6))))
-    assert len(out.output_ids) == 6 and engine.compiled_shapes == shapes
+    live: list[int] = []
+    fixed = engine._fixed_work  # noqa: SLF001
+
+    def record(work: tuple, rows: int) -> tuple:
+        out = fixed(work, rows)
+        live.append(int(out[3]))
+        return out
+
+    engine._fixed_work = record  # noqa: SLF001
+    waves = [[GenerateRequest(p, greedy(n)) for p, n in zip(prompts(lengths, seed=40 + i), news, strict=True)]
+             for i, (lengths, news) in enumerate([([3, 21, 40], [90, 60, 30]), ([70, 9, 33, 50], [40, 20, 50, 10]),
+                                                  ([5, 100], [20, 15])])]
+
+    async def go() -> list:
+        await engine.start()
+        try:
+            base = engine.stats["decode_tokens"]
+            tasks = [asyncio.ensure_future(engine.generate(r)) for r in waves[0]]
+            for wave, after in zip(waves[1:], (30, 120), strict=True):
+                # the next prompts land while the answers before them decode
+                while engine.stats["decode_tokens"] - base < after and not all(t.done() for t in tasks):
+                    await asyncio.sleep(0.01)
+                tasks += [asyncio.ensure_future(engine.generate(r)) for r in wave]
+            return await asyncio.gather(*tasks)
+        finally:
+            await engine.stop()
+
+    try:
+        before = dict(engine.stats)
+        outs = run(go())
+    finally:
+        del engine._fixed_work  # noqa: SLF001
+    assert [len(o.output_ids) for o in outs] == [r.sampling.max_new_tokens for w in waves for r in w]
+    assert engine.stats["mixed_calls"] > before["mixed_calls"] and engine.stats["decode_calls"] > before["decode_calls"]
+    sizes = work_sizes(engine.mixed_rows * engine.row_pages)
+    assert len({next(n for n in sizes if n >= x) for x in live}) >= 3, sorted(set(live))  # 32, 64, 96 pages
+    assert [f._cache_size() for f in steps] == compiled  # noqa: SLF001 - not one compile during the run
+    assert engine.compiled_shapes == shapes and set(engine.step_shapes()) <= shapes
+    engine.allocator.check()
+    assert engine.allocator.free_pages == engine.allocator.num_pages
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting and not sched._readers  # noqa: SLF001
+    assert not engine._live and engine.num_free_slots == CFG.num_slots  # noqa: SLF001
 
 
 async def _one(engine: PagedEngine, req: GenerateRequest) -> list:

@@ -213,3 +213,34 @@ def test_group_answers_read_one_prefill_of_their_prompt() -> None:
     for t in group:
         t.release()
     assert pool.used_pages == 0
+
+
+def test_a_fixed_length_work_list_reads_its_live_entries_in_one_compiled_step() -> None:
+    """A work list with a live count (the engine's, at a fixed length per call shape) is read on
+    device up to the smallest ``work_sizes`` length that holds it: rows whose pages add up to 3,
+    40, 70 and 100 entries (under, at and past the sizes 32, 64, 96, 128) each equal the NumPy
+    reference, all through one compiled function (its cache holds one entry)."""
+    from areal_jax.models.paged import attend_work, work_sizes
+
+    rng = np.random.default_rng(5)
+    size, nh, kvh, d, rows, cap = 4, 4, 2, 8, 8, 128
+    assert work_sizes(cap) == (32, 64, 96, 128)
+    k_pages = rng.normal(size=(1, 129, kvh, d, size)).astype(np.float32)  # one layer of 128 pages + the sink
+    v_pages = rng.normal(size=(1, 129, kvh, size, d)).astype(np.float32)
+    step = jax.jit(lambda q, pos, work: attend_work(q, jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.int32(0),
+                                                    pos, work))
+    for total in (3, 40, 70, 100):
+        per_row = [total // rows + (i < total % rows) for i in range(rows)]
+        lens = [max(n, 0) * size - int(rng.integers(0, size)) if n else 0 for n in per_row]
+        live = [i for i, n in enumerate(lens) if n > 0]
+        pages = rng.permutation(np.arange(1, 129)).tolist()
+        page_lists = [[pages.pop() for _ in range(-(-n // size))] for n in lens]
+        q = rng.normal(size=(rows, 1, nh, d)).astype(np.float32)
+        q_pos = np.array([[n - 1] for n in lens], np.int32)
+        work = paged_work(page_lists, lens, size, size=cap)
+        assert int(np.count_nonzero(work[2] != 2**30)) == total
+        got = np.asarray(step(jnp.asarray(q), jnp.asarray(q_pos),
+                              PagedWork(*map(jnp.asarray, work), live=jnp.int32(total))))
+        want = _reference(q[live], k_pages[0], v_pages[0], q_pos[live], [page_lists[i] for i in live])
+        np.testing.assert_allclose(got[live], want, atol=2e-5)
+    assert step._cache_size() == 1

@@ -29,7 +29,8 @@ CONCURRENCY = 256
 PUSH_EVERY_S = 10.0
 WARMUP_S = 10.0
 """The same load before the measured part (the server compiled every step shape before it
-answered /health: a 64-token context keeps that to eight shapes), through its first weight update."""
+answered /health: on the paged default a 64-token context makes that six, a mixed step per prefill
+width and a decode call per power of two of rows), through its first weight update."""
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
@@ -69,11 +70,7 @@ def test_server_soak(tiny_dir: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags.FAST_COMPILE, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_jax.cli", "serve", "--model-path", str(tiny_dir), "--port", str(port),
-         "--max-running-requests", "32", "--context-length", "64", "--log-level", "warning",
-         # the slot engine, whose shapes are all compiled before the RSS baseline: on the paged default one
-         # suite run grew 110 MiB past it (mixed-step shapes compiling on first use, or a leak: not yet told
-         # apart, issue 40)
-         "--kv-cache", "slots"],
+         "--max-running-requests", "32", "--context-length", "64", "--log-level", "warning"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     tally = Tally()
