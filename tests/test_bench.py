@@ -152,6 +152,29 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
             assert loaded["async_eta4_in_place"].effective_max_staleness == 4
 
 
+def test_a_run_key_is_the_loaded_config_and_how_it_ran(tmp_path: Path) -> None:
+    """Two parts' runs are the same run when their configs load alike (a key given its default
+    value changes nothing; the folder is not part of it) and they ran on the same cores with the
+    same warm-up; any other difference makes another run."""
+    task = tasks.task_config(True, tasks.TASK)
+    how = dict(rollout_cores=[1], trainer_cores=[0], warmup_steps=1, own_process=False)
+
+    def key(name: str, **overrides: object) -> str:
+        cfg = tasks.run_config(task, tmp_path, tmp_path / name,
+                               **{"steps": 3, "seed": 0, "rollout.mode": "async", "rollout.max_staleness": 4,
+                                  **overrides})
+        return runs.run_key(cfg, **how)
+
+    eta4 = key("async_eta4")
+    assert key("update_interrupt", **{"rollout.interruptible": True, "rollout.pause_mode": "abort"}) == eta4
+    assert key("update_wait", **{"rollout.interruptible": False}) != eta4
+    assert key("update_in_place", **{"rollout.pause_mode": "in_place"}) != eta4
+    assert key("other_seed", seed=1) != eta4
+    cfg = tasks.run_config(task, tmp_path, tmp_path / "x", steps=3, seed=0,
+                           **{"rollout.mode": "async", "rollout.max_staleness": 4})
+    assert runs.run_key(cfg, **{**how, "warmup_steps": 2}) != eta4
+
+
 def test_run_pinned_runs_in_a_new_process_on_the_cores_given() -> None:
     before = os.sched_getaffinity(0)
     core = max(before)
@@ -378,6 +401,11 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     for r in i["runs"]:
         _check_run(r)
         assert r["steps"] == 3
+    # the interruptible run is the async part's async_eta4 run (the same config, seed and cores): not made twice
+    assert i["runs"][1]["same_run_as"] == str(tmp_path / "runs" / "async_eta4_seed0")
+    assert {k: v for k, v in i["runs"][1].items() if k in RUN_FIELDS} == {
+        k: v for k, v in a["modes"][1].items() if k in RUN_FIELDS}
+    assert all("same_run_as" not in r for r in (i["runs"][0], i["runs"][2], *a["modes"]))
     assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0 and i["in_place_throughput_ratio"] > 0
 
     c = load("components")

@@ -81,11 +81,13 @@ def split_cores() -> tuple[list[int], list[int]]:
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
-        steps: int | None = None, only: list[str] | None = None, n_seeds: int | None = None) -> dict[str, Any]:
+        steps: int | None = None, only: list[str] | None = None, n_seeds: int | None = None,
+        done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The modes (``modes(quick, only)``) at RL seeds ``seed, seed + 1, ...`` (``n_seeds``, by
     default ``SEEDS``; one with ``quick``), all from one warm start, ``steps`` RL steps each
     (``tasks.run_steps``). ``modes`` holds the first seed's runs (the plots are theirs),
-    ``seed_runs`` every seed's, and ``summary`` each mode's ratios and accuracies over the seeds."""
+    ``seed_runs`` every seed's, and ``summary`` each mode's ratios and accuracies over the seeds.
+    ``done``: ``runs.measured_run``'s record of the runs made, for the parts after this one."""
     steps, warmup = tasks.run_steps(quick, steps)
     seeds = list(range(seed, seed + (n_seeds or (1 if quick else SEEDS))))
     rollout_cores, trainer_cores = split_cores()
@@ -98,7 +100,7 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
             split = mode == "async"
             row = runs.measured_run(cfg, rollout_cores=rollout_cores if split else None,
                                     trainer_cores=trainer_cores if split else None, warmup_steps=warmup,
-                                    own_process=split and not quick)
+                                    own_process=split and not quick, done=done)
             row.update(name=name, mode=mode, max_staleness=eta, seed=s)
             rows.append(row)
             print(f"  {name:<12} seed {s}: {row['wall_s_per_step']:.2f} s/step, "

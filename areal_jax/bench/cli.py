@@ -91,6 +91,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     if args.compile_cache != "none":
         use_compile_cache(Path(args.compile_cache or out / "jax_cache"))
     results: dict[str, Any] = {}
+    done: dict[str, dict[str, Any]] = {}  # the measured runs made, so that no part makes one twice
     t0 = time.perf_counter()
     rl_parts = [p for p in args.parts if p in ("async", "staleness", "interrupt")]
     if rl_parts:
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> dict[str, Any]:
             from areal_jax.bench import async_sync
 
             results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps,
-                                           only=args.modes, n_seeds=args.seeds)
+                                           only=args.modes, n_seeds=args.seeds, done=done)
         elif part == "staleness":
             from areal_jax.bench import staleness
 
@@ -126,7 +127,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         elif part == "interrupt":
             from areal_jax.bench import interrupt
 
-            results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps)
+            results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps,
+                                          done=done)
         elif part == "components":
             from areal_jax.bench import components
 

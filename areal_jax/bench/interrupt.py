@@ -3,7 +3,8 @@ flight resume under the new weights, their KV recomputed (``rollout.interruptibl
 AReaL does), or pauses it ``in_place`` and the answers go on over their stale KV (as PipelineRL
 does), against updates that first stop starting episodes and wait for the ones in flight to
 finish (``false``). Same checkpoint, seed, steps and core split as the asynchronous runs of
-``async_sync``.
+``async_sync``: in one invocation with the async part, its ``async_eta4`` run at the same seed is
+the same run as ``interrupt`` here, and is not made twice (the row says ``same_run_as``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from areal_jax.bench import async_sync, report, runs, tasks
 
 
 def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed: int = 0,
-        steps: int | None = None) -> dict[str, Any]:
+        steps: int | None = None, done: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The three runs (``done``: the runs the async part made, by ``runs.run_key``; its
+    ``async_eta4`` run at this seed is this part's interruptible one, whose figures it reuses)."""
     (steps, warmup), eta = tasks.run_steps(quick, steps), 4
     rollout_cores, trainer_cores = async_sync.split_cores()
     rows = []
@@ -25,7 +28,7 @@ def run(out: Path, checkpoint: Path, task: dict[str, Any], *, quick: bool, seed:
                                **{"rollout.mode": "async", "rollout.max_staleness": eta,
                                   "rollout.interruptible": interruptible, "rollout.pause_mode": pause_mode})
         row = runs.measured_run(cfg, rollout_cores=rollout_cores, trainer_cores=trainer_cores, warmup_steps=warmup,
-                                own_process=not quick)
+                                own_process=not quick, done=done)
         row.update(name=name, interruptible=interruptible, pause_mode=pause_mode, max_staleness=eta)
         rows.append(row)
         print(f"  {name:<10} {row['wall_s_per_step']:.2f} s/step, {row['generated_tokens_per_s']:.0f} gen tok/s, "

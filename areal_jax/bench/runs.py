@@ -12,7 +12,10 @@ the run's training clock at each evaluation.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import http.client
+import json
 import math
 import os
 import re
@@ -148,16 +151,45 @@ def run_pinned(cores: list[int], fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, trainer_cores: list[int] | None,
-                 warmup_steps: int, own_process: bool = False) -> dict[str, Any]:
+                 warmup_steps: int, own_process: bool = False, done: dict[str, dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
     """Start one rollout server (on ``rollout_cores``; None: all), train ``cfg`` against it on
     ``trainer_cores`` (None: all), and return the run's figures.
 
     ``own_process``: the trainer is a new process started on ``trainer_cores``, as a deployed
     trainer is, so XLA sizes its thread pool to them. This process sized its pool for every core;
     pinned to one core afterwards, its two pool threads made a warm training step 4-7% slower
-    (a replay of the long-tail trainer's steps, 2026-11-26)."""
+    (a replay of the long-tail trainer's steps, 2026-11-26).
+
+    ``done``: the runs made so far in this invocation, by ``run_key``. A run whose config (its
+    folder aside), cores and warm-up match one there is not made again: its figures are returned,
+    with ``same_run_as`` naming that run's folder (the interrupt part's interruptible run is the
+    async part's ``async_eta4`` run)."""
+    key = run_key(cfg, rollout_cores=rollout_cores, trainer_cores=trainer_cores, warmup_steps=warmup_steps,
+                  own_process=own_process)
+    if done is not None and key in done:
+        return copy.deepcopy(done[key])
+    row = _measured_run(cfg, rollout_cores=rollout_cores, trainer_cores=trainer_cores, warmup_steps=warmup_steps,
+                        own_process=own_process)
+    if done is not None:
+        done[key] = {**copy.deepcopy(row), "same_run_as": str(cfg["run_dir"])}
+    return row
+
+
+def run_key(cfg: dict[str, Any], **how: Any) -> str:
+    """What makes two measured runs the same run: the config as loaded (a key set to its default
+    is the default), its folder aside, and ``how`` it ran."""
+    from areal_jax.config import from_dict
+    from areal_jax.trainer.run_config import RunConfig
+
+    loaded = dataclasses.asdict(from_dict(RunConfig, {k: v for k, v in cfg.items() if k != "run_dir"}))
+    return json.dumps({"config": loaded, **how}, sort_keys=True, default=str)
+
+
+def _measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, trainer_cores: list[int] | None,
+                  warmup_steps: int, own_process: bool = False) -> dict[str, Any]:
     if own_process:
-        return run_pinned(trainer_cores or all_cores(), measured_run, cfg, rollout_cores=rollout_cores,
+        return run_pinned(trainer_cores or all_cores(), _measured_run, cfg, rollout_cores=rollout_cores,
                           trainer_cores=trainer_cores, warmup_steps=warmup_steps)
     from areal_jax.trainer.rl import train
     from rollout_bridge.launcher import ServerFleet

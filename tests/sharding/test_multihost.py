@@ -99,18 +99,28 @@ def test_two_processes_export_spread_shards_that_transformers_loads(tmp_path: Pa
     np.testing.assert_array_equal(ours.numpy(), ref.numpy())
 
 
+ESTIMATORS = ("grpo", "gae")
+
+
+@pytest.fixture(scope="module")
+def two_process_steps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.ndarray]]:
+    """Each estimator's train steps over two processes, all from one pair of processes, one
+    estimator after the other (starting and joining a pair costs more than its steps)."""
+    out = tmp_path_factory.mktemp("train")
+    _run_two(ROOT / "tests" / "trainer" / "train_worker.py", str(out), ",".join(ESTIMATORS))
+    return {e: dict(np.load(out / f"{e}.npz")) for e in ESTIMATORS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("estimator", ["grpo", "gae"])
-def test_two_processes_train_like_one(tmp_path: Path, estimator: str) -> None:
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_two_processes_train_like_one(two_process_steps: dict[str, dict[str, np.ndarray]], estimator: str) -> None:
     """Full train steps on a mesh that spans two processes, each placing only the batch rows its
     devices hold, give the single-process loss, gradient, statistics and updated params (and,
     with a critic, its values, statistics and params)."""
     from sharding import make_mesh
     from tests.trainer.multihost_flow import MESH, run
 
-    out = tmp_path / "train.npz"
-    _run_two(ROOT / "tests" / "trainer" / "train_worker.py", str(out), estimator)
-    got = dict(np.load(out))
+    got = two_process_steps[estimator]
     want = run(make_mesh(MESH, devices=jax.devices()[:4]), estimator)
     assert set(got) == set(want) and any(k.startswith("grad/") for k in want)
     # Reductions run in another order across processes (and the compilers' flags differ): losses,

@@ -1,12 +1,16 @@
 """One process of the two-process train test: join through jax.distributed (two CPU devices per
-process), run ``multihost_flow.run`` on the global mesh and (process 0) save what it returns.
+process), run ``multihost_flow.run`` on the global mesh for each estimator given, one after the
+other in the same pair of processes, and (process 0) save what each returns to
+``OUT_DIR/<estimator>.npz``.
 
-Usage: python train_worker.py PROCESS_ID PORT OUT_NPZ ESTIMATOR
+Usage: python train_worker.py PROCESS_ID PORT OUT_DIR ESTIMATOR[,ESTIMATOR...]
 """
 
 from tests.sharding.two_process import join  # first: it sets XLA's flags
 
 # isort: split
+
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,11 +20,12 @@ from tests.trainer.multihost_flow import MESH, run
 
 
 def main() -> None:
-    pid, (out, estimator) = join()
+    pid, (out, estimators) = join()
     assert jax.process_count() == 2 and len(jax.local_devices()) == 2
-    results = run(make_mesh(MESH), estimator)
-    if pid == 0:
-        np.savez(out, **results)
+    for estimator in estimators.split(","):
+        results = run(make_mesh(MESH), estimator)
+        if pid == 0:
+            np.savez(Path(out) / f"{estimator}.npz", **results)
     jax.distributed.shutdown()
 
 
