@@ -49,6 +49,7 @@ from areal_jax.trainer.rollout import (
     start_fleet_early,
 )
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
+from areal_jax.trainer.startup import StartupTimeline, process_age, use_compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,18 @@ def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
     return base
 
 
+def first_batch_lengths(cfg: RunConfig, rows: list[Any]) -> list[int] | None:
+    """The trajectory lengths of the longest first batch a single-turn run can get (every answer
+    ``max_new_tokens`` long after the longest prompt), which ``Trainer.compile_first_step``
+    compiles ahead; None where a workflow makes trajectories of other lengths."""
+    if cfg.rollout.workflow != "single_turn" or not rows:
+        return None
+    n = max(len(r.prompt_ids) for r in rows) + cfg.rollout.max_new_tokens
+    if cfg.train.max_seq_len is not None:
+        n = min(n, cfg.train.max_seq_len)
+    return [n] * (cfg.batch_size * cfg.rollout.group_size)
+
+
 def _base_dir(cfg: RunConfig, run_dir: Path) -> Path:
     """Where ``prepare_model_dir`` puts (or finds) the base model, without building it."""
     from areal_jax.models.hf_write import is_url
@@ -186,6 +199,12 @@ async def _train(cfg: RunConfig, resume: bool = False,
     from sharding import initialize_distributed, make_mesh
 
     t_start = time.perf_counter()
+    timeline = StartupTimeline(t_start)
+    age = process_age()
+    if age is not None:
+        timeline.add("process start and imports", t_start - age, t_start)
+    t_checks = time.perf_counter()
+    cache = use_compile_cache(cfg.compile_cache)  # before anything compiles; the servers get it too
     initialize_distributed(cfg.distributed)  # before this process uses any device
     hub = StepHub()
     files = RunDir(cfg.run_dir, cfg.local_dir)
@@ -214,31 +233,39 @@ async def _train(cfg: RunConfig, resume: bool = False,
         raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from None
     ckpts, meta = _open_checkpoints(cfg, resume)
     start = meta["step"] if meta is not None else 0
+    timeline.add("config checks, mesh", t_checks)
 
     # A tiny model is built once, by process 0, where every process reads it (the run directory);
     # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
-    base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
+    with timeline.span("base model written"):
+        base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
     hub.barrier("base model ready")
-    tokenizer = load_tokenizer(base)
-    # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
-    # them hold the same rows, which a warm start (trained by every process) needs.
-    data = load_prompts(cfg.data if hub.processes == 1 else
-                        dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
-    if meta is None and files.remote and hub.leader:
-        files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
-    if meta is not None and files.remote:
-        if cfg.warm_start is not None:
-            files.fetch("warm_start")  # the KL reference, and what rollout served before the checkpoint's push
-        if hub.leader:  # the metrics go on from the checkpoint's step
-            files.fetch("metrics.jsonl")
-            files.fetch("tensorboard")
-    serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
-    # The rollout servers start now, in parallel with loading the model and building the trainer
-    # (a warm start serves its own weights, so it waits for them).
-    early = start_fleet_early(cfg, serve_dir, run_dir / "logs") if hub.leader and (
-        cfg.warm_start is None or meta is not None) else None
+    # A fresh run's rollout servers start now, on the base model, in parallel with reading the
+    # prompts, loading the model, building the trainer and any warm start (whose weights reach
+    # them from disk once trained, as version 0, before anything is generated).
+    early = start_fleet_early(cfg, base, run_dir / "logs", timeline) if hub.leader and meta is None else None
     try:
-        model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
+        t_data = time.perf_counter()
+        tokenizer = load_tokenizer(base)
+        # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
+        # them hold the same rows, which a warm start (trained by every process) needs.
+        data = load_prompts(cfg.data if hub.processes == 1 else
+                            dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
+        timeline.add("tokenizer, prompts", t_data)
+        if meta is None and files.remote and hub.leader:
+            files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
+        if meta is not None and files.remote:
+            if cfg.warm_start is not None:
+                files.fetch("warm_start")  # the KL reference, and what rollout served before the checkpoint's push
+            if hub.leader:  # the metrics go on from the checkpoint's step
+                files.fetch("metrics.jsonl")
+                files.fetch("tensorboard")
+        serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
+        if meta is not None and hub.leader:  # a resumed run's servers start on what it served
+            early = start_fleet_early(cfg, serve_dir, run_dir / "logs", timeline)
+        with timeline.span("model loaded"):
+            model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype,
+                                    attention_impl=cfg.model.attention_impl)
         logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
     except BaseException:
         if early is not None:
@@ -247,6 +274,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     result = RunResult(run_dir=run_dir, metrics=logger.history)
     if sandbox_line is not None:
         logger.write(sandbox_line)
+    logger.write(f"compile cache: {cache} (compiled shapes are kept for the next run; compile_cache=null: none)"
+                 if cache else "compile cache: none (every run compiles its shapes anew)")
     try:
         if cfg.warm_start is not None and meta is None:
             from areal_jax.trainer.sft import warm_start
@@ -257,12 +286,18 @@ async def _train(cfg: RunConfig, resume: bool = False,
             serve_dir = save_pretrained(model, files.path("warm_start"), tokenizer_dir=base)
             if files.remote:  # rollout serves it from this host's disk
                 serve_dir = files.fetch("warm_start") if hub.leader else run_dir / "warm_start"
+            timeline.add("warm start (supervised), written", t0)
             logger.write(f"warm start: {sft_stats.get('steps', '?')} supervised steps in "
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
-        trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh, **engine_beside_trainer(cfg, mesh))
+        with timeline.span("trainer built"):
+            trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh, **engine_beside_trainer(cfg, mesh))
         hub.row_owners = trainer.preparer.row_owners  # each follower gets its own share of a batch
+        t_lent = time.perf_counter()
         trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
+        if trainer.policy._keep_compiled is not None:
+            trainer.policy._keep_compiled.add_done_callback(
+                lambda _: timeline.add("lent-params update compiled (background)", t_lent))
         from areal_jax.trainer.learner import describe_optimizer
 
         logger.write(describe_optimizer(cfg.train))
@@ -271,9 +306,15 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if trainer.memory is not None:
             logger.write(trainer.memory.describe())
         if cfg.train.compile_warmup:
-            warm = await asyncio.to_thread(trainer.warmup)
+            with timeline.span("trainer warm-up (train.compile_warmup)"):
+                warm = await asyncio.to_thread(trainer.warmup)
             logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "
                          f"({warm['compile_seconds']:.1f}s compiling)")
+        elif (lengths := first_batch_lengths(cfg, data.train_rows)) is not None and hub.processes == 1:
+            # While rollout generates the first batch: step 1 then finds its shapes compiled.
+            t_ahead = time.perf_counter()
+            trainer.compile_first_step(lengths, cfg.rollout.group_size).add_done_callback(
+                lambda _: timeline.add("first step compiled ahead (background)", t_ahead))
         if meta is not None:
             from areal_jax.trainer.checkpoint import set_rng_state
 
@@ -284,7 +325,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             logger.write(f"resuming from checkpoint step {start} in {ckpts.directory} (policy version "
                          f"{meta['version']}, {len(meta['controller']['pending'])} prompts in flight submitted again)")
         run = Run(cfg, hub, files, trainer, logger, data, tokenizer, base, ckpts=ckpts, meta=meta, start=start,
-                  t_start=t_start, on_step=on_step)
+                  t_start=t_start, on_step=on_step, startup=timeline)
         if hub.leader:
             try:
                 await _lead(run, serve_dir, early)
@@ -339,8 +380,10 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
     cfg, logger, meta = run.cfg, run.logger, run.meta
     rollout, local = cfg.rollout, cfg.rollout.backend == "local"
     run_dir = run.files.local
+    t_open = time.perf_counter()
     async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=run.trainer.mesh,
                             early=early) as (client, fleet):
+        run.startup.add("rollout opened (the servers answer /health)", t_open)
         run.client, run.fleet = client, fleet
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")
@@ -350,8 +393,9 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
                 logger.write(f"warning: {advice}")
             else:
                 log.warning(advice)
-        if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
-            await client.update_weights_from_disk(str(serve_dir), version=0)
+        if not local and cfg.warm_start is not None and meta is None:  # they started on the base model
+            with run.startup.span("warm-started weights loaded by the servers"):
+                await client.update_weights_from_disk(str(serve_dir), version=0)
         sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base)
         run.weights = WeightPush(cfg, run.trainer, client, sink, hub=run.hub)
         logger.write(run.weights.describe())
@@ -363,12 +407,6 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
             run.episodes = EpisodeClient(client, run.tokenizer, pool, rollout.sampling_params(),
                                          rollout.group_size, dict(rollout.workflow_options),
                                          batch_groups=rollout.batch_group_requests)
-            if meta is None:
-                run.eval_before = await held_out(run)
-            if run.eval_before:
-                run.eval_before["time"] = time.perf_counter() - run.t_start
-                logger.write(f"held-out accuracy before RL: {run.eval_before['eval_accuracy']:.1%} "
-                             f"({run.eval_before['eval_prompts']} prompts)")
             run.controller = run.weights.controller = RolloutController(
                 run.episodes, get_workflow(rollout.workflow), run.data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
@@ -377,12 +415,32 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
             if meta is not None:
                 run.controller.load_state_dict(meta["controller"], {r.id: r for r in run.data.train_rows})
             run.controller.start()
+            if meta is None:
+                # Beside the first batch's rollout, under the same version 0: the servers compile
+                # their first shapes once for both, and the step pushes no weight before it ends.
+                run.eval_task = asyncio.ensure_future(eval_before_rl(run))
             try:
                 await run_steps(run)
                 if logger.history and logger.history[-1].get("eval_accuracy") is not None:
                     run.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
             finally:
+                if run.eval_task is not None and not run.eval_task.done():
+                    run.eval_task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await run.eval_task
                 await run.controller.stop()
+
+
+async def eval_before_rl(run: Run) -> None:
+    """The held-out evaluation before RL (``run.eval_before``), logged when it ends. It runs beside
+    the first batch's rollout; ``run_steps`` waits for it before the first weight push."""
+    with run.startup.span("held-out evaluation before RL (beside the first batch)"):
+        result = await held_out(run)
+    if result:
+        result["time"] = time.perf_counter() - run.t_start
+        run.logger.write(f"held-out accuracy before RL: {result['eval_accuracy']:.1%} "
+                         f"({result['eval_prompts']} prompts)")
+    run.eval_before = result
 
 
 def run_summary(result: RunResult) -> str:

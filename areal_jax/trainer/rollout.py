@@ -78,19 +78,27 @@ class EarlyFleet:
         self.task.add_done_callback(lambda _: self.fleet.stop())
 
 
-def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> EarlyFleet | None:
+def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: Any = None) -> EarlyFleet | None:
     """Start the configured server processes now, in a thread, so that their start (a process
     importing JAX, loading the model, warming its engine) overlaps the trainer's own; None where
     the rollout has no processes of ours to start (``local``, or given ``servers``)."""
     if cfg.rollout.backend not in ("embedded", "sglang"):
         return None
     fleet = _make_fleet(cfg, serve_dir, log_dir)
+
+    def start() -> list[str]:
+        if timeline is None:
+            return fleet.start()
+        with timeline.span("rollout servers started (process, imports, model load, /health)"):
+            return fleet.start()
+
     # run_in_executor starts the thread now, not at the caller's next await: the caller goes on
     # with blocking work (loading the model, building the trainer) meanwhile.
-    return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, fleet.start))
+    return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, start))
 
 
 def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
+    from areal_jax.trainer.startup import compile_cache_env
     from rollout_bridge.launcher import ServerFleet
 
     rollout = cfg.rollout
@@ -105,7 +113,8 @@ def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
                        seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
                        weight_roots=[Path(serve_dir).absolute().parent, local_run_dir(cfg).absolute(),
                                      *([rollout.weights_dir] if rollout.weights_dir else [])],
-                       placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
+                       placements=split[1] if split else None, max_restarts=rollout.max_server_restarts,
+                       env=compile_cache_env())  # the trainer's compilation cache
 
 
 @contextlib.asynccontextmanager
