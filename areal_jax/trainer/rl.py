@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import shutil
 import threading
@@ -46,6 +47,7 @@ from areal_jax.trainer.rollout import (
     engine_beside_trainer,
     local_devices,
     open_rollout,
+    servers_startup,
     start_fleet_early,
 )
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
@@ -122,11 +124,26 @@ def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
         return path
     from areal_jax.models.tiny import make_tiny_checkpoint
 
+    base = clear_tiny_base(run_dir)
+    # Written aside and renamed into place: a server waiting for it (``--wait-for-model``) sees
+    # config.json only once every file is there.
+    partial = run_dir / f"base.partial-{os.getpid()}"
+    if partial.exists():
+        shutil.rmtree(partial)
+    make_tiny_checkpoint(partial, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
+                         **cfg.model.tiny_options)
+    if base.exists():
+        shutil.rmtree(base)
+    os.rename(partial, base)
+    return base
+
+
+def clear_tiny_base(run_dir: Path) -> Path:
+    """Remove an earlier run's tiny model from ``<run dir>/base`` (before a server waits for the
+    new one there); returns the path."""
     base = run_dir / "base"
     if base.exists():
         shutil.rmtree(base)
-    make_tiny_checkpoint(base, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
-                         **cfg.model.tiny_options)
     return base
 
 
@@ -235,16 +252,22 @@ async def _train(cfg: RunConfig, resume: bool = False,
     start = meta["step"] if meta is not None else 0
     timeline.add("config checks, mesh", t_checks)
 
-    # A tiny model is built once, by process 0, where every process reads it (the run directory);
-    # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
-    with timeline.span("base model written"):
-        base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
-    hub.barrier("base model ready")
-    # A fresh run's rollout servers start now, on the base model, in parallel with reading the
-    # prompts, loading the model, building the trainer and any warm start (whose weights reach
-    # them from disk once trained, as version 0, before anything is generated).
-    early = start_fleet_early(cfg, base, run_dir / "logs", timeline) if hub.leader and meta is None else None
+    # A fresh run's rollout servers start first, on the base model, in parallel with writing it
+    # (a tiny model: embedded servers import meanwhile and wait for it), reading the prompts,
+    # loading the model, building the trainer and any warm start (whose weights reach them from
+    # disk once trained, as version 0, before anything is generated).
+    early = None
+    tiny = cfg.model.path is None
+    if hub.leader and meta is None and tiny and cfg.rollout.backend == "embedded":
+        early = start_fleet_early(cfg, clear_tiny_base(run_dir), run_dir / "logs", timeline, wait_for_model=True)
     try:
+        # A tiny model is built once, by process 0, where every process reads it (the run directory);
+        # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
+        with timeline.span("base model written"):
+            base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
+        hub.barrier("base model ready")
+        if early is None and hub.leader and meta is None:
+            early = start_fleet_early(cfg, base, run_dir / "logs", timeline)
         t_data = time.perf_counter()
         tokenizer = load_tokenizer(base)
         # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
@@ -384,6 +407,8 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
     async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=run.trainer.mesh,
                             early=early) as (client, fleet):
         run.startup.add("rollout opened (the servers answer /health)", t_open)
+        if fleet is not None:
+            run.startup.add_servers(await servers_startup(client))
         run.client, run.fleet = client, fleet
         where = (f"an engine in this process ({rollout.local.placement} placement)" if local
                  else f"{len(client.servers)} server(s) ({rollout.backend})")

@@ -81,6 +81,16 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
     assert result.plot.read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert result.eval_before is not None and 0.0 <= result.eval_after["eval_accuracy"] <= 1.0
+    # Step 1 carries the start-up timeline. The evaluation before RL ran beside the first batch's
+    # rollout (before, the controller started after it) and ended before the first weight push;
+    # the servers started before the prompts were read; the first step's shapes were compiled
+    # while its batch was generated, so step 1 compiled nothing itself (before: its gradient and
+    # optimizer steps).
+    spans = metrics[0]["startup"]
+    evaluation, wait = spans["held-out evaluation before RL (beside the first batch)"], spans["first batch wait"]
+    assert evaluation[0] < wait[1] and evaluation[1] <= spans["first weight push"][0]
+    assert spans["rollout servers started (process, imports, model load, /health)"][0] <= spans["tokenizer, prompts"][0]
+    assert "first step compiled ahead (background)" in spans and metrics[0]["compile_seconds"] == 0.0
     # the summary names where every output went, the last step's checkpoint included
     assert Path(result.outputs["checkpoints"], "6").is_dir() and Path(result.outputs["final_model"]).is_dir()
 
