@@ -290,7 +290,9 @@ class Learner:
         """One optimizer step with the accumulated ``grads`` at schedule position ``step`` (the
         learner's own by default). Returns its device stats; ``step`` moves on by one here, and
         back by one per skipped step once the caller has read ``skipped`` (``count_skipped``)."""
-        fn = self.apply_fn if self._apply_compiled is None else self._apply_compiled.result()
+        fn = self.apply_fn
+        if self._apply_compiled is not None and self._apply_compiled.exception() is None:
+            fn = self._apply_compiled.result()  # compiled ahead (``compile_update``); else it compiles here
         if self._lent:
             fn = self._apply_keep_fn if self._keep_compiled is None else self._keep_compiled.result()
         position = jax.device_put(np.int32(self.step if step is None else step), self.replicated)

@@ -446,6 +446,8 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
                 run.eval_task = asyncio.ensure_future(eval_before_rl(run))
             try:
                 await run_steps(run)
+                if run.eval_task is not None:  # a run with no step left still reports it
+                    await run.eval_task
                 if logger.history and logger.history[-1].get("eval_accuracy") is not None:
                     run.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
             finally:

@@ -30,3 +30,25 @@ def test_timeline_spans_in_order_of_start() -> None:
     t.add("a", 101.0, 102.0)
     assert list(t.as_dict()) == ["a", "b"] and t.as_dict()["b"] == [3.0, 4.5]
     assert "(  1.5s)  b" in t.describe()
+
+
+def test_servers_get_the_compile_cache_and_an_earlier_setting_wins(tmp_path) -> None:
+    """A cache already set (here the suite's ``JAX_COMPILATION_CACHE_DIR``) is kept over the
+    config's, and the servers a run starts get the one in use through their environment."""
+    import os
+
+    from areal_jax.trainer.startup import compile_cache_env, use_compile_cache
+
+    suite = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert use_compile_cache(str(tmp_path / "elsewhere")) == suite
+    assert compile_cache_env()["JAX_COMPILATION_CACHE_DIR"] == suite
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_a_server_waiting_for_its_model_gives_up_naming_the_flag(tmp_path) -> None:
+    import pytest
+
+    from rollout_bridge.serve import wait_for_model
+
+    with pytest.raises(SystemExit, match="did not appear within --wait-for-model 0.1s"):
+        wait_for_model(tmp_path / "base", 0.1)
