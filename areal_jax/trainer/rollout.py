@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +102,7 @@ def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: 
     return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, start))
 
 
-def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path, extra_args: list[str] = ()) -> Any:
+def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path, extra_args: Sequence[str] = ()) -> Any:
     from areal_jax.trainer.startup import compile_cache_env
     from rollout_bridge.launcher import ServerFleet
 
