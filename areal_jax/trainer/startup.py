@@ -85,9 +85,9 @@ def use_compile_cache(directory: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache in ``directory`` (``~`` expanded) for this
     process, unless one is set already (``JAX_COMPILATION_CACHE_DIR``, or ``jax.config`` in a
     notebook), which wins with its own thresholds. Ours keeps every program, however quick its
-    compile: a small model's start is hundreds of small compiles (its random init alone, op by op,
-    took 7.7 s cold and 2.0 s from the cache on a loaded 2-core CPU, against JAX's default of
-    keeping only compiles over 1 s). Returns the cache directory in use, or None."""
+    compile: a small model's start is hundreds of small compiles (building a tiny model, whose
+    random init compiles op by op, took 7.7 s with an empty cache and 2.0 s from it on a loaded
+    2-core CPU; JAX's default keeps only compiles over 1 s). Returns the cache directory in use, or None."""
     import jax
 
     current = jax.config.jax_compilation_cache_dir
