@@ -74,8 +74,6 @@ class Run:
     episodes: EpisodeClient | None = None
     controller: RolloutController | None = None
     eval_before: dict[str, Any] | None = None
-    eval_task: asyncio.Future | None = None
-    """The held-out evaluation before RL while it runs (beside the first batch's rollout)."""
     eval_after: dict[str, Any] | None = None
 
     # The loop's own state.
@@ -98,8 +96,6 @@ class Batch:
     """When the step began waiting for it."""
     wait_s: float
     train_s: float = 0.0
-    eval_wait_s: float = 0.0
-    """Step 1: the wait for the evaluation before RL to end, before the first push."""
     sync_s: float = 0.0
 
 
@@ -111,10 +107,6 @@ async def run_steps(run: Run) -> None:
         for step in range(run.start + 1, run.cfg.steps + 1):
             batch = await next_batch(run, step)  # rollout keeps generating meanwhile
             stats = await update(run, batch)  # in a worker thread: the event loop keeps serving rollout
-            if run.eval_task is not None:  # the evaluation before RL sees version 0 only
-                task, run.eval_task, t_eval = run.eval_task, None, time.perf_counter()
-                await task
-                batch.eval_wait_s = time.perf_counter() - t_eval
             await publish(run, batch, stats)  # the new version to rollout
             metrics = step_metrics(run, batch, stats)
             if (run.cfg.eval.every and step % run.cfg.eval.every == 0) or step == run.cfg.steps:
@@ -216,7 +208,7 @@ def first_step_spans(run: Run, batch: Batch) -> None:
     t0 = batch.t0
     run.startup.add("first batch wait", t0, t0 + batch.wait_s)
     run.startup.add("first update (compiles included)", t0 + batch.wait_s, t0 + batch.wait_s + batch.train_s)
-    t_push = t0 + batch.wait_s + batch.train_s + batch.eval_wait_s  # after the evaluation before RL
+    t_push = t0 + batch.wait_s + batch.train_s
     run.startup.add("first weight push", t_push, t_push + batch.sync_s)
 
 
