@@ -435,8 +435,8 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None) -> None:
             if meta is None:
                 # Before the controller starts: with an empty compile cache the evaluation's requests
                 # compile the server's first shapes, and the first batch then finds them compiled
-                # (0.15 s of wait in two runs here); beside the batch's rollout, the mixed traffic
-                # compiled more shapes (step 1 ended 91-100 s after launch against 72-79 s).
+                # (0.13-0.37 s of wait on a loaded 2-core CPU); beside the batch's rollout, the mixed
+                # traffic compiled more shapes (step 1 ended at a median 96 s after launch against 79 s).
                 await eval_before_rl(run)
             run.controller = run.weights.controller = RolloutController(
                 run.episodes, get_workflow(rollout.workflow), run.data.train_iter(), batch_size=cfg.batch_size,
