@@ -57,6 +57,19 @@ class _Child:
     cmd: list[str]
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (interpreter start-up and imports included), from
+    ``/proc``; None where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time in clock ticks
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - started / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -31,10 +31,11 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from rollout_bridge.launcher import PARENT_PID_ENV
+from rollout_bridge.launcher import PARENT_PID_ENV, process_age
 from rollout_bridge.server import build_app, start_server
 from rollout_bridge.state import (
     DEFAULT_MAX_BODY_BYTES,
@@ -132,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lanes", type=int, default=None,
                    help="slot groups decoded concurrently (not an SGLang flag; default: 2 on a multi-core CPU "
                         "without tp/dp, else 1)")
+    p.add_argument("--wait-for-model", type=float, default=0.0, metavar="SECONDS",
+                   help="wait up to this long for --model-path/config.json to appear, importing meanwhile (not an "
+                        "SGLang flag: a training run starts its servers while it writes the model they serve)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log level of the server's messages")
     return p
 
@@ -208,6 +212,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
     from areal_jax.inference.engine import Engine
     from areal_jax.models import ModelConfig, load_pretrained, load_tokenizer
 
+    if args.wait_for_model > 0:
+        wait_for_model(Path(args.model_path), args.wait_for_model)
+    imported = process_age()  # interpreter start, imports and any wait: all before the model loads
+    t0 = time.perf_counter()
+
     model_max = ModelConfig.from_json_file(Path(args.model_path) / "config.json").max_position_embeddings
     allow = args.allow_overwrite_longer_context_len or os.environ.get(LONGER_CONTEXT_ENV, "") in ("1", "true", "True")
     max_seq_len = context_length(args.context_length, model_max, allow)
@@ -223,15 +232,32 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
         model = load_pretrained(args.model_path, dtype=args.dtype, mesh=mesh, fuse_projections=True)
         engine = Engine(model, cfg, eos_token_ids=model.config.eos_token_ids, mesh=mesh)
     tokenizer = load_tokenizer(args.tokenizer_path or args.model_path)
+    # Where this server's start went, for a launcher's start-up timeline (``/get_server_info``).
+    startup = {"imports_seconds": imported, "model_and_engine_seconds": time.perf_counter() - t0}
     app = build_app(engine, tokenizer, args.api_key, model_path=args.model_path, tokenizer_path=args.tokenizer_path,
                     served_model_name=args.served_model_name, weight_version=args.weight_version,
-                    info={"tp_size": args.tp_size, "dp_size": args.dp_size, **engine.server_info()},
+                    info={"tp_size": args.tp_size, "dp_size": args.dp_size, **engine.server_info(),
+                          "startup_seconds": startup},
                     incremental_streaming_output=args.incremental_streaming_output,
                     warmup=not args.skip_server_warmup, weight_roots=args.weight_roots,
                     max_request_bytes=args.max_request_bytes, max_body_bytes=args.max_weight_bucket_bytes,
                     weight_transfer_timeout_s=args.weight_transfer_timeout,
                     weight_update_mode=args.weight_update_mode)
     return app, engine
+
+
+def wait_for_model(path: Path, timeout_s: float) -> None:
+    """Import what loading a model needs (the tokenizer's library is the slow one), then wait
+    until ``path/config.json`` exists (its writer renames the whole directory into place, so the
+    rest is there with it), at most ``timeout_s`` seconds."""
+    import transformers.models.auto.tokenization_auto  # noqa: F401 - imported while the model is written
+
+    deadline = time.monotonic() + timeout_s
+    while not (path / "config.json").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"areal-jax serve: {path}/config.json did not appear within --wait-for-model "
+                             f"{timeout_s:g}s")
+        time.sleep(0.05)
 
 
 def build_replicas(args: argparse.Namespace, max_seq_len: int) -> Any:

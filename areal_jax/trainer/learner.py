@@ -214,6 +214,7 @@ class Learner:
         self._apply_keep_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
                                       donate_argnums=(1,))
         self._keep_compiled: Future | None = None
+        self._apply_compiled: Future | None = None
 
     def _compute_graphdef(self, cls: type[nnx.Module], config: Any) -> nnx.GraphDef:
         """The graph the jitted code merges params into. It differs from the source model's only
@@ -290,6 +291,8 @@ class Learner:
         learner's own by default). Returns its device stats; ``step`` moves on by one here, and
         back by one per skipped step once the caller has read ``skipped`` (``count_skipped``)."""
         fn = self.apply_fn
+        if self._apply_compiled is not None and self._apply_compiled.exception() is None:
+            fn = self._apply_compiled.result()  # compiled ahead (``compile_update``); else it compiles here
         if self._lent:
             fn = self._apply_keep_fn if self._keep_compiled is None else self._keep_compiled.result()
         position = jax.device_put(np.int32(self.step if step is None else step), self.replicated)
@@ -322,24 +325,40 @@ class Learner:
         (seconds on a CPU, mid-run, with ``train.compile_warmup`` off). ``lend`` starts it at the
         latest; an RL run starts it when the trainer is built, so that it overlaps the servers'
         start and the first batch's generation."""
-        if self._keep_compiled is not None or self.abstract:
-            return
+        if self._keep_compiled is None and not self.abstract:
+            self._keep_compiled = self._compile_in_background(self._apply_keep_fn, "compile-apply-keep")
+
+    def compile_update(self) -> None:
+        """Compile ``apply`` (the optimizer step of params this learner alone holds) in a
+        background thread, once: an RL run starts it before its first batch is generated, so
+        that step 1 does not compile it (``Trainer.compile_first_step``)."""
+        if self._apply_compiled is None and not self.abstract:
+            self._apply_compiled = self._compile_in_background(self.apply_fn, "compile-apply")
+
+    def compiled_update(self) -> None:
+        """Wait for ``compile_update``'s executable (raising its error), if it was started."""
+        if self._apply_compiled is not None:
+            self._apply_compiled.result()
+
+    def _compile_in_background(self, fn: Any, name: str) -> Future:
+        """``fn`` (an optimizer step) compiled for this learner's params in a thread: a future of
+        the executable, or of the error, which the step then raises where it would have compiled."""
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
         args = (abstract(self.params), abstract(self.opt_state), abstract(self.params),
                 jax.ShapeDtypeStruct((), np.int32, sharding=self.replicated))
         done: Future = Future()
-        mesh, rules, fn = self.mesh, self.rules, self._apply_keep_fn
+        mesh, rules = self.mesh, self.rules
 
         def compile_() -> None:
             try:
                 with activate(mesh, rules):
                     done.set_result(fn.lower(*args).compile())
-            except BaseException as e:  # the step then raises it, where it would have compiled
+            except BaseException as e:
                 done.set_exception(e)
 
-        threading.Thread(target=compile_, name="compile-apply-keep", daemon=True).start()
-        self._keep_compiled = done
+        threading.Thread(target=compile_, name=name, daemon=True).start()
+        return done
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint saves: the params and the optimizer state (the learner's own buffers)."""

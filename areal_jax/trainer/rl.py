@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import random
 import shutil
 import threading
@@ -46,10 +47,12 @@ from areal_jax.trainer.rollout import (
     engine_beside_trainer,
     local_devices,
     open_rollout,
+    servers_startup,
     start_engine_host,
     start_fleet_early,
 )
 from areal_jax.trainer.run_config import RunConfig, check_imports, load_run_config
+from areal_jax.trainer.startup import StartupTimeline, process_age, use_compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +125,39 @@ def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
         return path
     from areal_jax.models.tiny import make_tiny_checkpoint
 
+    base = clear_tiny_base(run_dir)
+    # Written aside and renamed into place: a server waiting for it (``--wait-for-model``) sees
+    # config.json only once every file is there.
+    partial = run_dir / f"base.partial-{os.getpid()}"
+    if partial.exists():
+        shutil.rmtree(partial)
+    make_tiny_checkpoint(partial, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
+                         **cfg.model.tiny_options)
+    if base.exists():
+        shutil.rmtree(base)
+    os.rename(partial, base)
+    return base
+
+
+def clear_tiny_base(run_dir: Path) -> Path:
+    """Remove an earlier run's tiny model from ``<run dir>/base`` (before a server waits for the
+    new one there); returns the path."""
     base = run_dir / "base"
     if base.exists():
         shutil.rmtree(base)
-    make_tiny_checkpoint(base, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
-                         **cfg.model.tiny_options)
     return base
+
+
+def first_batch_lengths(cfg: RunConfig, rows: list[Any]) -> list[int] | None:
+    """The trajectory lengths of the longest first batch a single-turn run can get (every answer
+    ``max_new_tokens`` long after the longest prompt), which ``Trainer.compile_first_step``
+    compiles ahead; None where a workflow makes trajectories of other lengths."""
+    if cfg.rollout.workflow != "single_turn" or not rows:
+        return None
+    n = max(len(r.prompt_ids) for r in rows) + cfg.rollout.max_new_tokens
+    if cfg.train.max_seq_len is not None:
+        n = min(n, cfg.train.max_seq_len)
+    return [n] * (cfg.batch_size * cfg.rollout.group_size)
 
 
 def _base_dir(cfg: RunConfig, run_dir: Path) -> Path:
@@ -187,6 +217,12 @@ async def _train(cfg: RunConfig, resume: bool = False,
     from sharding import initialize_distributed, make_mesh
 
     t_start = time.perf_counter()
+    timeline = StartupTimeline(t_start)
+    age = process_age()
+    if age is not None:
+        timeline.add("process start and imports", t_start - age, t_start)
+    t_checks = time.perf_counter()
+    cache = use_compile_cache(cfg.compile_cache)  # before anything compiles; the servers get it too
     initialize_distributed(cfg.distributed)  # before this process uses any device
     hub = StepHub()
     files = RunDir(cfg.run_dir, cfg.local_dir)
@@ -215,31 +251,45 @@ async def _train(cfg: RunConfig, resume: bool = False,
         raise ConfigError(f"mesh.data/fsdp/tensor: {e}") from None
     ckpts, meta = _open_checkpoints(cfg, resume)
     start = meta["step"] if meta is not None else 0
+    timeline.add("config checks, mesh", t_checks)
 
-    # A tiny model is built once, by process 0, where every process reads it (the run directory);
-    # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
-    base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
-    hub.barrier("base model ready")
-    tokenizer = load_tokenizer(base)
-    # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
-    # them hold the same rows, which a warm start (trained by every process) needs.
-    data = load_prompts(cfg.data if hub.processes == 1 else
-                        dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
-    if meta is None and files.remote and hub.leader:
-        files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
-    if meta is not None and files.remote:
-        if cfg.warm_start is not None:
-            files.fetch("warm_start")  # the KL reference, and what rollout served before the checkpoint's push
-        if hub.leader:  # the metrics go on from the checkpoint's step
-            files.fetch("metrics.jsonl")
-            files.fetch("tensorboard")
-    serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
-    # The rollout servers start now, in parallel with loading the model and building the trainer
-    # (a warm start serves its own weights, so it waits for them).
-    early = start_fleet_early(cfg, serve_dir, run_dir / "logs") if hub.leader and (
-        cfg.warm_start is None or meta is not None) else None
+    # A fresh run's rollout servers start first, on the base model, in parallel with writing it
+    # (a tiny model: embedded servers import meanwhile and wait for it), reading the prompts,
+    # loading the model, building the trainer and any warm start (whose weights reach them from
+    # disk once trained, as version 0, before anything is generated).
+    early = None
+    tiny = cfg.model.path is None
+    if hub.leader and meta is None and tiny and cfg.rollout.backend == "embedded":
+        early = start_fleet_early(cfg, clear_tiny_base(run_dir), run_dir / "logs", timeline, wait_for_model=True)
     try:
-        model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype, attention_impl=cfg.model.attention_impl)
+        # A tiny model is built once, by process 0, where every process reads it (the run directory);
+        # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
+        with timeline.span("base model written"):
+            base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
+        hub.barrier("base model ready")
+        if early is None and hub.leader and meta is None:
+            early = start_fleet_early(cfg, base, run_dir / "logs", timeline)
+        t_data = time.perf_counter()
+        tokenizer = load_tokenizer(base)
+        # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
+        # them hold the same rows, which a warm start (trained by every process) needs.
+        data = load_prompts(cfg.data if hub.processes == 1 else
+                            dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
+        timeline.add("tokenizer, prompts", t_data)
+        if meta is None and files.remote and hub.leader:
+            files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
+        if meta is not None and files.remote:
+            if cfg.warm_start is not None:
+                files.fetch("warm_start")  # the KL reference, and what rollout served before the checkpoint's push
+            if hub.leader:  # the metrics go on from the checkpoint's step
+                files.fetch("metrics.jsonl")
+                files.fetch("tensorboard")
+        serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
+        if meta is not None and hub.leader:  # a resumed run's servers start on what it served
+            early = start_fleet_early(cfg, serve_dir, run_dir / "logs", timeline)
+        with timeline.span("model loaded"):
+            model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype,
+                                    attention_impl=cfg.model.attention_impl)
         logger = MetricsLogger(run_dir, cfg.log, total_steps=cfg.steps, run_config=cfg.to_dict(), start_step=start)
     except BaseException:
         if early is not None:
@@ -249,6 +299,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     host = None  # this host's engine (``backend: local`` on several processes)
     if sandbox_line is not None:
         logger.write(sandbox_line)
+    logger.write(f"compile cache: {cache} (compiled shapes are kept for the next run; compile_cache=null: none)"
+                 if cache else "compile cache: none (every run compiles its shapes anew)")
     try:
         if cfg.warm_start is not None and meta is None:
             from areal_jax.trainer.sft import warm_start
@@ -259,12 +311,18 @@ async def _train(cfg: RunConfig, resume: bool = False,
             serve_dir = save_pretrained(model, files.path("warm_start"), tokenizer_dir=base)
             if files.remote:  # rollout serves it from this host's disk
                 serve_dir = files.fetch("warm_start") if hub.leader else run_dir / "warm_start"
+            timeline.add("warm start (supervised), written", t0)
             logger.write(f"warm start: {sft_stats.get('steps', '?')} supervised steps in "
                          f"{time.perf_counter() - t0:.0f}s, loss {sft_stats.get('loss_first', float('nan')):.3f} -> "
                          f"{sft_stats.get('loss_last', float('nan')):.3f}")
-        trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh, **engine_beside_trainer(cfg, mesh))
+        with timeline.span("trainer built"):
+            trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh, **engine_beside_trainer(cfg, mesh))
         hub.row_owners = trainer.preparer.row_owners  # each follower gets its own share of a batch
+        t_lent = time.perf_counter()
         trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
+        if trainer.policy._keep_compiled is not None:
+            trainer.policy._keep_compiled.add_done_callback(
+                lambda _: timeline.add("lent-params update compiled (background)", t_lent))
         from areal_jax.trainer.learner import describe_optimizer
 
         logger.write(describe_optimizer(cfg.train))
@@ -273,9 +331,15 @@ async def _train(cfg: RunConfig, resume: bool = False,
         if trainer.memory is not None:
             logger.write(trainer.memory.describe())
         if cfg.train.compile_warmup:
-            warm = await asyncio.to_thread(trainer.warmup)
+            with timeline.span("trainer warm-up (train.compile_warmup)"):
+                warm = await asyncio.to_thread(trainer.warmup)
             logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "
                          f"({warm['compile_seconds']:.1f}s compiling)")
+        elif (lengths := first_batch_lengths(cfg, data.train_rows)) is not None and hub.processes == 1:
+            # While rollout generates the first batch: step 1 then finds its shapes compiled.
+            t_ahead = time.perf_counter()
+            trainer.compile_first_step(lengths, cfg.rollout.group_size).add_done_callback(
+                lambda _: timeline.add("first step compiled ahead (background)", t_ahead))
         if meta is not None:
             from areal_jax.trainer.checkpoint import set_rng_state
 
@@ -286,7 +350,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             logger.write(f"resuming from checkpoint step {start} in {ckpts.directory} (policy version "
                          f"{meta['version']}, {len(meta['controller']['pending'])} prompts in flight submitted again)")
         run = Run(cfg, hub, files, trainer, logger, data, tokenizer, base, ckpts=ckpts, meta=meta, start=start,
-                  t_start=t_start, on_step=on_step)
+                  t_start=t_start, on_step=on_step, startup=timeline)
         if local and hub.processes > 1:  # an engine on every host, each served by its own process
             host = await start_engine_host(cfg, serve_dir, trainer.mesh, hub)
         if hub.leader:
@@ -347,8 +411,12 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
     rollout, local = cfg.rollout, cfg.rollout.backend == "local"
     run_dir = run.files.local
     hosts = None if host is None else (host, run.hub)
+    t_open = time.perf_counter()
     async with open_rollout(cfg, serve_dir, run_dir / "logs", trainer_mesh=run.trainer.mesh,
                             early=early, hosts=hosts) as (client, fleet):
+        run.startup.add("rollout opened (the servers answer /health)", t_open)
+        if fleet is not None:
+            run.startup.add_servers(await servers_startup(client))
         run.client, run.fleet = client, fleet
         where = (f"an engine on each of {len(client.servers)} hosts ({rollout.local.placement} placement, each "
                  f"served over HTTP by its own process: {', '.join(s.url for s in client.servers)})" if hosts
@@ -361,7 +429,8 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
             else:
                 log.warning(advice)
         if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
-            await client.update_weights_from_disk(str(serve_dir), version=0)
+            with run.startup.span("warm-started weights loaded by the servers"):  # they started on the base
+                await client.update_weights_from_disk(str(serve_dir), version=0)
         sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base, hosts=hosts)
         run.weights = WeightPush(cfg, run.trainer, client, sink, hub=run.hub)
         logger.write(run.weights.describe())
@@ -374,11 +443,11 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
                                          rollout.group_size, dict(rollout.workflow_options),
                                          batch_groups=rollout.batch_group_requests)
             if meta is None:
-                run.eval_before = await held_out(run)
-            if run.eval_before:
-                run.eval_before["time"] = time.perf_counter() - run.t_start
-                logger.write(f"held-out accuracy before RL: {run.eval_before['eval_accuracy']:.1%} "
-                             f"({run.eval_before['eval_prompts']} prompts)")
+                # Before the controller starts: with an empty compile cache the evaluation's requests
+                # compile the server's first shapes, and the first batch then finds them compiled
+                # (0.13-0.37 s of wait on a loaded 2-core CPU); beside the batch's rollout, the mixed
+                # traffic compiled more shapes (step 1 ended at a median 96 s after launch against 79 s).
+                await eval_before_rl(run)
             run.controller = run.weights.controller = RolloutController(
                 run.episodes, get_workflow(rollout.workflow), run.data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,
@@ -393,6 +462,17 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
                     run.eval_after = {k: v for k, v in logger.history[-1].items() if k.startswith("eval_")}
             finally:
                 await run.controller.stop()
+
+
+async def eval_before_rl(run: Run) -> None:
+    """The held-out evaluation before RL (``run.eval_before``), logged when it ends."""
+    with run.startup.span("held-out evaluation before RL"):
+        result = await held_out(run)
+    if result:
+        result["time"] = time.perf_counter() - run.t_start
+        run.logger.write(f"held-out accuracy before RL: {result['eval_accuracy']:.1%} "
+                         f"({result['eval_prompts']} prompts)")
+    run.eval_before = result
 
 
 def run_summary(result: RunResult) -> str:

@@ -24,6 +24,7 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer.evaluate import evaluate
 from areal_jax.trainer.metrics import MetricsLogger
 from areal_jax.trainer.run_config import RunConfig
+from areal_jax.trainer.startup import StartupTimeline
 from areal_jax.trainer.weight_push import WeightPush, take_part
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,8 @@ class Run:
     t_start: float = 0.0
     """``time.perf_counter()`` at the run's start (a resumed run: moved back by its time so far)."""
     on_step: Callable[[dict[str, Any]], None] | None = None
+    startup: StartupTimeline = field(default_factory=StartupTimeline)
+    """The run's start, span by span; step 1's metrics and the log carry it."""
 
     # Process 0, once rollout is open.
     client: Any = None
@@ -112,6 +115,10 @@ async def run_steps(run: Run) -> None:
             # What the servers hold now: this step's version, or with a push in flight the one before.
             metrics["served_versions"] = await served_versions(run.client)
             metrics["step_seconds"] = time.perf_counter() - batch.t0  # the whole step, its evaluation included
+            if step == run.start + 1:  # where the start-up went: the first step waited for all of it
+                first_step_spans(run, batch)
+                metrics["startup"] = run.startup.as_dict()
+                run.logger.write(run.startup.describe())
             run.logger.log(metrics)
             if run.ckpts is not None and run.ckpts.due(step, last=step == run.cfg.steps):
                 await save(run, step, metrics["time"])
@@ -193,6 +200,16 @@ def step_metrics(run: Run, batch: Batch, stats: dict[str, float]) -> dict[str, A
     metrics.update({k: float(stats[k]) for k in _STAT_KEYS if k in stats and math.isfinite(stats[k])})
     run._gen_tokens, run._t_last = counters.generated_tokens, now
     return metrics
+
+
+def first_step_spans(run: Run, batch: Batch) -> None:
+    """Step 1's own spans on the run's start-up timeline: the wait for its batch, the update
+    and the weight push."""
+    t0 = batch.t0
+    run.startup.add("first batch wait", t0, t0 + batch.wait_s)
+    run.startup.add("first update (compiles included)", t0 + batch.wait_s, t0 + batch.wait_s + batch.train_s)
+    t_push = t0 + batch.wait_s + batch.train_s
+    run.startup.add("first weight push", t_push, t_push + batch.sync_s)
 
 
 async def held_out(run: Run) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,22 +131,35 @@ class EarlyFleet:
     def stop(self) -> None:
         """End the servers (again once their start returns, should it still be under way)."""
         self.fleet.stop()
-        self.task.add_done_callback(lambda _: self.fleet.stop())
+        # The start then fails (its servers were stopped): the run's own error is the one to show.
+        self.task.add_done_callback(lambda t: (self.fleet.stop(), t.cancelled() or t.exception()))
 
 
-def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> EarlyFleet | None:
+def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: Any = None, *,
+                      wait_for_model: bool = False) -> EarlyFleet | None:
     """Start the configured server processes now, in a thread, so that their start (a process
     importing JAX, loading the model, warming its engine) overlaps the trainer's own; None where
-    the rollout has no processes of ours to start (``local``, or given ``servers``)."""
+    the rollout has no processes of ours to start (``local``, or given ``servers``).
+    ``wait_for_model``: ``serve_dir`` is still being written (embedded servers only): they import
+    meanwhile and load it once its ``config.json`` appears, within ``rollout.startup_timeout_s``."""
     if cfg.rollout.backend not in ("embedded", "sglang"):
         return None
-    fleet = _make_fleet(cfg, serve_dir, log_dir)
+    wait = ["--wait-for-model", f"{cfg.rollout.startup_timeout_s:g}"] if wait_for_model else []
+    fleet = _make_fleet(cfg, serve_dir, log_dir, wait)
+
+    def start() -> list[str]:
+        if timeline is None:
+            return fleet.start()
+        with timeline.span("rollout servers started (process, imports, model load, /health)"):
+            return fleet.start()
+
     # run_in_executor starts the thread now, not at the caller's next await: the caller goes on
     # with blocking work (loading the model, building the trainer) meanwhile.
-    return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, fleet.start))
+    return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, start))
 
 
-def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
+def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path, extra_args: Sequence[str] = ()) -> Any:
+    from areal_jax.trainer.startup import compile_cache_env
     from rollout_bridge.launcher import ServerFleet
 
     rollout = cfg.rollout
@@ -157,11 +170,12 @@ def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
 
         def command(i: int, port: int) -> list[str]:
             return sglang_command(rollout.sglang, str(serve_dir), port, seed=cfg.seed + i, api_key=rollout.api_key)
-    return ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=rollout.server_args,
+    return ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=[*rollout.server_args, *extra_args],
                        seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
                        weight_roots=[Path(serve_dir).absolute().parent, local_run_dir(cfg).absolute(),
                                      *([rollout.weights_dir] if rollout.weights_dir else [])],
-                       placements=split[1] if split else None, max_restarts=rollout.max_server_restarts)
+                       placements=split[1] if split else None, max_restarts=rollout.max_server_restarts,
+                       env=compile_cache_env())  # the trainer's compilation cache
 
 
 @contextlib.asynccontextmanager
@@ -206,6 +220,25 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path, trainer_m
     finally:
         if fleet is not None:
             fleet.stop()
+
+
+async def servers_startup(client: Any) -> list[dict[str, Any] | None]:
+    """Each server's account of its own start (``startup_seconds`` in ``/get_server_info``'s
+    ``internal_states``: the interpreter and imports, then the model and engine), None for a
+    server that gives none (SGLang) or does not answer; empty for a rollout without HTTP servers."""
+    pool = getattr(client, "pool", None)
+    if pool is None:
+        return []
+
+    async def one(server: Any) -> dict[str, Any] | None:
+        try:
+            status, body = await pool.request(server, "GET", "/get_server_info", timeout=pool.cfg.control_timeout_s)
+        except Exception:  # informational only
+            return None
+        states = body.get("internal_states") if status == 200 and isinstance(body, dict) else None
+        return states[0].get("startup_seconds") if states and isinstance(states[0], dict) else None
+
+    return list(await asyncio.gather(*(one(s) for s in pool.servers)))
 
 
 def local_run_dir(cfg: RunConfig) -> Path:

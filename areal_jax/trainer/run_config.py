@@ -148,6 +148,10 @@ class RunConfig:
     export: bool = True
     """Save the final policy as a HF model directory in ``<run dir>/final`` (a URL run directory:
     written there by every process, each its own shards)."""
+    compile_cache: str | None = "~/.cache/areal-jax/jax"
+    """JAX's persistent compilation cache, for the trainer and the rollout servers it starts: a
+    run compiles its train step and the servers' prefill and decode shapes once, and the runs
+    after it load them (``JAX_COMPILATION_CACHE_DIR``, when set, wins; None: no cache)."""
 
     def __post_init__(self) -> None:
         self._check_combinations()

@@ -20,9 +20,12 @@ devices hold (see ``trainer/prepare.py``) and reads back replicated statistics.
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from functools import partial
 from typing import Any
 
@@ -64,6 +67,8 @@ from areal_jax.trainer.prepare import (
 )
 from sharding import DEFAULT_RULES, MeshConfig, activate, make_mesh
 from sharding.rules import Rules
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MicroBatch", "PreparedBatch", "Trainer"]
 
@@ -152,6 +157,8 @@ class Trainer:
         self.critic_learner: Learner | None = None
         if make_critic is not None:
             self.critic_learner = make_critic(remat=self.policy.remat, abstract=self.abstract)
+        self._ahead: Future | None = None
+        """``compile_first_step`` while it runs; the next ``train_batch`` waits for it."""
 
     def _plan_memory(self, make_critic: Any, kl: bool, engine: Any = None,
                      engine_dtype: Any = None) -> MemoryPlan | None:
@@ -245,12 +252,14 @@ class Trainer:
         version of the current weights (the proximal policy). Returns scalar statistics, among them
         ``compile_seconds``: the part of the step spent tracing and compiling new shapes."""
         start = time.perf_counter()
+        waited = self._wait_ahead()
         with compile_clock() as compiling:
             prepared = self.prepare_batch(trajectories, version)
             stats = self.train_prepared(prepared)
         elapsed = time.perf_counter() - start
         stats["time_s"] = elapsed
         stats["compile_seconds"] = compiling.seconds
+        stats["compile_ahead_wait_seconds"] = waited
         stats["tokens_per_s"] = stats["real_tokens"] / elapsed
         return stats
 
@@ -275,6 +284,65 @@ class Trainer:
                     shapes += 1
             jax.block_until_ready(last)
         return {"shapes": shapes, "seconds": time.perf_counter() - start, "compile_seconds": compiling.seconds}
+
+    def compile_first_step(self, lengths: Sequence[int], group_size: int) -> Future:
+        """Compile, in a background thread, what a batch of trajectories of ``lengths`` (groups of
+        ``group_size``, in order) runs: the packing's shapes, the advantages, the forward passes
+        and gradients on placeholder tokens (nothing applied), and the optimizer steps (compiled
+        ahead, ``Learner.compile_update``). An RL run calls it with the longest trajectories its
+        first batch can hold while rollout generates that batch: a real batch whose micro-batches
+        have the same row lengths then takes the attention pair budgets registered here (each the
+        smallest already used that holds its pairs) and compiles nothing. The next
+        ``train_batch`` waits for it first (the two would race for the same shapes). Returns its
+        future: the shapes and seconds it took."""
+        done: Future = Future()
+
+        def run() -> None:
+            start = time.perf_counter()
+            try:
+                self.policy.compile_update()
+                if self.critic_learner is not None:
+                    self.critic_learner.compile_update()
+                with compile_clock() as compiling:
+                    trajectories = [Trajectory(input_ids=np.full(n, 1, np.int32), loss_mask=np.r_[0.0, np.ones(n - 1)],
+                                               behavior_logprobs=np.zeros(n, np.float32),
+                                               versions=np.r_[-1, np.zeros(n - 1, np.int32)], reward=0.0,
+                                               group_id=i // group_size, prompt_len=1)
+                                    for i, n in enumerate(lengths)]
+                    prepared = self.prepare_batch(trajectories, 0)
+                    last = None
+                    for i, minibatch in enumerate(prepared.minibatches):
+                        last = self.minibatch_grads([m.inputs(STEP_KEYS) for m in minibatch], 0,
+                                                    units=[m.loss_units for m in minibatch],
+                                                    own_proximal=prepared.own_proximal and i == 0)
+                        if self.critic_learner is not None:
+                            last = (last, self.critic_minibatch_grads([m.inputs(CRITIC_KEYS) for m in minibatch],
+                                                                      counts=[m.mask_count for m in minibatch]))
+                    jax.block_until_ready(last)
+                    self.policy.compiled_update()
+                    if self.critic_learner is not None:
+                        self.critic_learner.compiled_update()
+                done.set_result({"micro_batches": sum(len(mb) for mb in prepared.minibatches),
+                                 "seconds": time.perf_counter() - start, "compile_seconds": compiling.seconds})
+            except BaseException as e:  # a real batch then compiles what it needs itself
+                done.set_exception(e)
+
+        self._ahead = done
+        threading.Thread(target=run, name="compile-first-step", daemon=True).start()
+        return done
+
+    def _wait_ahead(self) -> float:
+        """Wait for ``compile_first_step`` if it runs; returns the seconds waited."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return 0.0
+        start = time.perf_counter()
+        try:
+            ahead.result()
+        except Exception as e:
+            log.warning("compiling the first step ahead failed (%s: %s); the step compiles what it needs",
+                        type(e).__name__, e)
+        return time.perf_counter() - start
 
     def prepare_batch(self, trajectories: Sequence[Trajectory], version: int) -> PreparedBatch:
         """The pre-update half (``trainer/prepare.py``): packed, placed, scored, with advantages."""
