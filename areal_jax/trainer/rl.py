@@ -253,22 +253,17 @@ async def _train(cfg: RunConfig, resume: bool = False,
     start = meta["step"] if meta is not None else 0
     timeline.add("config checks, mesh", t_checks)
 
-    # A fresh run's rollout servers start first, on the base model, in parallel with writing it
-    # (a tiny model: embedded servers import meanwhile and wait for it), reading the prompts,
-    # loading the model, building the trainer and any warm start (whose weights reach them from
-    # disk once trained, as version 0, before anything is generated).
+    # A fresh run's rollout servers start once the prompts are read (a bad dataset fails before
+    # any server), on the base model, in parallel with loading the model, building the trainer
+    # and any warm start (whose weights reach them from disk once trained, as version 0, before
+    # anything is generated).
     early = None
-    tiny = cfg.model.path is None
-    if hub.leader and meta is None and tiny and cfg.rollout.backend == "embedded":
-        early = start_fleet_early(cfg, clear_tiny_base(run_dir), run_dir / "logs", timeline, wait_for_model=True)
     try:
         # A tiny model is built once, by process 0, where every process reads it (the run directory);
         # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
         with timeline.span("base model written"):
             base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
         hub.barrier("base model ready")
-        if early is None and hub.leader and meta is None:
-            early = start_fleet_early(cfg, base, run_dir / "logs", timeline)
         t_data = time.perf_counter()
         tokenizer = load_tokenizer(base)
         # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
@@ -276,6 +271,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
         data = load_prompts(cfg.data if hub.processes == 1 else
                             dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
         timeline.add("tokenizer, prompts", t_data)
+        if hub.leader and meta is None:
+            early = start_fleet_early(cfg, base, run_dir / "logs", timeline)
         if meta is None and files.remote and hub.leader:
             files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
         if meta is not None and files.remote:
@@ -428,8 +425,8 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
                 logger.write(f"warning: {advice}")
             else:
                 log.warning(advice)
-        if rollout.backend == "servers" and cfg.warm_start is not None and meta is None:
-            with run.startup.span("warm-started weights loaded by the servers"):  # they started on the base
+        if not local and cfg.warm_start is not None and meta is None:  # they started on the base model
+            with run.startup.span("warm-started weights loaded by the servers"):
                 await client.update_weights_from_disk(str(serve_dir), version=0)
         sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base, hosts=hosts)
         run.weights = WeightPush(cfg, run.trainer, client, sink, hub=run.hub)

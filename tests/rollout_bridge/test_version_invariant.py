@@ -22,6 +22,7 @@ seen), never on wall-clock windows.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -62,7 +63,10 @@ IN_FLIGHT = 4
 BUDGET = 40
 TRAIN = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2, grad_clip=None)
 SCHEMA = Path(__file__).resolve().parents[2] / ".cache" / "sglang" / "api_types.py"
-Push = Callable[[Trainer, int], Awaitable[None]]
+Push = Callable[[Trainer, int, Callable[[], Awaitable[None]]], Awaitable[None]]
+"""``push(trainer, version, ready)``: ``ready()`` returns once an answer is running with tokens of
+the version before; a push awaits it right before the pause (or commit) lands, after any slow
+preparation, so that the pause falls inside an answer however loaded the machine is."""
 
 
 @dataclass
@@ -107,8 +111,7 @@ async def _generate_under_pushes(client: Any, engine: Engine, trainer: Trainer, 
             batch = random_trajectories(np.random.default_rng(version), 2, 4, version=version - 1)
             await asyncio.to_thread(trainer.train_batch, batch, version - 1)
             kept[version] = _host_copy(trainer.policy.params)
-            await tokens_of(version - 1)  # the push lands inside answers
-            await push(trainer, version)
+            await push(trainer, version, functools.partial(tokens_of, version - 1))  # it lands inside answers
         await tokens_of(VERSIONS)
         stop.set()
         await asyncio.gather(*workers)
@@ -166,9 +169,10 @@ ENGINE_ARGS = ["--max-running-requests", "4", "--context-length", "64"]
 def _local_run(engine: Engine, trainer: Trainer, *, lend: bool) -> tuple[list[Served], dict[int, Any]]:
     client = LocalRolloutClient(engine)
 
-    async def push(trainer: Trainer, version: int) -> None:
+    async def push(trainer: Trainer, version: int, ready: Callable[[], Awaitable[None]]) -> None:
         # As ``WeightPush.push``: pause (abort), hand over, continue; lent params in the shared
         # placement, which the next update (running beside generation) must leave alone.
+        await ready()
         await client.pause("abort")
         try:
             await client.update_params(trainer.policy.lend() if lend else trainer.policy.params, version=version)
@@ -216,8 +220,9 @@ def test_version_invariant_embedded_server(tiny_dir: Path) -> None:
                 HttpRolloutClient([addr]) as client:
             sink = HttpBucketSink(client)
 
-            async def push(trainer: Trainer, version: int) -> None:
+            async def push(trainer: Trainer, version: int, ready: Callable[[], Awaitable[None]]) -> None:
                 await sink.push(version, iter_hf_tensors(trainer.model(), hf_layout=False), hold=True)
+                await ready()  # staging may outlast every answer in flight on a loaded machine
                 await sink.commit(version, pause_mode="abort")
 
             return await _generate_under_pushes(client, engine, trainer, push)
@@ -304,9 +309,10 @@ def test_version_invariant_stock_sglang_stand_in(tiny_dir: Path, tmp_path: Path)
         await engine.start()
         try:
             async with serving_app(_stock_sglang_app(sgl, engine)) as addr, HttpRolloutClient([addr]) as client:
-                async def push(trainer: Trainer, version: int) -> None:
+                async def push(trainer: Trainer, version: int, ready: Callable[[], Awaitable[None]]) -> None:
                     path = await asyncio.to_thread(save_pretrained, trainer.model(), tmp_path / f"v{version}",
                                                    tokenizer_dir=tiny_dir)
+                    await ready()
                     await client.pause("abort")
                     try:
                         await client.update_weights_from_disk(str(path), version=version)

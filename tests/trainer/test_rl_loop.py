@@ -82,14 +82,16 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert result.eval_before is not None and 0.0 <= result.eval_after["eval_accuracy"] <= 1.0
     # Step 1 carries the start-up timeline. The evaluation before RL ended before the first
-    # batch was asked for; the servers started before the tiny model was written (they wait for it, importing
-    # meanwhile), and said how their start went; the first step's shapes were compiled
+    # batch was asked for; the servers started once the prompts were read (a bad dataset fails
+    # before any server: test_bad_data_and_mesh_fail_before_any_model_or_server) and before the
+    # model was loaded, and said how their start went; the first step's shapes were compiled
     # while its batch was generated, so step 1 compiled nothing itself (before: its gradient and
     # optimizer steps).
     spans = metrics[0]["startup"]
     assert spans["held-out evaluation before RL"][1] <= spans["first batch wait"][0]
     servers = spans["rollout servers started (process, imports, model load, /health)"]
-    assert servers[0] <= spans["base model written"][0] and "server 0: model loaded, engine built" in spans
+    assert spans["tokenizer, prompts"][1] <= servers[0] <= spans["model loaded"][0]
+    assert "server 0: model loaded, engine built" in spans
     assert "first step compiled ahead (background)" in spans and metrics[0]["compile_seconds"] == 0.0
     # the summary names where every output went, the last step's checkpoint included
     assert Path(result.outputs["checkpoints"], "6").is_dir() and Path(result.outputs["final_model"]).is_dir()
