@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from areal_jax.bench import PARTS, report, tasks
+from areal_jax.trainer.startup import use_compile_cache
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -68,28 +68,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def use_compile_cache(path: Path) -> None:
-    """Every run compiles the same functions (in this process and in each rollout server): a
-    persistent cache leaves that to the first run. Compilation falls in the warm-up steps that
-    the figures leave out anyway; the cache only shortens the benchmark."""
-    path.mkdir(parents=True, exist_ok=True)
-    settings = {"jax_compilation_cache_dir": str(path.absolute()), "jax_persistent_cache_min_compile_time_secs": 0,
-                "jax_persistent_cache_min_entry_size_bytes": -1}
-    for key, value in settings.items():
-        os.environ[key.upper()] = str(value)  # the servers' processes read these at start
-    import jax
-
-    for key, value in settings.items():
-        jax.config.update(key, value)
-
-
 def main(argv: list[str]) -> dict[str, Any]:
     """Run the selected parts in order; returns ``{part: its JSON data}`` (also in ``<out>/summary.json``)."""
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.compile_cache != "none":
-        use_compile_cache(Path(args.compile_cache or out / "jax_cache"))
+        # every run compiles the same functions (here and in each rollout server): the first one
+        # fills the cache; compiling falls in the warm-up steps the figures leave out anyway
+        use_compile_cache(str(Path(args.compile_cache or out / "jax_cache").absolute()), override=True)
     results: dict[str, Any] = {}
     done: dict[str, dict[str, Any]] = {}  # the measured runs made, so that no part makes one twice
     t0 = time.perf_counter()

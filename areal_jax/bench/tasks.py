@@ -159,7 +159,7 @@ def warm_checkpoint(cfg: dict[str, Any], out_dir: Path, *, scratch: dict[str, An
     from areal_jax.config import from_dict
     from areal_jax.data import load_prompts
     from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
-    from areal_jax.trainer.rl import prepare_model_dir
+    from areal_jax.trainer.model_dirs import prepare_model_dir
     from areal_jax.trainer.run_config import RunConfig
     from areal_jax.trainer.sft import warm_start
 

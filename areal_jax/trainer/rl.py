@@ -26,9 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import random
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +39,7 @@ import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
+from areal_jax.trainer.model_dirs import base_dir, clear_tiny_base, prepare_model_dir, resume_model_dir
 from areal_jax.trainer.rl_steps import Run, follow, held_out, run_steps
 from areal_jax.trainer.rollout import (
     device_split,
@@ -108,46 +107,6 @@ def train(config: RunConfig | str | Path | dict[str, Any], overrides: list[str] 
     return box["result"]
 
 
-def prepare_model_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """The base model directory: ``model.path`` (a URL is downloaded into ``<run dir>/base``), or
-    a tiny model built in ``<run dir>/base`` (anew each run, so a changed ``model`` section never
-    meets a stale checkpoint; it takes a second). ``run_dir`` is this process's own directory."""
-    from areal_jax.models.hf_write import is_url
-
-    if cfg.model.path is not None and is_url(cfg.model.path):
-        from areal_jax.trainer.run_dir import fetch_url
-
-        return fetch_url(cfg.model.path, run_dir / "base")
-    if cfg.model.path is not None:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path={path}: no config.json there; point it at a HF model directory")
-        return path
-    from areal_jax.models.tiny import make_tiny_checkpoint
-
-    base = clear_tiny_base(run_dir)
-    # Written aside and renamed into place: a server waiting for it (``--wait-for-model``) sees
-    # config.json only once every file is there.
-    partial = run_dir / f"base.partial-{os.getpid()}"
-    if partial.exists():
-        shutil.rmtree(partial)
-    make_tiny_checkpoint(partial, model_type=cfg.model.model_type, size=cfg.model.tiny, seed=cfg.seed,
-                         **cfg.model.tiny_options)
-    if base.exists():
-        shutil.rmtree(base)
-    os.rename(partial, base)
-    return base
-
-
-def clear_tiny_base(run_dir: Path) -> Path:
-    """Remove an earlier run's tiny model from ``<run dir>/base`` (before a server waits for the
-    new one there); returns the path."""
-    base = run_dir / "base"
-    if base.exists():
-        shutil.rmtree(base)
-    return base
-
-
 def first_batch_lengths(cfg: RunConfig, rows: list[Any]) -> list[int] | None:
     """The trajectory lengths of the longest first batch a single-turn run can get (every answer
     ``max_new_tokens`` long after the longest prompt), which ``Trainer.compile_first_step``
@@ -158,13 +117,6 @@ def first_batch_lengths(cfg: RunConfig, rows: list[Any]) -> list[int] | None:
     if cfg.train.max_seq_len is not None:
         n = min(n, cfg.train.max_seq_len)
     return [n] * (cfg.batch_size * cfg.rollout.group_size)
-
-
-def _base_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    """Where ``prepare_model_dir`` puts (or finds) the base model, without building it."""
-    from areal_jax.models.hf_write import is_url
-
-    return Path(cfg.model.path) if cfg.model.path is not None and not is_url(cfg.model.path) else run_dir / "base"
 
 
 def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any] | None]:
@@ -192,18 +144,6 @@ def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any]
         log.warning("--resume: no complete checkpoint in %s; starting at step 0", ckpts.directory)
         return ckpts, None
     return ckpts, ckpts.read_meta(latest)
-
-
-def _resume_model_dir(cfg: RunConfig, run_dir: Path, base: Path) -> Path:
-    """Where a resumed run loads its model from before the checkpoint's params replace it: the
-    warm-started policy when there was a warm start (it is the KL reference), else ``base``."""
-    warm = run_dir / "warm_start"
-    if cfg.warm_start is None or (warm / "config.json").exists():
-        return warm if cfg.warm_start is not None else base
-    if cfg.algo.uses_reference:
-        raise FileNotFoundError(f"resuming needs {warm}, the warm-started policy that is the KL reference "
-                                "(algo.kl_coef or algo.kl_loss_coef > 0); it is gone")
-    return base
 
 
 async def _train(cfg: RunConfig, resume: bool = False,
@@ -262,7 +202,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
         # A tiny model is built once, by process 0, where every process reads it (the run directory);
         # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
         with timeline.span("base model written"):
-            base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else _base_dir(cfg, run_dir)
+            base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else base_dir(cfg, run_dir)
         hub.barrier("base model ready")
         t_data = time.perf_counter()
         tokenizer = load_tokenizer(base)
@@ -281,7 +221,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             if hub.leader:  # the metrics go on from the checkpoint's step
                 files.fetch("metrics.jsonl")
                 files.fetch("tensorboard")
-        serve_dir = base if meta is None else _resume_model_dir(cfg, run_dir, base)
+        serve_dir = base if meta is None else resume_model_dir(cfg, run_dir, base)
         if meta is not None and hub.leader:  # a resumed run's servers start on what it served
             early = start_fleet_early(cfg, serve_dir, run_dir / "logs", timeline)
         with timeline.span("model loaded"):

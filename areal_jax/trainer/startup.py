@@ -81,21 +81,27 @@ CACHE_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile
 """JAX's persistent-cache settings that child processes get through their environment."""
 
 
-def use_compile_cache(directory: str | None) -> str | None:
+def use_compile_cache(directory: str | None, *, override: bool = False) -> str | None:
     """Turn on JAX's persistent compilation cache in ``directory`` (``~`` expanded) for this
     process, unless one is set already (``JAX_COMPILATION_CACHE_DIR``, or ``jax.config`` in a
-    notebook), which wins with its own thresholds. Ours keeps every program, however quick its
-    compile: a small model's start is hundreds of small compiles (building a tiny model, whose
-    random init compiles op by op, took 7.7 s with an empty cache and 2.0 s from it on a loaded
-    2-core CPU; JAX's default keeps only compiles over 1 s). Returns the cache directory in use, or None."""
+    notebook), which wins with its own thresholds; ``override``: ``directory`` wins (the bench's
+    own cache), and child processes started later inherit it through the environment. Ours keeps
+    every program, however quick its compile: a small model's start is hundreds of small compiles
+    (building a tiny model, whose random init compiles op by op, took 7.7 s with an empty cache
+    and 2.0 s from it on a loaded 2-core CPU; JAX's default keeps only compiles over 1 s).
+    Returns the cache directory in use, or None."""
     import jax
 
     current = jax.config.jax_compilation_cache_dir
-    if current or not directory:
+    if not directory or (current and not override):
         return current or None
     path = os.path.expanduser(directory)
+    os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if override:
+        os.environ.update(compile_cache_env())
     return path
 
 

@@ -45,6 +45,28 @@ def test_servers_get_the_compile_cache_and_an_earlier_setting_wins(tmp_path) -> 
     assert not (tmp_path / "elsewhere").exists()
 
 
+
+def test_the_bench_s_own_cache_wins_and_its_servers_inherit_it(tmp_path, monkeypatch) -> None:
+    """``override`` (the bench's cache in its output folder) replaces the one in use, and the
+    environment that child processes start from names it; the suite's is restored after."""
+    import os
+
+    import jax
+
+    from areal_jax.trainer.startup import use_compile_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    try:
+        bench = tmp_path / "bench_cache"
+        assert use_compile_cache(str(bench), override=True) == str(bench)
+        assert jax.config.jax_compilation_cache_dir == str(bench) and bench.is_dir()
+        assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(bench)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
 def test_a_server_waiting_for_its_model_gives_up_naming_the_flag(tmp_path) -> None:
     import pytest
 
