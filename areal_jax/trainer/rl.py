@@ -39,7 +39,7 @@ import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
-from areal_jax.trainer.model_dirs import base_dir, clear_tiny_base, prepare_model_dir, resume_model_dir
+from areal_jax.trainer.model_dirs import base_dir, prepare_model_dir, resume_model_dir
 from areal_jax.trainer.rl_steps import Run, follow, held_out, run_steps
 from areal_jax.trainer.rollout import (
     device_split,
