@@ -4,4 +4,6 @@
 # (key=value) for `areal-jax train`, e.g. `bash scripts/demo.sh steps=300 rollout.max_staleness=4`.
 source "$(dirname "$0")/_venv.sh" ""
 echo "[demo] .venv/bin/areal-jax train --config configs/demo.yaml $*"
-exec .venv/bin/areal-jax train --config configs/demo.yaml "$@"
+# not exec: the run times its start from its own process start, which exec would date back to
+# this script's, the install above included
+.venv/bin/areal-jax train --config configs/demo.yaml "$@"
