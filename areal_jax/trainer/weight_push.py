@@ -92,8 +92,6 @@ class HostsSink(HttpBucketSink):
     by its own process (see the module docstring): ``stage`` this process's gathered copy into
     its own engine and learn how the followers' went, then ``deliver`` (commit, now or held)."""
 
-    hosts = True
-
     def __init__(self, client: Any, host: Any, hub: Any):
         super().__init__(client, native_layout=True)  # our own engines: kernels in our layout
         self.host, self.hub = host, hub
@@ -110,17 +108,15 @@ class HostsSink(HttpBucketSink):
     async def deliver(self, version: int, failed: dict[str, str], *, hold: bool = False) -> None:
         """Every engine that holds ``version`` (all but ``failed``) serves it now, or with
         ``hold`` at ``commit(version)``; ``WeightUpdateError`` names those that failed."""
-        servers = self.client.servers
-        if len(failed) >= len(servers):
+        why = "; ".join(f"{url} {reason}" for url, reason in failed.items())
+        if len(failed) >= len(self.client.servers):
             self._held = None
-            raise WeightUpdateError(f"no host could stage version {version}: " + "; ".join(
-                f"{url} {why}" for url, why in failed.items()), failed)
+            raise WeightUpdateError(f"no host could stage version {version}: {why}", failed)
         self._held = (version, transfer_id(version), failed)
         if not hold:
             await self.commit(version)
         if failed:
-            raise WeightUpdateError(f"version {version} could not be staged on "
-                                    + "; ".join(f"{url} {why}" for url, why in failed.items()), failed)
+            raise WeightUpdateError(f"version {version} could not be staged on {why}", failed)
 
     async def push(self, version: int, tensors: Any, *, hold: bool = False) -> TransferMetrics:
         t0 = time.perf_counter()
@@ -143,7 +139,7 @@ class WeightPush:
         """The push of a version runs while the next batch trains."""
         self.in_flight: asyncio.Task | None = None
         """The overlapped push still running, if any."""
-        self.hosts = getattr(sink, "hosts", False)
+        self.hosts = isinstance(sink, HostsSink)
         """An engine on every host of a multi-process ``backend: local`` run (``HostsSink``)."""
 
     def describe(self) -> str:
