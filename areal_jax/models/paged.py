@@ -23,6 +23,7 @@ from flax import nnx
 
 from areal_jax.models.attention import PagedWork, attend_ragged
 from areal_jax.models.config import jnp_dtype
+from areal_jax.models.paged_kernels import attend_kernel
 from sharding import constrain
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def work_sizes(n: int, least: int = MIN_WORK_SIZE) -> tuple[int, ...]:
 
 
 def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, positions: jax.Array,
-                work: PagedWork, precision: jax.lax.Precision | None = None) -> jax.Array:
+                work: PagedWork, precision: jax.lax.Precision | None = None, backend: str = "native") -> jax.Array:
     """``attend_ragged`` of ``q`` over the pages ``work`` names in layer ``layer`` of the pool
     (``[layers, pages, ...]``), gathering exactly those pages (the layer and page indices
     together, so no copy of the layer's whole pool is made first).
@@ -92,12 +93,21 @@ def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax
     A work list with a ``live`` count has a fixed length (the most a step can read) and is read
     only up to the shortest of ``work_sizes`` that holds the live entries, chosen on device
     (``lax.switch``): the pages a step reads vary from call to call without a new compiled
-    shape, and its cost still follows them. Entries past ``live`` are padding (masked)."""
+    shape, and its cost still follows them. Entries past ``live`` are padding (masked).
+
+    ``backend`` (``paged_kernels.resolve_attention_backend``): ``native``, the XLA path;
+    ``fa``, the maintained kernel (``paged_kernels.attend_kernel``) over the same gathered pages."""
     def attend(rows: jax.Array, pages: jax.Array, first: jax.Array) -> jax.Array:
         at = jnp.full_like(pages, layer)
-        keys, values = k_pages[at, pages], v_pages[at, pages]
-        return attend_ragged(q, keys.astype(q.dtype), values.astype(q.dtype), positions,
-                             PagedWork(rows, pages, first), precision)
+        keys, values = k_pages[at, pages].astype(q.dtype), v_pages[at, pages].astype(q.dtype)
+        part = PagedWork(rows, pages, first)
+
+        def native() -> jax.Array:
+            return attend_ragged(q, keys, values, positions, part, precision)
+
+        if backend == "fa":
+            return attend_kernel(q, keys, values, positions, part, native)
+        return native()
 
     if work.live is None:
         return attend(work.rows, work.pages, work.first)
@@ -111,7 +121,7 @@ def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax
 
 def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
                     write_pages: jax.Array, write_offsets: jax.Array,
-                    work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+                    work: PagedWork, backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
     """One attention layer against the pool: the new keys and values of ``x [b, t, hidden]`` go to
     page ``write_pages[b, t]`` at ``write_offsets[b, t]`` (padding: the sink page), then each
     row attends to its own pages through the work list."""
@@ -121,7 +131,7 @@ def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: 
     # As in Attention.decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
     k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
     v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
-    out = attend_work(q, k_all, v_all, layer, positions, work, attn.precision)
+    out = attend_work(q, k_all, v_all, layer, positions, work, attn.precision, backend)
     return attn.o_proj(out.reshape(*x.shape[:2], -1)), PagedKVCache(k_all, v_all)
 
 
@@ -136,7 +146,7 @@ class Segment(NamedTuple):
 
 def attention_segments(attn: Attention, x: jax.Array, positions: jax.Array, cache: PagedKVCache, layer: jax.Array,
                        write_pages: jax.Array, write_offsets: jax.Array,
-                       segments: tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+                       segments: tuple[Segment, ...], backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
     """``attention_paged`` over a flat batch ``x [1, T, hidden]`` (positions, write pages and
     offsets ``[1, T]``) cut into ``segments`` that cover ``T`` in order: every token's keys and
     values are written first, so a segment reads the tokens this call writes for its rows."""
@@ -150,7 +160,7 @@ def attention_segments(attn: Attention, x: jax.Array, positions: jax.Array, cach
         n = seg.rows * seg.width
         qs = q[0, start:start + n].reshape(seg.rows, seg.width, *q.shape[2:])
         ps = positions[0, start:start + n].reshape(seg.rows, seg.width)
-        out = attend_work(qs, k_all, v_all, layer, ps, seg.work, attn.precision)
+        out = attend_work(qs, k_all, v_all, layer, ps, seg.work, attn.precision, backend)
         outs.append(out.reshape(n, -1))
         start += n
     if start != x.shape[1]:
@@ -160,12 +170,12 @@ def attention_segments(attn: Attention, x: jax.Array, positions: jax.Array, cach
 
 def layer_paged(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cache: PagedKVCache, index: jax.Array,
                 write_pages: jax.Array, write_offsets: jax.Array,
-                work: PagedWork | tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+                work: PagedWork | tuple[Segment, ...], backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
     """One decoder layer against the pool (``index``: the layer's place in the stacked pool);
     ``work`` a tuple of segments: a flat batch (``attention_segments``)."""
     attend = attention_paged if isinstance(work, PagedWork) else attention_segments
     attn, cache = attend(layer.self_attn, layer.input_layernorm(x), positions, cache, index, write_pages,
-                         write_offsets, work)
+                         write_offsets, work, backend)
     x = x + attn
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, cache
@@ -204,12 +214,13 @@ def _scan_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: Page
                  write_offsets: jax.Array, work: PagedWork | tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
     graphdef, params = nnx.split(model.layers)
     layers = model.config.num_hidden_layers
+    backend = getattr(model, "paged_attention_backend", "native")
 
     def body(carry: tuple[jax.Array, PagedKVCache], xs: tuple[nnx.State, jax.Array]) -> tuple:
         x, cache = carry
         layer_params, index = xs
         x, cache = layer_paged(nnx.merge(graphdef, layer_params), x, positions, cache, index, write_pages,
-                               write_offsets, work)
+                               write_offsets, work, backend)
         return (x, PagedKVCache(constrain(cache.k, K_PAGE_AXES), constrain(cache.v, V_PAGE_AXES))), None
 
     unroll = min(model.config.decode_unroll, layers)
