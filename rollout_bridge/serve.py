@@ -108,6 +108,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="share of device memory for weights and KV pool (default 0.85); on a CPU, which reports no "
                         "device memory, the share of available host memory the pool may take (default 0.25)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "fa"],
+                   help="paged attention (sglang-jax's values): 'fa' the maintained kernel (TPU ragged paged "
+                        "attention; Pallas GPU paged attention for decode rows), 'native' the XLA gather path, "
+                        "'auto' the kernel where it runs (TPU/GPU, bfloat16/float16, one device), else native")
     p.add_argument("--kv-cache", default=None, choices=["paged", "slots"],
                    help="'paged': one page pool, admission by free pages; 'slots': one --context-length region per "
                         "running request (not an SGLang flag; default: paged, or $AREAL_JAX_KV_CACHE; slots over "
@@ -200,7 +204,8 @@ def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool
                         seed=args.random_seed if args.random_seed is not None else seed, lanes=args.lanes,
                         max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size,
                         share_prompts=not args.disable_radix_cache, kv_cache=kv_cache, page_size=args.page_size,
-                        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static)
+                        max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+                        attention_backend=args.attention_backend)
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -120,6 +120,13 @@ class EngineConfig:
     """Paged: tokens the KV pool holds (SGLang's ``--max-total-tokens``); with
     ``mem_fraction_static`` it caps the size the memory allows. None: sized from memory, never
     more than ``num_slots * max_seq_len`` (every running request at full context)."""
+    attention_backend: str = "auto"
+    """Paged: the paged attention implementation (sglang-jax's ``--attention-backend``, see
+    ``models.paged_kernels``): ``native``, the XLA gather path (runs everywhere; the reference);
+    ``fa``, the maintained kernel (TPU ragged paged attention; Pallas GPU paged attention for
+    decode rows); ``auto``, ``fa`` where its constraints hold (TPU or GPU, bfloat16/float16,
+    head_dim and page size the kernel tiles, one device), else ``native``. An explicit ``fa``
+    that cannot run is an error at start."""
     mem_fraction_static: float | None = None
     """Paged: share of the device's memory that weights and the KV pool may take (SGLang's
     ``--mem-fraction-static``); None: 0.85 on a device that reports its memory. On a CPU (no
@@ -144,6 +151,11 @@ class EngineConfig:
         if self.kv_cache not in ("slots", "paged"):
             raise ValueError(f"kv_cache must be 'paged' or 'slots', got {self.kv_cache!r} (EngineConfig.kv_cache, "
                              f"areal-jax serve --kv-cache, or the environment's {KV_CACHE_ENV})")
+        from areal_jax.models.paged_kernels import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} (--attention-backend): choose one of "
+                             f"{list(ATTENTION_BACKENDS)}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

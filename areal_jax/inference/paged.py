@@ -62,6 +62,7 @@ from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_ste
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
 from areal_jax.inference.schedule import Request, Scheduler, kv_pool_tokens
 from areal_jax.models.decoder import K_PAGE_AXES, V_PAGE_AXES, Decoder, PagedKVCache, kv_head_replicas
+from areal_jax.models.paged_kernels import set_attention_backend
 from sharding import activate, logical_to_sharding
 
 __all__ = ["PagedEngine", "pool_tokens"]
@@ -141,6 +142,9 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                  mesh: Mesh | None = None, version: int = 0):
         self.pool_tokens = pool_tokens(cfg, model)
         self.allocator = PageAllocator(self.pool_tokens // cfg.page_size, cfg.page_size)
+        # before the engine splits the model: its compiled steps trace the backend it names
+        self.attention_backend = set_attention_backend(model, cfg.attention_backend, page_size=cfg.page_size,
+                                                       devices=1 if mesh is None else mesh.size)
         super().__init__(model, cfg, eos_token_ids=eos_token_ids, mesh=mesh, version=version)
         self.scheduler = self._new_scheduler()
         # the slot engine's names, so what wraps a step (a test's failing device) wraps these
@@ -176,7 +180,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         """The KV pool and limits under SGLang's /get_server_info names."""
         return {**super().server_info(), "max_total_num_tokens": self.allocator.max_total_tokens,
                 "page_size": self.cfg.page_size, "max_total_tokens": self.cfg.max_total_tokens,
-                "mem_fraction_static": self.cfg.mem_fraction_static, "kv_cache": "paged"}
+                "mem_fraction_static": self.cfg.mem_fraction_static, "kv_cache": "paged",
+                "attention_backend": self.attention_backend}
 
     # -- the pool --
 

@@ -166,3 +166,47 @@ def test_the_backend_choice_follows_the_hardware_and_explicit_choices_fail_loudl
         resolve_attention_backend("fa", dtype="bfloat16", backend="gpu", **{**shape, "page_size": 4})
     with pytest.raises(ValueError, match="choose one of"):
         resolve_attention_backend("flashinfer", dtype="bfloat16", backend="gpu", **shape)
+
+
+def test_the_paged_decoder_with_the_kernel_matches_the_xla_path() -> None:
+    """The tiny Qwen2 through ``decode_paged`` with ``fa`` (on this CPU: the GPU decode kernel in
+    interpret mode for decode rows, the XLA path for the prefill chunk) gives the ``native``
+    model's logits, over a prompt crossing a page boundary and decode steps after it."""
+    from areal_jax.inference.pages import PageAllocator, PageTable
+    from areal_jax.models import load_pretrained
+
+    model = load_pretrained(FIXTURES / "hf_qwen2")
+    rng = np.random.default_rng(3)
+    lens, steps = [6, 3], 3
+    ids = rng.integers(0, 96, (2, max(lens) + steps)).astype(np.int32)
+
+    def run(backend: str) -> list[np.ndarray]:
+        model.paged_attention_backend = backend
+        step = jax.jit(lambda m, *a: m.decode_paged(a[0], a[1], a[2], write_pages=a[3], write_offsets=a[4],
+                                                     work=PagedWork(*a[5])))
+        pool = PageAllocator(num_pages=8, page_size=SIZE)
+        cache = model.init_paged_cache(pool.num_pages, SIZE)
+        tables = [PageTable(pool) for _ in lens]
+        outs = []
+        for s in range(steps + 1):
+            width = max(lens) if s == 0 else 1
+            starts = [0, 0] if s == 0 else [n + s - 1 for n in lens]
+            tok, pos = np.zeros((2, width), np.int32), np.full((2, width), -1, np.int32)
+            wp, wo = np.zeros((2, width), np.int32), np.zeros((2, width), np.int32)
+            for i, (t, st) in enumerate(zip(tables, starts, strict=True)):
+                n = lens[i] if s == 0 else 1
+                t.reserve(st + n)
+                tok[i, :n], pos[i, :n] = ids[i, st:st + n], np.arange(st, st + n)
+                wp[i, :n], wo[i, :n] = t.write_slots(st, st + n)
+            ends = [st + (lens[i] if s == 0 else 1) for i, st in enumerate(starts)]
+            work = tuple(map(jnp.asarray, paged_work([t.pages for t in tables], ends, SIZE, size=8)))
+            logits, cache = step(model, *map(jnp.asarray, (tok, pos)), cache, jnp.asarray(wp), jnp.asarray(wo), work)
+            outs.append(np.asarray(logits)[np.asarray(pos) >= 0])
+        return outs
+
+    try:
+        native, fa = run("native"), run("fa")
+    finally:
+        model.paged_attention_backend = "native"
+    for s, (a, b) in enumerate(zip(native, fa, strict=True)):
+        np.testing.assert_allclose(b, a, atol=1e-4, err_msg=f"step {s}")

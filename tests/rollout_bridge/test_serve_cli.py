@@ -53,6 +53,19 @@ def test_queue_bound_and_random_seed_reach_the_engine(tiny_dir: Path) -> None:
     assert (engine.cfg.max_queued_requests, engine.seed) == (3, 7)
 
 
+def test_attention_backend_reaches_the_engine_and_an_impossible_choice_fails_at_start(tiny_dir: Path) -> None:
+    """--attention-backend (sglang-jax's values): auto runs the XLA path on a CPU and says so in
+    /get_server_info's fields; fa, which has no kernel on a CPU, fails at start naming the flag."""
+    from rollout_bridge.serve import build, parser
+
+    base = ["--model-path", str(tiny_dir), "--max-running-requests", "2", "--context-length", "64"]
+    engine = build(parser().parse_args(base))[1]
+    assert (engine.cfg.attention_backend, engine.server_info()["attention_backend"]) == ("auto", "native")
+    with pytest.raises(ValueError, match="--attention-backend fa: no paged attention kernel runs on 'cpu'; "
+                                         "use --attention-backend native"):
+        build(parser().parse_args([*base, "--attention-backend", "fa"]))
+
+
 def test_log_level_sets_what_the_server_logs(capsys: pytest.CaptureFixture[str]) -> None:
     """The level run_server sets up: warning drops the "serving ... on" line, debug adds our debug
     lines (a client that went away); jax's info chatter stays out at info."""
