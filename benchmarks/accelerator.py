@@ -14,7 +14,10 @@ shaped like a real one (``--model``: Qwen2.5-0.5B's shapes by default), so no do
   taken from the difference of a full run and a run of a quarter of the tokens (same compiled
   shapes), so prefill drops out. Its bound is the memory roofline: each decode step must read
   every weight once and each sequence's KV cache up to its length, so at bandwidth ``B`` it
-  makes at most ``concurrency * B / (weight_bytes + kv_bytes)`` tokens/s.
+  makes at most ``concurrency * B / (weight_bytes + kv_bytes)`` tokens/s. ``--attention-backend``
+  names one or more paged attention backends (``native``, the XLA gather path; ``fa``, the
+  maintained kernel; ``auto``): each concurrency runs every one in turn on the same weights, so
+  kernel and XLA figures come side by side from one process (each row says what ran).
 - **Train**: ``Trainer.train_batch`` (proximal recompute, loss, gradient, AdamW update; float32
   master weights, bfloat16 compute) on packed long-tailed batches, with the dense attention and
   with the fused one. Model FLOPs count useful work only (as in ``train_step.py``: ``6 N`` per
@@ -107,7 +110,8 @@ def attention_check(shape: dict[str, Any], rows: int, row_len: int) -> dict[str,
 
 
 def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_tokens: int, decode_steps: int,
-           rounds: int, bandwidth: float, unroll: int = 1) -> list[dict[str, Any]]:
+           rounds: int, bandwidth: float, unroll: int = 1,
+           backends: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
     cfg = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", decode_unroll=unroll,
                       fuse_projections=True)  # the serving layout (models.fused)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -115,12 +119,13 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k and v, bfloat16
     short = max(decode_steps, new_tokens // 4)
     rows = []
-    rng = np.random.default_rng(0)
-    for c in concurrency:
-        prompts = rng.integers(4, min(cfg.vocab_size, 1000), (c, prompt_len)).tolist()
+    for c, backend in ((c, b) for c in concurrency for b in backends):
+        prompts = np.random.default_rng(c).integers(4, min(cfg.vocab_size, 1000), (c, prompt_len)).tolist()
         max_len = prompt_len + new_tokens + decode_steps
         engine = Engine(model, EngineConfig(num_slots=c, max_seq_len=max_len, max_prefill_batch=min(c, 64),
-                                            decode_steps=decode_steps, lanes=1), eos_token_ids=[])
+                                            decode_steps=decode_steps, lanes=1, attention_backend=backend),
+                        eos_token_ids=[])
+        ran = getattr(engine, "attention_backend", "slots")  # the slot cache has no paged attention
         t0 = time.perf_counter()
         engine_run(engine, prompts, new_tokens)  # compiles every shape the timed runs meet
         engine_run(engine, prompts, short)
@@ -135,13 +140,14 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
         mean_ctx = prompt_len + (short + new_tokens) / 2
         step_bytes = weight_bytes + c * kv_per_token * mean_ctx
         roofline = c * bandwidth / step_bytes
-        rows.append({"concurrency": c, "decode_tokens_per_s": tokens_s,
+        rows.append({"concurrency": c, "attention_backend": backend, "ran": ran, "decode_tokens_per_s": tokens_s,
                      "end_to_end_tokens_per_s": c * new_tokens / min(full),
                      "ms_per_decode_step": 1e3 * decode_s / (new_tokens - short), "roofline_tokens_per_s": roofline,
                      "fraction_of_roofline": tokens_s / roofline, "bytes_per_step": step_bytes,
                      "warmup_s": warmup, "full_s": full, "short_s": part})
         r = rows[-1]
-        print(f"decode c={c:4d}: {tokens_s:10,.0f} tok/s ({r['ms_per_decode_step']:.2f} ms/step), roofline "
+        print(f"decode c={c:4d} {backend}->{ran}: {tokens_s:10,.0f} tok/s ({r['ms_per_decode_step']:.2f} ms/step), "
+              f"roofline "
               f"{roofline:10,.0f} -> {100 * r['fraction_of_roofline']:.1f}%; end to end "
               f"{r['end_to_end_tokens_per_s']:,.0f} tok/s; warm-up {warmup:.0f} s", flush=True)
         del engine
@@ -205,6 +211,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--decode-steps", type=int, default=16, help="tokens per compiled decode call")
+    ap.add_argument("--attention-backend", nargs="+", default=["auto"], choices=["auto", "native", "fa"],
+                    help="paged attention backends the decode part runs, side by side (e.g. native fa)")
     ap.add_argument("--decode-unroll", type=int, default=1, help="decoder layers per iteration of the decode scan")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--impls", nargs="+", default=["dense", "dot_product"], help="train attention implementations")
@@ -237,7 +245,8 @@ def main() -> None:
     steps = {
         "attention_check": lambda: attention_check(shape, rows=4, row_len=args.attention_len),
         "decode": lambda: decode(shape, args.concurrency, args.prompt_len, args.new_tokens, args.decode_steps,
-                                 args.rounds, c["copy_gb_per_s"] * 1e9, args.decode_unroll),
+                                 args.rounds, c["copy_gb_per_s"] * 1e9, args.decode_unroll,
+                                 tuple(args.attention_backend)),
         "train": lambda: [row for impl in args.impls for row in train(
             shape, [impl], args.groups, args.group_size, args.max_answer, args.budget, args.batches,
             c["bf16_matmul_tflops_per_s"] * 1e12, args.compile_warmup)],

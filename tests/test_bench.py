@@ -429,7 +429,7 @@ def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a
     root = Path(__file__).resolve().parents[1]
     args = ("--model small --matmul-n 256 --copy-mib 8 --attention-len 128 --concurrency 2 --new-tokens 64 "
             "--prompt-len 8 --decode-steps 4 --rounds 2 --groups 1 --group-size 4 --max-answer 64 --budget 512 "
-            "--batches 1").split()
+            "--batches 1 --attention-backend native auto").split()
     proc = subprocess.run([sys.executable, "benchmarks/accelerator.py", *args, "--out", str(out)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -440,7 +440,9 @@ def test_accelerator_benchmark_runs_every_part_and_its_attention_check_can_see_a
     # bfloat16 matches float32, which the check must see (else it could not catch a wrong kernel).
     assert a["dense_vs_dense_float32"]["max_abs"] > 1e-3
     assert a["dot_product_vs_dense"]["max_abs"] <= a["dense_vs_dense_float32"]["max_abs"]
-    [d] = r["decode"]
+    # Each concurrency runs every backend named, side by side; on a CPU auto is the XLA path.
+    assert [(d["attention_backend"], d["ran"]) for d in r["decode"]] == [("native", "native"), ("auto", "native")]
+    d = r["decode"][0]
     # Decode tokens/s is a difference of two timings; on a loaded 2-core machine one round's noise
     # can exceed it, so only its presence is asserted, and the end-to-end rate's sign.
     assert d["concurrency"] == 2 and d["end_to_end_tokens_per_s"] > 0 and d["roofline_tokens_per_s"] > 0

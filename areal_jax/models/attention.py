@@ -4,7 +4,8 @@ fused kernels, and the choice between them.
 The dense forms are the CPU path and the reference: ``attend_packed`` (and ``attend_packed_local``
 within a window) over packed training rows, ``attend_cached`` against the per-slot KV cache in
 decoding, ``attend_paged`` against a paged KV pool through a ragged work list (each row reads
-only its own pages; the XLA gather path paged kernels are held against).
+only its own pages; the XLA gather path the paged kernels of ``models.paged_kernels`` are held
+against).
 Given the block pairs a packed row needs (``data.packing.attention_block_pairs``, planned by the
 trainer), ``attend_packed_pairs`` computes the same attention on those blocks only. Where the
 backend has a fused kernel, ``ModelConfig.attention_impl`` selects it:

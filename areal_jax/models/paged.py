@@ -11,6 +11,10 @@ over stacked parameters as ``Decoder.decode``, carrying the pool.
 ``[rows, width]`` block of queries with its own work list (the paged engine's mixed step: a
 segment of decode rows one token wide, and a segment of prefill rows, a chunk each): projections and MLPs
 see the flat batch once, each segment attends through its own ragged list.
+
+A model's ``paged_attention_backend`` (set by the engine, ``paged_kernels.set_attention_backend``;
+``native`` when unset) picks what attends over the gathered pages: the XLA path or a maintained
+kernel (``models.paged_kernels``). The pool's layout is the same for both.
 """
 
 from __future__ import annotations
