@@ -47,14 +47,20 @@ def kernel_constraints(backend: str, *, dtype: str, head_dim: int, page_size: in
     if backend == "tpu":
         if head_dim % 128:
             return f"the TPU ragged paged attention kernel needs head_dim a multiple of 128, not {head_dim}"
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
-
+        try:
+            from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
+        except ImportError as e:
+            return f"jax.experimental.pallas.ops.tpu.ragged_paged_attention does not import here ({e})"
         try:  # the kernel's own check of how k and v heads tile together
             get_min_heads_per_blk(num_heads, 2 * num_kv_heads, jnp.dtype(dtype), jnp.dtype(dtype))
         except ValueError as e:
             return f"the TPU ragged paged attention kernel cannot tile {num_kv_heads} kv heads ({e})"
         return None
     if backend == "gpu":
+        try:
+            import jax.experimental.pallas.ops.gpu.paged_attention  # noqa: F401
+        except ImportError as e:
+            return f"jax.experimental.pallas.ops.gpu.paged_attention does not import here ({e})"
         # Triton's dot wants power-of-two tiles of at least 16 on each side.
         if head_dim < 16 or head_dim & (head_dim - 1):
             return f"the Pallas GPU paged attention kernel needs head_dim a power of two >= 16, not {head_dim}"

@@ -210,3 +210,18 @@ def test_the_paged_decoder_with_the_kernel_matches_the_xla_path() -> None:
         model.paged_attention_backend = "native"
     for s, (a, b) in enumerate(zip(native, fa, strict=True)):
         np.testing.assert_allclose(b, a, atol=1e-4, err_msg=f"step {s}")
+
+
+def test_the_kernel_runs_inside_the_engines_bucketed_work_list() -> None:
+    """``attend_work`` with a live count (the engine's fixed-length list, read through a
+    ``lax.switch`` over ``work_sizes``) gives the same decode output with ``fa`` as ``native``."""
+    from areal_jax.models.paged import attend_work, work_sizes
+
+    q, k_pages, v_pages, q_pos, _ = _case(1, "float32", d=16)
+    tables = [[1], [2], [3, 4], [5, 6, 7, 8], [], [5, 9]]
+    live = sum(-(-n // SIZE) for n in LENS)
+    work = PagedWork(*map(jnp.asarray, paged_work(tables, LENS, SIZE, size=64)), live=jnp.int32(live))
+    assert len(work_sizes(64)) > 1
+    outs = [jax.jit(lambda q, p, w, b=b: attend_work(q, k_pages[None], v_pages[None], jnp.int32(0), p, w,
+                                                     backend=b))(q, q_pos, work) for b in ("native", "fa")]
+    _assert_real_rows_equal(outs[1], outs[0], q_pos, _tolerance(v_pages))
