@@ -156,6 +156,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} (--attention-backend): choose one of "
                              f"{list(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "fa" and self.kv_cache != "paged":
+            raise ValueError("--attention-backend fa runs over the page pool, not kv_cache='slots' "
+                             "(--kv-cache slots); use --kv-cache paged, or --attention-backend auto")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

@@ -55,7 +55,8 @@ def test_queue_bound_and_random_seed_reach_the_engine(tiny_dir: Path) -> None:
 
 def test_attention_backend_reaches_the_engine_and_an_impossible_choice_fails_at_start(tiny_dir: Path) -> None:
     """--attention-backend (sglang-jax's values): auto runs the XLA path on a CPU and says so in
-    /get_server_info's fields; fa, which has no kernel on a CPU, fails at start naming the flag."""
+    /get_server_info's fields; fa, which has no kernel on a CPU (nor any over the slot cache),
+    fails at start naming the flag."""
     from rollout_bridge.serve import build, parser
 
     base = ["--model-path", str(tiny_dir), "--max-running-requests", "2", "--context-length", "64"]
@@ -64,6 +65,8 @@ def test_attention_backend_reaches_the_engine_and_an_impossible_choice_fails_at_
     with pytest.raises(ValueError, match="--attention-backend fa: no paged attention kernel runs on 'cpu'; "
                                          "use --attention-backend native"):
         build(parser().parse_args([*base, "--attention-backend", "fa"]))
+    with pytest.raises(ValueError, match="runs over the page pool, not kv_cache='slots'"):
+        build(parser().parse_args([*base, "--attention-backend", "fa", "--kv-cache", "slots"]))
 
 
 def test_log_level_sets_what_the_server_logs(capsys: pytest.CaptureFixture[str]) -> None:
