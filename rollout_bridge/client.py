@@ -8,7 +8,8 @@ that produced it. Control calls (pause, weight updates, continue, flush) fan out
 concurrently. Every call has a timeout; a generation that times out is aborted on its server
 before it is re-sent elsewhere, and a full server (503) is backed off, not marked down. A server
 error (another 5xx, or an abort with a 5xx status) is re-sent at most ``max_error_resends`` times
-with a doubling wait, and leaves the server in rotation.
+with a doubling wait, and leaves the server in rotation. An answer's state across its attempts,
+and the reading of replies, are ``rollout_bridge.answers``'.
 
 Versions: the client keeps its own record of which policy version each server holds, because it
 pushed them (``update_weights_from_disk``, ``push_tensor_bucket``, ``update_weight_version``). A
@@ -25,15 +26,24 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import logging
-import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from rollout_bridge import protocol as P
+from rollout_bridge.answers import (
+    IMMEDIATE_IDLE_RESENDS,
+    Answer,
+    GenerateResult,
+    abort_backoff_s,
+    first_of,
+    parse_reply,
+    replies,
+    retry_after,
+    rids_for,
+    sleep_or_wake,
+)
 from rollout_bridge.pool import ServerPool
 from rollout_bridge.records import (
     AllServersDownError,
@@ -45,26 +55,9 @@ from rollout_bridge.records import (
 )
 
 __all__ = ["AllServersDownError", "ClientConfig", "GenerateResult", "HttpRolloutClient", "RolloutClient",
-           "RolloutError", "WeightUpdateError", "abort_backoff_s"]
+           "RolloutError", "WeightUpdateError", "IMMEDIATE_IDLE_RESENDS", "abort_backoff_s"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerateResult:
-    """One finished answer. ``output_versions[i]`` is the policy version that sampled token i."""
-
-    rid: str
-    input_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    output_versions: list[int]
-    finish_reason: dict[str, Any]
-    text: str = ""
-    """The servers' text of every segment, joined (a character split across a re-send may show
-    as two replacement characters; ``output_ids`` are exact)."""
-    resends: int = 0
-    """How many times the request was re-sent (after an abort or a dead server)."""
 
 
 class RolloutClient(abc.ABC):
@@ -79,7 +72,7 @@ class RolloutClient(abc.ABC):
         """One answer to each prompt (a group: the same prompt n times); here one ``generate``
         each, concurrently. The HTTP client sends them as one batch request."""
         return list(await asyncio.gather(*(self.generate(p, sampling_params, rid=rid)
-                                           for p, rid in zip(prompts, _rids_for(prompts, rids), strict=True))))
+                                           for p, rid in zip(prompts, rids_for(prompts, rids), strict=True))))
 
     @abc.abstractmethod
     async def pause(self, mode: str = "abort") -> None: ...
@@ -106,7 +99,7 @@ class HttpRolloutClient(RolloutClient):
 
     def __init__(self, addresses: list[str], *, api_key: str | None = None, config: ClientConfig | None = None):
         self.pool = ServerPool(addresses, api_key=api_key, config=config)
-        self._answers: dict[str, _Answer] = {}
+        self._answers: dict[str, Answer] = {}
         """Answers being generated, by rid: what ``abort`` may stop."""
 
     def __getattr__(self, name: str) -> Any:
@@ -157,7 +150,7 @@ class HttpRolloutClient(RolloutClient):
         ``sampling_params`` uses SGLang's names (``max_new_tokens``, ``temperature``, ...).
         A 400 from a server is the caller's error and raises ``RolloutError`` without retrying.
         """
-        return (await self._answer([_Answer(input_ids, sampling_params, rid)], batch=False))[0]
+        return (await self._answer([Answer(input_ids, sampling_params, rid)], batch=False))[0]
 
     async def generate_many(self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *,
                             rids: list[str] | None = None) -> list[GenerateResult]:
@@ -167,10 +160,10 @@ class HttpRolloutClient(RolloutClient):
         off, each answer is its own request."""
         if not self.cfg.batch_requests or len(prompts) < 2:
             return await super().generate_many(prompts, sampling_params, rids=rids)
-        return await self._answer([_Answer(p, sampling_params, rid)
-                                   for p, rid in zip(prompts, _rids_for(prompts, rids), strict=True)], batch=True)
+        return await self._answer([Answer(p, sampling_params, rid)
+                                   for p, rid in zip(prompts, rids_for(prompts, rids), strict=True)], batch=True)
 
-    async def _answer(self, answers: list[_Answer], *, batch: bool) -> list[GenerateResult]:
+    async def _answer(self, answers: list[Answer], *, batch: bool) -> list[GenerateResult]:
         """Run ``answers`` to the end, all sent to one server in each attempt (one request in
         SGLang's batch form when ``batch``, else the single form for the one answer)."""
         key = answers[0].rid
@@ -193,7 +186,7 @@ class HttpRolloutClient(RolloutClient):
                 server = None
                 while live and server is None:
                     if not self.pool.continued.is_set():
-                        await _first_of(self.pool.continued, wake)
+                        await first_of(self.pool.continued, wake)
                     else:
                         server = await self.pool.pick(key)
                         if not self.pool.continued.is_set():
@@ -228,15 +221,15 @@ class HttpRolloutClient(RolloutClient):
                     server.inflight.difference_update(subs)
                 if status == 503:  # full queue: wait and re-send, the server is fine
                     busy += 1
-                    await _sleep(wake, _retry_after(headers, self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3)))
+                    await sleep_or_wake(wake, retry_after(headers, self.cfg.busy_backoff_s * 2 ** min(busy - 1, 3)))
                     self.pool.sticky.pop(key, None)
                     continue
                 busy = 0
                 if status == 400 or status == 401:
                     raise RolloutError(f"{server.url}/generate rejected request {key} ({status}): "
                                        f"{reply_message(body)}")
-                replies = _replies(body, subs) if status == 200 else None
-                if replies is None:
+                got = replies(body, subs) if status == 200 else None
+                if got is None:
                     what = (f"answered {status}: {reply_message(body)}" if status != 200 else
                             f"answered a batch of {len(subs)} with {reply_message(body)[:200]}")
                     errors = await self._after_error(key, server, errors, what, wake)
@@ -248,8 +241,8 @@ class HttpRolloutClient(RolloutClient):
                 # it would still be held.
                 settled = (clean and server.continues == continues and server.free_update <= epoch
                            and not kept)
-                for a, reply in zip(live, replies, strict=True):
-                    ids, lps, finish = _parse_reply(reply)
+                for a, reply in zip(live, got, strict=True):
+                    ids, lps, finish = parse_reply(reply)
                     versions = self._stamp(server, sent_version, reply.get("meta_info") or {}, len(ids),
                                            crossed=crossed and not settled, kept=kept)
                     if versions is None:  # which weights made them is unknown: make them again
@@ -275,7 +268,7 @@ class HttpRolloutClient(RolloutClient):
                 if failed is not None:
                     errors = await self._after_error(key, server, errors, failed, wake)
                 elif wait := abort_backoff_s(idle):
-                    await _sleep(wake, wait)
+                    await sleep_or_wake(wake, wait)
         finally:
             for a in answers:
                 self.pool.sticky.pop(a.rid, None)
@@ -284,7 +277,7 @@ class HttpRolloutClient(RolloutClient):
         return [a.result() for a in answers]
 
     @staticmethod
-    def _unfinished(answers: list[_Answer], wake: asyncio.Event) -> list[_Answer]:
+    def _unfinished(answers: list[Answer], wake: asyncio.Event) -> list[Answer]:
         """The answers still to generate; those the caller aborted are finished as aborted."""
         for a in answers:
             if not a.done and a.cancelled:
@@ -303,7 +296,7 @@ class HttpRolloutClient(RolloutClient):
         log.warning("request %s: %s/generate %s; re-sending (error %d of at most %d)", rid, server.url, what,
                     errors, self.cfg.max_error_resends + 1)
         self.pool.sticky.pop(rid, None)
-        await _sleep(wake, min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
+        await sleep_or_wake(wake, min(self.cfg.error_backoff_s * 2 ** (errors - 1), 30.0))
         return errors
 
     def _stamp(self, server: ServerRecord, sent_version: int, meta: dict[str, Any], n: int, *,
@@ -351,122 +344,3 @@ class HttpRolloutClient(RolloutClient):
         for s in self.servers:
             for sub in [r for r in s.inflight if r == rid or r.startswith(f"{rid}-r")]:
                 await self.pool.call_one(s, "/abort_request", {"rid": sub}, self.cfg.control_timeout_s)
-
-
-IMMEDIATE_IDLE_RESENDS = 2
-"""Aborts in a row that brought an answer no new token, re-sent at once before the client backs
-off. A pause aborts the requests still queued on the server as well as the running ones (SGLang's
-``abort`` mode does), and a controller submits new groups just when a weight update frees
-capacity, so an answer that comes back empty from one pause is routine, not a server in trouble."""
-
-
-def abort_backoff_s(idle: int) -> float:
-    """Seconds to wait before re-sending an answer whose last ``idle`` attempts were aborted with
-    no new token: none for the first ``IMMEDIATE_IDLE_RESENDS``, then 0.05 s, doubling up to 1 s,
-    so that a server that keeps aborting without progress is backed off, not hammered."""
-    if idle <= IMMEDIATE_IDLE_RESENDS:
-        return 0.0
-    return min(0.05 * 2 ** min(idle - IMMEDIATE_IDLE_RESENDS - 1, 5), 1.0)
-
-
-async def _first_of(*events: asyncio.Event) -> None:
-    """Wait until any of ``events`` is set."""
-    waits = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waits:
-            w.cancel()
-
-
-async def _sleep(wake: asyncio.Event, seconds: float) -> None:
-    """Wait ``seconds`` (a back-off), or less if ``abort`` stops an answer meanwhile."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(wake.wait(), seconds)
-
-
-def _rids_for(prompts: list[list[int]], rids: list[str] | None) -> list[str | None]:
-    """``rids``, checked to give one per prompt (None: each gets its own)."""
-    if rids is None:
-        return [None] * len(prompts)
-    if len(rids) != len(prompts):
-        raise ValueError(f"rids has {len(rids)} entries for {len(prompts)} prompts")
-    return list(rids)
-
-
-class _Answer:
-    """One answer being generated: its prompt, budget, the tokens so far and their versions."""
-
-    def __init__(self, input_ids: list[int], sampling_params: dict[str, Any] | None, rid: str | None):
-        self.sp = dict(sampling_params or {})
-        self.budget = int(self.sp.get("max_new_tokens", P.SamplingParams().max_new_tokens))
-        self.rid = rid or uuid.uuid4().hex
-        self.prompt = list(input_ids)
-        self.out: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.text = ""
-        self.finish: dict[str, Any] = {"type": "length", "length": self.budget}
-        self.attempt = self.idle = 0
-        self.done = self.cancelled = False
-        self.wake: asyncio.Event | None = None
-
-    def next_part(self) -> dict[str, Any]:
-        """The next attempt's request: prompt + tokens so far, with the budget left."""
-        sub = self.rid if self.attempt == 0 else f"{self.rid}-r{self.attempt}"
-        self.attempt += 1
-        return {"input_ids": self.prompt + self.out, "rid": sub, "return_logprob": True, "stream": False,
-                "sampling_params": {**self.sp, "max_new_tokens": self.budget - len(self.out)}}
-
-    def take(self, ids: list[int], lps: list[float], versions: list[int], text: str, finish: dict[str, Any]) -> None:
-        self.out += ids
-        self.logprobs += lps
-        self.versions += versions
-        self.text += text
-        self.finish = finish
-
-    def result(self) -> GenerateResult:
-        finish = self.finish
-        if finish.get("type") == "length" or (finish.get("type") == "abort" and len(self.out) >= self.budget):
-            finish = {"type": "length", "length": len(self.out)}
-        return GenerateResult(rid=self.rid, input_ids=self.prompt, output_ids=self.out,
-                              output_logprobs=self.logprobs, output_versions=self.versions, finish_reason=finish,
-                              text=self.text, resends=self.attempt - 1)
-
-
-def _replies(body: Any, subs: list[str]) -> list[dict[str, Any]] | None:
-    """The replies of one /generate, one per request sent (``subs``, their rids), in that order:
-    a dict for the single form, a list for the batch form (matched by ``meta_info.id`` when every
-    reply has one, else by position). None when the body is not that."""
-    if len(subs) == 1 and isinstance(body, dict):
-        return [body]
-    if not isinstance(body, list) or len(body) != len(subs) or not all(isinstance(r, dict) for r in body):
-        return None
-    by_id = {(r.get("meta_info") or {}).get("id"): r for r in body}
-    if set(by_id) == set(subs):
-        return [by_id[s] for s in subs]
-    return body
-
-
-def _retry_after(headers: dict[str, str], default: float) -> float:
-    try:
-        return min(max(float(headers.get("Retry-After", "")), 0.0), 60.0)
-    except ValueError:
-        return default
-
-
-def _parse_reply(body: dict[str, Any]) -> tuple[list[int], list[float], dict[str, Any]]:
-    """Tokens, logprobs and finish reason of one /generate reply."""
-    meta = body.get("meta_info") or {}
-    entries = meta.get("output_token_logprobs") or []
-    ids = body.get("output_ids")
-    if ids is None:  # old servers: token ids only inside the logprob entries
-        ids = [int(e[1]) for e in entries]
-    ids = [int(t) for t in ids]
-    lps = [float(e[0]) if e[0] is not None else float("nan") for e in entries]
-    if len(lps) != len(ids):
-        raise RolloutError(f"reply {meta.get('id')}: {len(ids)} output_ids but {len(lps)} logprobs")
-    finish = meta.get("finish_reason") or {"type": "abort", "message": "no finish_reason"}
-    if isinstance(finish, str):
-        finish = {"type": finish}
-    return ids, lps, finish

@@ -320,13 +320,13 @@ def test_a_group_aborted_while_queued_is_resent_at_once_then_backed_off(sgl: Any
     arrived: list[float] = []
     empty = IMMEDIATE_IDLE_RESENDS + 3
     waits: list[tuple[int, float]] = []
-    real_sleep = client_module._sleep
+    real_sleep = client_module.sleep_or_wake
 
     async def recorded(wake: asyncio.Event, seconds: float) -> None:
         waits.append((len(arrived), seconds))
         await real_sleep(wake, seconds)
 
-    monkeypatch.setattr(client_module, "_sleep", recorded)
+    monkeypatch.setattr(client_module, "sleep_or_wake", recorded)
 
     async def generate(request: web.Request) -> web.Response:
         arrived.append(time.monotonic())
