@@ -59,6 +59,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen2.5-1.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
                          tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6),
+    # Qwen2.5-7B's (7.6B parameters, untied embeddings, 4 KV heads).
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1e6),
     # A small one, for running the script on a CPU.
     "small": dict(model_type="qwen2", vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
