@@ -39,6 +39,11 @@ ATTENTION_BACKENDS = ("auto", "native", "fa")
 """Values of ``EngineConfig.attention_backend`` / ``areal-jax serve --attention-backend``."""
 
 _FAST_DTYPES = ("bfloat16", "float16")
+AUTO_TAKES_KERNELS = False
+"""Whether ``auto`` takes a kernel where it can run. Not yet: neither kernel has run on a GPU or
+TPU (the GPU kernel is tested in Pallas interpret mode, the TPU kernel's inputs through its
+module's reference), so a default that changes what a user's device computes waits for a device
+run that checks them against ``native`` and measures them; ``fa`` asks for them meanwhile."""
 
 
 def kernel_constraints(backend: str, *, dtype: str, head_dim: int, page_size: int, num_heads: int,
@@ -72,15 +77,16 @@ def kernel_constraints(backend: str, *, dtype: str, head_dim: int, page_size: in
 
 def resolve_attention_backend(choice: str, *, dtype: str, head_dim: int, page_size: int, num_heads: int,
                               num_kv_heads: int, backend: str | None = None) -> str:
-    """``native`` or ``fa``: what ``choice`` runs as on ``backend`` (default: JAX's). ``auto``
-    takes the kernel only for bfloat16/float16 compute (float32 keeps the reference numerics)."""
+    """``native`` or ``fa``: what ``choice`` runs as on ``backend`` (default: JAX's). ``auto`` is
+    ``native`` while ``AUTO_TAKES_KERNELS`` is off; with it on, the kernel where it can run and
+    compute is bfloat16/float16 (float32 keeps the reference numerics)."""
     if choice not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {choice!r}: choose one of {list(ATTENTION_BACKENDS)}")
     backend = backend or jax.default_backend()
     why = kernel_constraints(backend, dtype=dtype, head_dim=head_dim, page_size=page_size, num_heads=num_heads,
                              num_kv_heads=num_kv_heads)
     if choice == "auto":
-        return "fa" if why is None and dtype in _FAST_DTYPES else "native"
+        return "fa" if AUTO_TAKES_KERNELS and why is None and dtype in _FAST_DTYPES else "native"
     if choice == "fa" and why is not None:
         raise ValueError(f"--attention-backend fa: {why}; use --attention-backend native (or auto)")
     return choice

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from areal_jax.inference.pages import paged_work
+from areal_jax.models import paged_kernels
 from areal_jax.models.attention import PagedWork, attend_ragged
 from areal_jax.models.paged_kernels import (
     attend_paged_gpu,
@@ -152,8 +153,13 @@ def test_a_wrong_layout_or_page_table_fails_the_comparison() -> None:
         assert np.abs(np.asarray(got)[real] - want[real]).max() > 100 * _tolerance(values)
 
 
-def test_the_backend_choice_follows_the_hardware_and_explicit_choices_fail_loudly() -> None:
+def test_the_backend_choice_follows_the_hardware_and_explicit_choices_fail_loudly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     shape = dict(head_dim=128, page_size=16, num_heads=8, num_kv_heads=2)
+    # Until a device run has checked the kernels, auto runs the XLA path everywhere.
+    for hw in ("cpu", "gpu", "tpu"):
+        assert resolve_attention_backend("auto", dtype="bfloat16", backend=hw, **shape) == "native"
+    monkeypatch.setattr(paged_kernels, "AUTO_TAKES_KERNELS", True)
     assert resolve_attention_backend("auto", dtype="bfloat16", backend="cpu", **shape) == "native"
     assert resolve_attention_backend("auto", dtype="bfloat16", backend="gpu", **shape) == "fa"
     assert resolve_attention_backend("auto", dtype="bfloat16", backend="tpu", **shape) == "fa"
