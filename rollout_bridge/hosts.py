@@ -68,8 +68,14 @@ class EngineHost:
         self._loop = asyncio.get_running_loop()
         self._runner, bound = await start_server(self.app, host, port)
         self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
-        log.info("process %d: serving its engine on %s", self.process, self.url)
+        log.info("process %d: serving its engine (weights on devices %s) on %s", self.process, self.devices(), self.url)
         return self.url
+
+    def devices(self) -> list[int]:
+        """The ids of the devices the engine's weights are on (this host's engine share)."""
+        import jax
+
+        return sorted({d.id for x in jax.tree.leaves(self.engine._state) for d in x.devices()})
 
     async def stop(self) -> None:
         """Stop serving and stop the engine; logs the tokens it sampled under each label."""
