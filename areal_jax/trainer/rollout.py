@@ -49,8 +49,9 @@ def _processes() -> int:
 def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
     """``Trainer`` arguments that plan an in-process engine beside the step: with ``backend:
     local`` and placement ``shared`` the engine's ``EngineConfig`` (from ``rollout.server_args``,
-    as ``build_engine`` reads them, on its mesh: the trainer's, or this host's on several) and
-    ``--dtype``; else none."""
+    as ``build_engine`` reads them), ``--dtype`` and mesh (the trainer's, or this host's on
+    several processes, where the engine's projections are fused: ``start_engine_host``); else
+    none."""
     rollout = cfg.rollout
     if rollout.backend != "local" or rollout.local.placement != "shared":
         return {}
@@ -62,7 +63,7 @@ def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
     ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     engine = engine_config(args, args.context_length or EngineConfig.max_seq_len, data_parallel=ways > 1,
                            seed=cfg.seed)
-    return {"engine": engine, "engine_dtype": args.dtype}
+    return {"engine": engine, "engine_dtype": args.dtype, "engine_mesh": mesh, "engine_fused": _processes() > 1}
 
 
 def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:
