@@ -1,7 +1,8 @@
 """One host's engine in a multi-process run with ``rollout.backend: local`` (a TPU pod slice, a
-GPU cluster): ``EngineHost`` serves an ``Engine`` on this process's own chips through the
-embedded server's app (``server.build_app``, what ``areal-jax serve`` runs) on this process's
-event loop, beside the process's other work, and takes new weights staged in this process.
+GPU cluster): ``EngineHost`` serves an ``Engine`` on this process's own chips (all of them with
+the shared placement, its engine share with split) through the embedded server's app
+(``server.build_app``, what ``areal-jax serve`` runs) on this process's event loop, beside the
+process's other work, and takes new weights staged in this process.
 
 Why every host, process 0's included, serves over HTTP: process 0 then routes over all the
 engines with the one ``HttpRolloutClient`` that already routes, fails over and stamps every token

@@ -63,7 +63,8 @@ def initialize_distributed(cfg: DistributedConfig) -> bool:
 def gather_to_host(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
     """The full value of a (possibly multi-host sharded) array on this process. Across
     processes the all-gather is collective, so every process calls this for every array; one
-    that passes ``fetch=False`` takes part without copying the result to its host (None)."""
+    that passes ``fetch=False`` takes part without copying the result to its host (None), and
+    returns once its part is done."""
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x)) if fetch else None
     if not isinstance(x.sharding, NamedSharding):
@@ -72,7 +73,12 @@ def gather_to_host(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
         full_host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return full_host if fetch else None
     full = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
-    return np.asarray(full.addressable_data(0)) if fetch else None
+    if not fetch:
+        # Finished before the caller's next collective (a barrier, a broadcast over every device),
+        # which may share its communicator group with this one (see ``put_from_host``).
+        full.block_until_ready()
+        return None
+    return np.asarray(full.addressable_data(0))
 
 
 def put_from_host(tree: Any, sharding: NamedSharding) -> Any:
