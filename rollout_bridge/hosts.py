@@ -1,7 +1,8 @@
 """One host's engine in a multi-process run with ``rollout.backend: local`` (a TPU pod slice, a
-GPU cluster): ``EngineHost`` serves an ``Engine`` on this process's own chips through the
-embedded server's app (``server.build_app``, what ``areal-jax serve`` runs) on this process's
-event loop, beside the process's other work, and takes new weights staged in this process.
+GPU cluster): ``EngineHost`` serves an ``Engine`` on this process's own chips (all of them with
+the shared placement, its engine share with split) through the embedded server's app
+(``server.build_app``, what ``areal-jax serve`` runs) on this process's event loop, beside the
+process's other work, and takes new weights staged in this process.
 
 Why every host, process 0's included, serves over HTTP: process 0 then routes over all the
 engines with the one ``HttpRolloutClient`` that already routes, fails over and stamps every token
@@ -68,8 +69,14 @@ class EngineHost:
         self._loop = asyncio.get_running_loop()
         self._runner, bound = await start_server(self.app, host, port)
         self.url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
-        log.info("process %d: serving its engine on %s", self.process, self.url)
+        log.info("process %d: serving its engine (weights on devices %s) on %s", self.process, self.devices(), self.url)
         return self.url
+
+    def devices(self) -> list[int]:
+        """The ids of the devices the engine's weights are on (this host's engine share)."""
+        import jax
+
+        return sorted({d.id for x in jax.tree.leaves(self.engine._state) for d in x.devices()})
 
     async def stop(self) -> None:
         """Stop serving and stop the engine; logs the tokens it sampled under each label."""

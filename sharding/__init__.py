@@ -5,7 +5,7 @@ mesh axes ("data", "fsdp", "tensor") through one table, so that changing a run's
 a config edit.
 """
 
-from sharding.distributed import DistributedConfig, gather_to_host, initialize_distributed
+from sharding.distributed import DistributedConfig, gather_to_host, initialize_distributed, put_from_host
 from sharding.mesh import MESH_AXES, MeshConfig, make_mesh
 from sharding.rules import (
     DEFAULT_RULES,
@@ -30,5 +30,6 @@ __all__ = [
     "logical_to_sharding",
     "logical_to_spec",
     "make_mesh",
+    "put_from_host",
     "shardings_of",
 ]

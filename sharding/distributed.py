@@ -1,9 +1,11 @@
 """Multi-host start: ``jax.distributed.initialize`` from config (TPU pods, GPU clusters, or several
-CPU processes on one machine for tests), and reading an array sharded over processes back whole."""
+CPU processes on one machine for tests), reading an array sharded over processes back whole, and
+putting a host value every process holds onto a sharding over several processes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -61,7 +63,8 @@ def initialize_distributed(cfg: DistributedConfig) -> bool:
 def gather_to_host(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
     """The full value of a (possibly multi-host sharded) array on this process. Across
     processes the all-gather is collective, so every process calls this for every array; one
-    that passes ``fetch=False`` takes part without copying the result to its host (None)."""
+    that passes ``fetch=False`` takes part without copying the result to its host (None), and
+    returns once its part is done."""
     if x.is_fully_addressable:
         return np.asarray(jax.device_get(x)) if fetch else None
     if not isinstance(x.sharding, NamedSharding):
@@ -70,4 +73,30 @@ def gather_to_host(x: jax.Array, fetch: bool = True) -> np.ndarray | None:
         full_host = np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return full_host if fetch else None
     full = jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
-    return np.asarray(full.addressable_data(0)) if fetch else None
+    if not fetch:
+        # Finished before the caller's next collective (a barrier, a broadcast over every device),
+        # which may share its communicator group with this one (see ``put_from_host``).
+        full.block_until_ready()
+        return None
+    return np.asarray(full.addressable_data(0))
+
+
+def put_from_host(tree: Any, sharding: NamedSharding) -> Any:
+    """``tree``'s host values (NumPy arrays or scalars, the same on every process: a step counter,
+    a batch's scalars) on ``sharding``, each process writing only its own devices' shards.
+
+    Not ``jax.device_put``: onto a sharding over several processes it first checks that every
+    process passed the same value, with an all-gather over every device of the run
+    (``multihost_utils.assert_equal``). When the sharding's mesh is part of the devices (the
+    trainer beside an engine, ``rollout.local.placement: split``), that all-gather shares a
+    communicator group with the trainer's own collectives while the trainer's last step may
+    still run; on XLA:CPU (gloo) the two programs then reached the group in different orders on
+    two processes ("collective mismatch"). Here no collective runs at all."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def put(x: Any) -> jax.Array:
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(put, tree)

@@ -19,7 +19,8 @@ class LocalRolloutConfig:
     engine the trainer's params, with no copy where dtypes and layouts match. ``split``: the last
     ``engine_devices`` of this process's devices generate while the others train (``mesh`` then
     applies to the trainer's devices); a weight update reshards device to device. With several
-    processes: ``shared`` only, the engine on each host's own devices."""
+    processes either works, each host's engine on that host's own devices (``split``: its
+    engine share; the trainer's mesh spans every host's trainer share)."""
     engine_devices: int | None = None
     """With ``split``: how many devices generate; None: half of them. It and the number left to
     train must divide one another (the handover copies whole shards between the two groups)."""

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from areal_jax.models.config import remat_policy
 from areal_jax.trainer.config import TrainConfig
-from sharding import activate, logical_to_sharding, shardings_of
+from sharding import activate, logical_to_sharding, put_from_host, shardings_of
 from sharding.rules import Rules
 
 LossFn = Callable[[nnx.Module, dict, dict], tuple[jax.Array, dict]]
@@ -277,7 +277,7 @@ class Learner:
 
     def grad(self, acc: nnx.State, batch: dict[str, Any], scalars: dict[str, Any]) -> tuple[nnx.State, dict]:
         """``acc`` (donated) plus this micro-batch's gradient, and its statistics (device arrays)."""
-        scalars = jax.device_put(scalars, self.replicated)  # explicitly: the batch itself is already there
+        scalars = put_from_host(scalars, self.replicated)  # explicitly: the batch itself is already there
         with activate(self.mesh, self.rules):
             return self.grad_fn(self.params, acc, batch, scalars)
 
@@ -295,7 +295,7 @@ class Learner:
             fn = self._apply_compiled.result()  # compiled ahead (``compile_update``); else it compiles here
         if self._lent:
             fn = self._apply_keep_fn if self._keep_compiled is None else self._keep_compiled.result()
-        position = jax.device_put(np.int32(self.step if step is None else step), self.replicated)
+        position = put_from_host(np.int32(self.step if step is None else step), self.replicated)
         with activate(self.mesh, self.rules):
             self.params, self.opt_state, out = fn(self.params, self.opt_state, grads, position)
         self._lent = False  # the new params are the learner's alone

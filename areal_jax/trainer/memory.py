@@ -16,7 +16,10 @@ and kept. When nothing fits, the error names the knobs. With no capacity known (
 
 An in-process engine on the trainer's own devices (``rollout.backend: local``, placement
 ``shared``) sits beside the step for the whole run: its KV cache and its copy of the weights
-(``EngineMemory``) are added to every policy's peak. The paged engine's pool is
+(``EngineMemory``) are added to every policy's peak, both counted at the engine's own sharding
+(its mesh, its tensor split): on several processes each host's engine is sharded over that
+host's devices only, so a device holds a larger share of the engine's weights than of the
+trainer's, whose mesh spans every host. The paged engine's pool is
 ``--max-total-tokens`` tokens, or, sized from memory, what ``--mem-fraction-static`` of the device
 leaves after what is already on it (the trainer's state, the engine's weights): the engine is
 built after the trainer, so that share is taken from the room the step's scratch needs.
@@ -120,11 +123,12 @@ class EngineMemory:
     """Tokens of KV cache one device holds: slots x context over the data-parallel ways, or the
     pool's ``--max-total-tokens``; with ``fraction``, the most the pool may hold."""
     weight_bytes: int
-    """The engine's weights on one device, counted beside every peak. A ``--dtype`` other than
-    the trainer's float32 is a cast copy, always there. A float32 engine serves the trainer's
-    own arrays, lent (``Learner.lend``): the optimizer step cannot write over them, so the
-    new params are a second copy at its peak (exact there; at the gradient step, where the engine
-    and the trainer hold the same arrays, an over-count by one copy)."""
+    """The engine's weights on one device, at the engine's own sharding (``engine_weight_bytes``),
+    counted beside every peak. A ``--dtype`` other than the trainer's float32 is a cast copy,
+    always there. A float32 engine on the trainer's mesh serves the trainer's own arrays, lent
+    (``Learner.lend``): the optimizer step cannot write over them, so the new params are a
+    second copy at its peak (exact there; at the gradient step, where the engine and the trainer
+    hold the same arrays, an over-count by one copy)."""
     fraction: float | None = None
     """Paged, sized from memory: weights and pool take this share of ``device_bytes``."""
     device_bytes: int | None = None
@@ -155,24 +159,24 @@ class EngineMemory:
         return "rollout.server_args --max-total-tokens or --mem-fraction-static (the page pool)"
 
 
-def engine_memory(model: Any, engine: Any, mesh: Any, weight_elements: int, *, dtype: Any = None,
-                  device_limit: int | None = None) -> EngineMemory:
+def engine_memory(model: Any, engine: Any, mesh: Any, *, dtype: Any = None, device_limit: int | None = None,
+                  fused: bool = False) -> EngineMemory:
     """What an engine of ``EngineConfig`` ``engine`` serving ``model`` (a ``ModelConfig``, or a
-    model) takes on each device of ``mesh`` (the trainer's, which a shared engine runs on): slots
-    split over data x fsdp, KV heads over tensor (replicated where it is wider than their count,
-    ``kv_head_replicas``), ``weight_elements`` parameters on the device (sharded like the
-    trainer's). ``dtype``: the engine's ``--dtype`` (default the checkpoint's); ``device_limit``: the device's
-    size in bytes, which
-    ``--mem-fraction-static`` is a share of (the paged pool is sized from it when no
-    ``--max-total-tokens`` alone is given; without it the fraction cannot be planned)."""
+    model) takes on each device of ``mesh``, the engine's own (the trainer's, which a shared
+    engine runs on in one process; a host's devices on several): slots split over data x fsdp,
+    KV heads over tensor (replicated where it is wider than their count, ``kv_head_replicas``),
+    its weights as that mesh shards them (``engine_weight_bytes``; ``fused``: q/k/v and gate/up
+    fused, as a pod's engines load them). ``dtype``: the engine's ``--dtype`` (default the
+    checkpoint's); ``device_limit``: the device's size in bytes, which ``--mem-fraction-static``
+    is a share of (the paged pool is sized from it when no ``--max-total-tokens`` alone is
+    given; without it the fraction cannot be planned)."""
     cfg = getattr(model, "config", model)
-    weight_dtype = np.dtype(dtype if dtype is not None else cfg.param_dtype)
+    weight_bytes = engine_weight_bytes(cfg, mesh, dtype, fused=fused)
     tensor = int(mesh.shape.get("tensor", 1))
     ways = int(mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1))
     heads = max(-(-cfg.num_key_value_heads // tensor), 1)
     cache_dtype = np.dtype(engine.cache_dtype or dtype or cfg.jnp_dtype)
     token_bytes = 2 * cfg.num_hidden_layers * heads * cfg.head_dim * cache_dtype.itemsize
-    weight_bytes = weight_elements * weight_dtype.itemsize
     most = -(-engine.num_slots * engine.max_seq_len // ways)
     if engine.kv_cache == "slots":
         return EngineMemory("slots", token_bytes, most, weight_bytes)
@@ -186,6 +190,27 @@ def engine_memory(model: Any, engine: Any, mesh: Any, weight_elements: int, *, d
         return EngineMemory("paged", token_bytes, 0, weight_bytes)
     return EngineMemory("paged", token_bytes, most, weight_bytes,
                         engine.mem_fraction_static or DEFAULT_DEVICE_FRACTION, device_limit)
+
+
+def engine_weight_bytes(cfg: Any, mesh: Any, dtype: Any = None, *, fused: bool = False) -> int:
+    """Bytes of an engine's weights (``cfg``: a ``ModelConfig``) on the device of ``mesh`` that
+    holds the most, in ``dtype`` (default the checkpoint's), sharded as the engine loads them
+    there: the model built abstractly on ``mesh`` (``nnx.eval_shape``: nothing allocated) under
+    the default logical rules, ``fused`` or not (a fused q/k/v kernel is laid out for the
+    tensor split, so where that is wider than the KV heads it holds fewer copies of them)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from areal_jax.models import Decoder
+
+    if cfg.fuse_projections != fused:
+        cfg = dataclasses.replace(cfg, fuse_projections=fused)
+    with activate(mesh):
+        model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    itemsize = np.dtype(dtype if dtype is not None else cfg.param_dtype).itemsize
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param))) \
+        * itemsize
 
 
 def device_bytes(tree: Any) -> int:

@@ -19,9 +19,9 @@ from areal_jax.trainer.run_config import RunConfig
 
 def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
     """``(trainer devices, engine devices)`` of ``backend: local``: all of this process's
-    devices for both (``shared``), or disjoint groups (``split``, one process only). With several
-    processes the engine's are this host's and the trainer's are every host's (its mesh spans the
-    run)."""
+    devices for both (``shared``), or disjoint groups (``split``). With several processes the
+    engine's are this host's (split: this host's engine share) and the trainer's are every
+    host's (shared: all of them; split: each host's trainer share), so its mesh spans the run."""
     import jax
 
     from rollout_bridge.local import split_devices
@@ -31,17 +31,6 @@ def local_devices(cfg: RunConfig) -> tuple[list[Any], list[Any]]:
             return split_devices(devices, cfg.rollout.local.engine_devices)
         return devices, devices
 
-    if jax.process_count() > 1 and cfg.rollout.local.placement == "split":
-        from areal_jax.config import ConfigError
-
-        # Tried on two CPU processes of two devices, one training and one generating on each: the
-        # first train step's cross-process collectives failed (gloo: "collective mismatch"), in
-        # sync mode too, where the engine is idle during the step. A trainer mesh over part of
-        # each process's devices, on the CPU's gloo collectives, is the suspect; not yet told
-        # apart, so refused rather than left to fail mid-run.
-        raise ConfigError(f"rollout.local.placement=split is not supported with several processes (this run has "
-                          f"{jax.process_count()}): use rollout.local.placement=shared, which puts an engine on "
-                          "every host's devices, or rollout.backend=embedded / servers (BUILD.md, 'A TPU pod')")
     trainer, engine = split(jax.local_devices())
     if jax.process_count() > 1:
         hosts: dict[int, list[Any]] = {}
@@ -60,8 +49,9 @@ def _processes() -> int:
 def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
     """``Trainer`` arguments that plan an in-process engine beside the step: with ``backend:
     local`` and placement ``shared`` the engine's ``EngineConfig`` (from ``rollout.server_args``,
-    as ``build_engine`` reads them, on its mesh: the trainer's, or this host's on several) and
-    ``--dtype``; else none."""
+    as ``build_engine`` reads them), ``--dtype`` and mesh (the trainer's, or this host's on
+    several processes, where the engine's projections are fused: ``start_engine_host``); else
+    none."""
     rollout = cfg.rollout
     if rollout.backend != "local" or rollout.local.placement != "shared":
         return {}
@@ -73,7 +63,7 @@ def engine_beside_trainer(cfg: RunConfig, trainer_mesh: Any) -> dict[str, Any]:
     ways = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     engine = engine_config(args, args.context_length or EngineConfig.max_seq_len, data_parallel=ways > 1,
                            seed=cfg.seed)
-    return {"engine": engine, "engine_dtype": args.dtype}
+    return {"engine": engine, "engine_dtype": args.dtype, "engine_mesh": mesh, "engine_fused": _processes() > 1}
 
 
 def _local_engine_mesh(cfg: RunConfig, trainer_mesh: Any) -> Any:

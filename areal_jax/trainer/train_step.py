@@ -21,7 +21,6 @@ devices hold (see ``trainer/prepare.py``) and reads back replicated statistics.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -107,6 +106,8 @@ class Trainer:
         critic: Critic | None = None,
         engine: Any = None,
         engine_dtype: Any = None,
+        engine_mesh: Mesh | None = None,
+        engine_fused: bool = False,
     ) -> None:
         # ``micro_batch_tokens: auto`` becomes this backend's number here, as the trainer starts.
         self.algo, self.train = algo, (train or TrainConfig()).resolved()
@@ -143,9 +144,11 @@ class Trainer:
                 rules=rules, loss=partial(micro_batch_value_loss, algo=algo, **attention),
                 forward=partial(token_values, **attention))
         # An in-process engine on these devices (``rollout.backend: local``, shared placement):
-        # its ``EngineConfig`` and dtype, planned beside the step.
-        self.memory: MemoryPlan | None = self._plan_memory(make_critic, kl=algo.uses_reference,
-                                                           engine=engine, engine_dtype=engine_dtype)
+        # its ``EngineConfig``, dtype and mesh (this mesh, or on several processes its host's
+        # part; ``engine_fused``: its projections fused), planned beside the step.
+        self.memory: MemoryPlan | None = self._plan_memory(
+            make_critic, kl=algo.uses_reference, engine=engine, engine_dtype=engine_dtype,
+            engine_mesh=engine_mesh, engine_fused=engine_fused)
         """The memory plan (None where no device memory is known and nothing was planned)."""
         if not self.abstract:
             self.policy = make_policy(remat=self.policy.remat)
@@ -160,8 +163,8 @@ class Trainer:
         self._ahead: Future | None = None
         """``compile_first_step`` while it runs; the next ``train_batch`` waits for it."""
 
-    def _plan_memory(self, make_critic: Any, kl: bool, engine: Any = None,
-                     engine_dtype: Any = None) -> MemoryPlan | None:
+    def _plan_memory(self, make_critic: Any, kl: bool, engine: Any = None, engine_dtype: Any = None,
+                     engine_mesh: Mesh | None = None, engine_fused: bool = False) -> MemoryPlan | None:
         """Choose the policy's remat by the memory plan (``trainer/memory.py``), with ``engine``
         (an ``EngineConfig``) beside it, or keep ``train.remat`` (``none`` for ``auto``) where no
         device memory is known."""
@@ -172,9 +175,9 @@ class Trainer:
             return None
         beside = None
         if engine is not None:
-            elements = sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(self.policy.params))
-            beside = engine_memory(self.model_config, engine, self.mesh, elements, dtype=engine_dtype,
-                                   device_limit=device_limit(t.device_memory_gb, devices))
+            beside = engine_memory(self.model_config, engine, engine_mesh if engine_mesh is not None else self.mesh,
+                                   dtype=engine_dtype, device_limit=device_limit(t.device_memory_gb, devices),
+                                   fused=engine_fused)
         resident = device_bytes(self.policy.copy_params()) if kl else 0
         if make_critic is not None:  # its step runs apart, and needs less than the policy's (no logits)
             critic = make_critic(abstract=True)

@@ -13,9 +13,20 @@ from areal_jax.data.trajectory import Trajectory
 from areal_jax.trainer import TrainConfig, Trainer
 from areal_jax.trainer.multihost import StepHub
 from areal_jax.trainer.prepare import POLICY_KEYS, fetch
-from sharding import MeshConfig
+from sharding import MeshConfig, make_mesh
 
 MESH = MeshConfig(data=1, fsdp=2, tensor=2)
+SPLIT = MeshConfig(data=1, fsdp=2, tensor=1)
+"""The trainer's mesh beside an engine (``rollout.local.placement: split``): fsdp over one device
+of each process."""
+
+
+def split_mesh(devices: list[jax.Device] | None = None) -> Mesh:
+    """``SPLIT`` over ``devices``; by default each process's first device, as the split placement
+    leaves the trainer (``trainer.rollout.local_devices``), the others being the engine's."""
+    if devices is None:
+        devices = [next(d for d in jax.devices() if d.process_index == p) for p in range(jax.process_count())]
+    return make_mesh(SPLIT, devices=devices)
 
 
 def run(mesh: Mesh, estimator: str = "grpo") -> dict[str, np.ndarray]:

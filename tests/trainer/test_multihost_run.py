@@ -181,33 +181,43 @@ def test_two_process_run_on_gs_pushes_overlapped_is_killed_and_resumes(tmp_path:
 def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_path: Path) -> None:
     """Every trajectory is longer than train.max_seq_len, so the first train step raises on both
     processes: both exit (non-zero) instead of one waiting for the other, and process 0 names
-    the error."""
-    codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "train.max_seq_len=8"],
+    the error. The batch comes from an engine on each host sharing its devices with the trainer
+    (``rollout.backend: local``, shared placement): each process stops its engine on the way out."""
+    codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "train.max_seq_len=8", "rollout.backend=local"],
                            timeout=240)
     assert codes[0] != 0 and codes[1] != 0, logs
+    assert "rollout: an engine on each of 2 hosts (shared placement" in logs[0]
     assert "more than TrainConfig.max_seq_len=8" in logs[0]
     assert "process 0 ended the run" in logs[1] and "train failed" in logs[1]
+    assert all(f"process {i}: its engine sampled" in log for i, log in enumerate(logs))
 
 
 @pytest.mark.slow
 def test_the_in_process_engine_runs_on_every_host_and_each_serves_every_pushed_version(tmp_path: Path) -> None:
-    """``rollout.backend: local`` on two processes: each builds an engine on its own two devices
-    and serves it over HTTP, process 0 routes over both, and every push is staged by each
-    process from its own gathers and committed on both engines as one version. Asynchronous with
+    """``rollout.backend: local``, placement ``split``, on two processes: the trainer's mesh is
+    one device of each process, and each process builds an engine on its other device and
+    serves it over HTTP; process 0 routes over both, and every push is staged by each process
+    from its own gathers and committed on both engines as one version. Asynchronous with
     ``max_staleness`` 0, so a trained token was sampled by the version that trains on it: its
     behaviour logprob must equal the trainer's recompute up to float32 rounding. The reward (the
-    answer's length) differs within a group, so the weights move: with one host's staging
-    switched off (its engine serving the old weights under the new label) the importance weight
-    reached 1.40 at step 2, against 1 + 5e-7 here. Each engine sampled tokens under the starting
-    weights and under both pushed versions (the last through the final evaluation)."""
+    answer's length) differs within a group, so the weights move: with process 1's engine
+    swapping in its old weights under the new label at each commit, the importance weight
+    reached 1.40 at step 2, against 1 + 5e-7 here (the same figures as with the shared
+    placement). Each engine sampled tokens under the starting weights and under both pushed
+    versions (the last through the final evaluation)."""
     import ast
 
     codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "rollout.backend=local",
-                                      "rollout.max_staleness=0", "train.lr=0.01",
+                                      "rollout.local.placement=split", "rollout.max_staleness=0", "train.lr=0.01",
                                       "reward.name=tests.rewards.fns:echo"], timeout=300)
     assert codes == [0, 0], "\n---\n".join(logs)[-6000:]
-    assert "rollout: an engine on each of 2 hosts (shared placement" in logs[0]
+    assert "rollout: an engine on each of 2 hosts (split placement" in logs[0]
     assert "staged by each of 2 processes into its own host's engine" in logs[0]
+    # Each engine's weights on its host's second device (the first is the trainer's): process 0's
+    # is global device 1, process 1's one of its own.
+    engines = [json.loads(re.search(rf"process {i}: serving its engine \(weights on devices (\[.*?\])", log).group(1))
+               for i, log in enumerate(logs)]
+    assert engines[0] == [1] and len(engines[1]) == 1 and engines[1][0] > 1, engines
     lines = _metrics(tmp_path / "run")
     assert [m["version"] for m in lines] == [1, 2]
     assert lines[-1]["served_versions"] == ["2", "2"]
@@ -218,18 +228,3 @@ def test_the_in_process_engine_runs_on_every_host_and_each_serves_every_pushed_v
         assert all(sampled.get(label, 0) > 0 for label in ("default", "1", "2")), (i, sampled)
         assert "serving weights '2' (update 2; held weights swapped" in log
 
-
-def test_the_split_placement_on_several_processes_is_refused_naming_what_works(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``rollout.local.placement: split`` over several processes is not supported yet (see
-    ``trainer/rollout.py``): it stops before any model, naming the placement and backends that work."""
-    import jax
-
-    from areal_jax.config import ConfigError
-    from areal_jax.trainer.rollout import local_devices
-    from areal_jax.trainer.run_config import load_run_config
-
-    cfg = load_run_config(DEMO, ["rollout.backend=local", "rollout.local.placement=split"])
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    with pytest.raises(ConfigError, match="placement=split is not supported with several processes.*"
-                                          "use rollout.local.placement=shared"):
-        local_devices(cfg)
