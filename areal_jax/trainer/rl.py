@@ -39,7 +39,7 @@ import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
-from areal_jax.trainer.model_dirs import base_dir, prepare_model_dir, resume_model_dir
+from areal_jax.trainer.model_dirs import base_dir, clear_tiny_base, prepare_model_dir, resume_model_dir
 from areal_jax.trainer.rl_steps import Run, follow, held_out, run_steps
 from areal_jax.trainer.rollout import (
     device_split,
@@ -149,7 +149,7 @@ def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any]
 async def _train(cfg: RunConfig, resume: bool = False,
                  on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     from areal_jax.config import ConfigError
-    from areal_jax.data import load_prompts
+    from areal_jax.data import load_prompts, read_prompts
     from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.trainer import Trainer
     from areal_jax.trainer.multihost import StepHub
@@ -193,26 +193,30 @@ async def _train(cfg: RunConfig, resume: bool = False,
     start = meta["step"] if meta is not None else 0
     timeline.add("config checks, mesh", t_checks)
 
-    # A fresh run's rollout servers start once the prompts are read (a bad dataset fails before
-    # any server), on the base model, in parallel with loading the model, building the trainer
-    # and any warm start (whose weights reach them from disk once trained, as version 0, before
-    # anything is generated).
+    # A fresh run's rollout servers start once the prompts are read and checked (a bad dataset
+    # fails before any server starts), in parallel with writing a tiny base model (embedded
+    # servers import meanwhile and wait for it), tokenising the prompts, loading the model,
+    # building the trainer and any warm start (whose weights reach them from disk once trained,
+    # as version 0, before anything is generated).
     early = None
     try:
+        # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
+        # them hold the same rows, which a warm start (trained by every process) needs.
+        data_cfg = cfg.data if hub.processes == 1 else dataclasses.replace(cfg.data, process_index=0, process_count=1)
+        with timeline.span("prompts read and checked"):
+            read = read_prompts(data_cfg)
+        if hub.leader and meta is None and cfg.model.path is None and cfg.rollout.backend == "embedded":
+            early = start_fleet_early(cfg, clear_tiny_base(run_dir), run_dir / "logs", timeline, wait_for_model=True)
         # A tiny model is built once, by process 0, where every process reads it (the run directory);
         # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
         with timeline.span("base model written"):
             base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else base_dir(cfg, run_dir)
         hub.barrier("base model ready")
-        t_data = time.perf_counter()
-        tokenizer = load_tokenizer(base)
-        # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
-        # them hold the same rows, which a warm start (trained by every process) needs.
-        data = load_prompts(cfg.data if hub.processes == 1 else
-                            dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
-        timeline.add("tokenizer, prompts", t_data)
-        if hub.leader and meta is None:
+        if early is None and hub.leader and meta is None:
             early = start_fleet_early(cfg, base, run_dir / "logs", timeline)
+        with timeline.span("tokenizer, prompts tokenised"):
+            tokenizer = load_tokenizer(base)
+            data = load_prompts(data_cfg, tokenizer, read)
         if meta is None and files.remote and hub.leader:
             files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
         if meta is not None and files.remote:
