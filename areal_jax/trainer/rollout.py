@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -149,11 +150,14 @@ def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: 
     wait = ["--wait-for-model", f"{cfg.rollout.startup_timeout_s:g}"] if wait_for_model else []
     fleet = _make_fleet(cfg, serve_dir, log_dir, wait)
 
+    launched = time.perf_counter()  # in the caller: the span starts when the run asked for them
+
     def start() -> list[str]:
-        if timeline is None:
+        try:
             return fleet.start()
-        with timeline.span("rollout servers started (process, imports, model load, /health)"):
-            return fleet.start()
+        finally:
+            if timeline is not None:
+                timeline.add("rollout servers started (process, imports, model load, /health)", launched)
 
     # run_in_executor starts the thread now, not at the caller's next await: the caller goes on
     # with blocking work (loading the model, building the trainer) meanwhile.
