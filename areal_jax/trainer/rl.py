@@ -198,13 +198,17 @@ async def _train(cfg: RunConfig, resume: bool = False,
     # servers import meanwhile and wait for it), tokenising the prompts, loading the model,
     # building the trainer and any warm start (whose weights reach them from disk once trained,
     # as version 0, before anything is generated).
-    early = None
+    early = rewards = None
     try:
         # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
         # them hold the same rows, which a warm start (trained by every process) needs.
         data_cfg = cfg.data if hub.processes == 1 else dataclasses.replace(cfg.data, process_index=0, process_count=1)
         with timeline.span("prompts read and checked"):
             read = read_prompts(data_cfg)
+        if hub.leader:  # its worker processes start now, not when the evaluation before RL scores its first answer
+            from areal_jax.rewards import RewardPool
+
+            rewards = RewardPool(cfg.reward)
         if hub.leader and meta is None and cfg.model.path is None and cfg.rollout.backend == "embedded":
             early = start_fleet_early(cfg, clear_tiny_base(run_dir), run_dir / "logs", timeline, wait_for_model=True)
         # A tiny model is built once, by process 0, where every process reads it (the run directory);
@@ -235,6 +239,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     except BaseException:
         if early is not None:
             early.stop()
+        if rewards is not None:
+            rewards.close()
         raise
     result = RunResult(run_dir=run_dir, metrics=logger.history)
     host = None  # this host's engine (``backend: local`` on several processes)
@@ -296,7 +302,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             host = await start_engine_host(cfg, serve_dir, trainer.mesh, hub)
         if hub.leader:
             try:
-                await _lead(run, serve_dir, early, host)
+                await _lead(run, serve_dir, rewards, early, host)
                 result.eval_before, result.eval_after = run.eval_before, run.eval_after
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
@@ -320,6 +326,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
             await host.stop()
         if early is not None and not early.taken:  # the run failed before its rollout opened
             early.stop()
+        if rewards is not None:  # closed already where _lead ran
+            rewards.close()
         if ckpts is not None:  # the run failed: let a save in progress finish, the first error stands
             with contextlib.suppress(Exception):
                 ckpts.close()
@@ -340,12 +348,11 @@ async def _train(cfg: RunConfig, resume: bool = False,
     return result
 
 
-async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) -> None:
+async def _lead(run: Run, serve_dir: Path, rewards: Any, early: Any = None, host: Any = None) -> None:
     """Process 0's part of the run: open rollout (serving ``serve_dir``; ``early``: servers
     started already; ``host``: this host's engine, one of every host's), the weight push,
-    rewards, evaluation and the controller, then the steps (each announced to the other
-    processes of a multi-process run)."""
-    from areal_jax.rewards import RewardPool
+    evaluation and the controller over the ``rewards`` pool (closed here), then the steps (each
+    announced to the other processes of a multi-process run)."""
     from areal_jax.trainer.weight_push import WeightPush, make_sink
 
     cfg, logger, meta = run.cfg, run.logger, run.meta
@@ -379,7 +386,7 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
         if meta is not None:  # rollout serves the restored policy from the start
             version = meta["version"]
             await run.weights.send(version)
-        with RewardPool(cfg.reward) as pool:
+        with rewards as pool:
             run.episodes = EpisodeClient(client, run.tokenizer, pool, rollout.sampling_params(),
                                          rollout.group_size, dict(rollout.workflow_options),
                                          batch_groups=rollout.batch_group_requests)
