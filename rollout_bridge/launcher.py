@@ -183,6 +183,8 @@ class ServerFleet:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = list(self.children)
         while pending:
+            if not self.children:  # ``stop`` from another thread (the run failed while they started)
+                raise LaunchError("the rollout servers were stopped while they started")
             self.check(restart=False)  # a server that cannot start would only fail again
             pending = [c for c in pending if not _healthy(c.address)]
             if pending and time.monotonic() > deadline:

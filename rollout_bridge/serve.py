@@ -252,10 +252,11 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def wait_for_model(path: Path, timeout_s: float) -> None:
-    """Import what loading a model needs (the tokenizer's library is the slow one), then wait
-    until ``path/config.json`` exists (its writer renames the whole directory into place, so the
-    rest is there with it), at most ``timeout_s`` seconds."""
-    import transformers.models.auto.tokenization_auto  # noqa: F401 - imported while the model is written
+    """Import what loading a model needs (the tokenizer's library), then wait until
+    ``path/config.json`` exists (its writer renames the whole directory into place, so the rest
+    is there with it), at most ``timeout_s`` seconds. (``AutoTokenizer``, which imports torch,
+    is left to ``load_tokenizer``: a tokenizer it resolved before loads without it.)"""
+    from transformers import TokenizersBackend  # noqa: F401 - imported while the model is written
 
     deadline = time.monotonic() + timeout_s
     while not (path / "config.json").exists():

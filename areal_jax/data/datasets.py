@@ -326,9 +326,22 @@ def _with_system(messages: list[dict[str, Any]], cfg: DatasetConfig) -> list[dic
 
 # --- loading -----------------------------------------------------------------------------------
 
-def _load_rows(cfg: DatasetConfig, tokenizer: Any, path: str | None, stats: Counter) -> list[PromptRow]:
-    from areal_jax.models.tokenizer import encode_chat
+ParsedRow = tuple[str, list[dict[str, Any]], str, dict[str, Any]]
+"""``(row id, messages, prompt text, reward fields)``: a row read and checked, not yet tokenised."""
 
+
+@dataclass
+class ReadPrompts:
+    """A dataset's rows read and checked without a tokenizer (``read_prompts``), for
+    ``load_prompts`` to tokenise and split."""
+
+    rows: list[ParsedRow]
+    eval_rows: list[ParsedRow] | None
+    """The rows of ``data.eval_path``; None: the held-out rows are split off ``rows``."""
+    stats: Counter
+
+
+def _parse_rows(cfg: DatasetConfig, path: str | None, stats: Counter) -> list[ParsedRow]:
     rows = []
     for row_id, raw in _reader(cfg, path):
         try:
@@ -341,40 +354,75 @@ def _load_rows(cfg: DatasetConfig, tokenizer: Any, path: str | None, stats: Coun
             stats["malformed"] += 1
             log.warning("skipping malformed row %s: field %s: %s", row_id, e.field, e)
             continue
+        rows.append((row_id, messages, prompt, fields))
+    return rows
+
+
+def _tokenize_rows(cfg: DatasetConfig, tokenizer: Any, rows: list[ParsedRow], stats: Counter) -> list[PromptRow]:
+    from areal_jax.models.tokenizer import encode_chat
+
+    out = []
+    for row_id, messages, prompt, fields in rows:
         ids = (encode_chat(tokenizer, messages) if cfg.apply_chat_template else
                list(tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=True)))
         if cfg.max_prompt_tokens is not None and len(ids) > cfg.max_prompt_tokens:
             stats["too_long"] += 1
             continue
-        rows.append(PromptRow(row_id, ids, messages, prompt, fields))
-    return rows
+        out.append(PromptRow(row_id, ids, messages, prompt, fields))
+    return out
 
 
-def load_prompts(cfg: DatasetConfig, tokenizer: Any) -> PromptData:
-    """Read, check and tokenise the dataset; split off the held-out rows. Fails before any work
-    starts on a missing file, an unknown task or a dataset with no usable row."""
-    stats: Counter = Counter()
-    rows = _load_rows(cfg, tokenizer, cfg.path, stats)
-    where = f"data.path={cfg.path}" if cfg.path else f"data.task={cfg.task!r} (data.size={cfg.size})"
-    if not rows:
+def _where(cfg: DatasetConfig) -> str:
+    return f"data.path={cfg.path}" if cfg.path else f"data.task={cfg.task!r} (data.size={cfg.size})"
+
+
+def _check_counts(cfg: DatasetConfig, n_rows: int, stats: Counter) -> int:
+    """The number of held-out rows to split off ``n_rows`` usable ones (0 with ``data.eval_path``);
+    raises when there is no usable row or nothing would be left to train on."""
+    if not n_rows:
         fix = ("point data.path at rows in the data.format it reads (malformed rows are logged with file and "
                "line)" if cfg.path else "raise data.size or loosen data.max_prompt_tokens")
-        raise DatasetError(f"{where}: no usable rows ({dict(stats) or 'the source is empty'}); {fix}")
+        raise DatasetError(f"{_where(cfg)}: no usable rows ({dict(stats) or 'the source is empty'}); {fix}")
     if cfg.eval_path:
-        eval_rows = _load_rows(cfg, tokenizer, cfg.eval_path, stats)
+        return 0
+    n_eval = cfg.eval_size if cfg.eval_size is not None else int(round(cfg.eval_fraction * n_rows))
+    if n_eval >= n_rows:
+        raise DatasetError(f"{_where(cfg)}: holding out {n_eval} of {n_rows} rows leaves none to train on; "
+                           "lower data.eval_size or data.eval_fraction, or give data.eval_path")
+    return n_eval
+
+
+def read_prompts(cfg: DatasetConfig) -> ReadPrompts:
+    """Read and check the rows without a tokenizer: fails on a missing file, an unknown task, a
+    malformed row under ``data.strict``, a source with no usable row, or a held-out share that
+    leaves none to train on. A run calls it before any model is written or server started (only
+    ``data.max_prompt_tokens``, which needs tokens, is checked later, by ``load_prompts``)."""
+    stats: Counter = Counter()
+    rows = _parse_rows(cfg, cfg.path, stats)
+    _check_counts(cfg, len(rows), stats)
+    eval_rows = _parse_rows(cfg, cfg.eval_path, stats) if cfg.eval_path else None
+    return ReadPrompts(rows, eval_rows, stats)
+
+
+def load_prompts(cfg: DatasetConfig, tokenizer: Any, read: ReadPrompts | None = None) -> PromptData:
+    """Read, check and tokenise the dataset; split off the held-out rows. Fails before any work
+    starts on a missing file, an unknown task or a dataset with no usable row. ``read``: the rows
+    ``read_prompts`` read already (else they are read here)."""
+    read = read_prompts(cfg) if read is None else read
+    stats = Counter(read.stats)
+    rows = _tokenize_rows(cfg, tokenizer, read.rows, stats)
+    n_eval = _check_counts(cfg, len(rows), stats)
+    if read.eval_rows is not None:
+        eval_rows = _tokenize_rows(cfg, tokenizer, read.eval_rows, stats)
         train_rows = rows
     else:
         import numpy as np
 
-        n_eval = cfg.eval_size if cfg.eval_size is not None else int(round(cfg.eval_fraction * len(rows)))
-        if n_eval >= len(rows):
-            raise DatasetError(f"{where}: holding out {n_eval} of {len(rows)} rows leaves none to train on; "
-                               "lower data.eval_size or data.eval_fraction, or give data.eval_path")
         order = np.random.default_rng(cfg.shuffle_seed).permutation(len(rows))
         held = set(order[:n_eval].tolist())
         eval_rows = [r for i, r in enumerate(rows) if i in held]
         train_rows = [r for i, r in enumerate(rows) if i not in held]
     stats["train"], stats["eval"] = len(train_rows), len(eval_rows)
     if stats["malformed"] or stats["too_long"]:
-        log.warning("%s: skipped %d malformed and %d too-long rows", where, stats["malformed"], stats["too_long"])
+        log.warning("%s: skipped %d malformed and %d too-long rows", _where(cfg), stats["malformed"], stats["too_long"])
     return PromptData(train_rows, eval_rows, cfg, stats)

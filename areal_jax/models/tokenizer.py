@@ -6,22 +6,94 @@ and chat formatting are the ones SGLang and ``transformers`` produce for the sam
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Any:
-    """The ``transformers`` tokenizer saved in ``model_dir`` (tokenizer.json and its config)."""
+    """The ``transformers`` tokenizer saved in ``model_dir`` (tokenizer.json and its config):
+    what ``AutoTokenizer`` loads. Where ``AutoTokenizer`` resolved the same files (under the same
+    ``transformers``) to its generic backend before, that class loads them directly: the same
+    tokenizer without ``AutoTokenizer`` reading the model's config, which imports torch (1.5-3 s
+    of a run's start, in the trainer and again in each server, on a loaded 2-core CPU)."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
         raise FileNotFoundError(
             f"{model_dir}: no tokenizer.json or tokenizer_config.json; copy the tokenizer files "
             "of the base model into this directory"
         )
+    key = _files_key(model_dir)
+    if key is not None and _known_classes().get(key) in GENERIC_CLASSES:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if key is not None:
+        _remember_class(key, type(tokenizer).__name__)
+    return tokenizer
+
+
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+"""``AutoTokenizer``'s outcomes that it loads with a plain ``TokenizersBackend.from_pretrained``
+(the two names are one class in ``transformers`` 5); model-specific classes go through it."""
+
+CLASSES_ENV = "AREAL_JAX_TOKENIZER_CLASSES"
+"""Where ``load_tokenizer`` keeps what ``AutoTokenizer`` resolved (a small JSON file); default
+``~/.cache/areal-jax/tokenizer-classes.json``."""
+
+
+def _classes_path() -> Path:
+    return Path(os.environ.get(CLASSES_ENV) or Path("~/.cache/areal-jax/tokenizer-classes.json")).expanduser()
+
+
+def _files_key(model_dir: Path) -> str | None:
+    """A digest of what ``AutoTokenizer``'s choice depends on: the ``transformers`` version, the
+    model type (config.json) and every tokenizer file's bytes; None where unreadable."""
+    from importlib.metadata import version
+
+    from areal_jax.models.hf_io import TOKENIZER_FILES
+
+    try:
+        h = hashlib.sha256(version("transformers").encode())
+        config = model_dir / "config.json"
+        model_type = json.loads(config.read_text()).get("model_type") if config.exists() else None
+        h.update(repr(model_type).encode())
+        for name in TOKENIZER_FILES:
+            if (model_dir / name).exists():
+                h.update(name.encode() + b"\0" + (model_dir / name).read_bytes())
+        return h.hexdigest()
+    except Exception:
+        return None
+
+
+def _known_classes() -> dict[str, str]:
+    try:
+        known = json.loads(_classes_path().read_text())
+        return known if isinstance(known, dict) else {}
+    except Exception:  # none yet, or unreadable: AutoTokenizer decides
+        return {}
+
+
+def _remember_class(key: str, name: str) -> None:
+    """Record ``AutoTokenizer``'s class for the files of ``key`` (best effort: written aside and
+    renamed, so a reader sees a whole file; a failure only costs the next load its import)."""
+    path = _classes_path()
+    with contextlib.suppress(Exception):
+        known = _known_classes()
+        if known.get(key) == name:
+            return
+        known[key] = name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, path)
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:

@@ -39,7 +39,7 @@ import yaml
 
 from areal_jax.controller import EpisodeClient, RolloutController, get_workflow
 from areal_jax.trainer.metrics import MetricsLogger, plot_metrics
-from areal_jax.trainer.model_dirs import base_dir, prepare_model_dir, resume_model_dir
+from areal_jax.trainer.model_dirs import base_dir, clear_tiny_base, prepare_model_dir, resume_model_dir
 from areal_jax.trainer.rl_steps import Run, follow, held_out, run_steps
 from areal_jax.trainer.rollout import (
     device_split,
@@ -149,7 +149,7 @@ def _open_checkpoints(cfg: RunConfig, resume: bool) -> tuple[Any, dict[str, Any]
 async def _train(cfg: RunConfig, resume: bool = False,
                  on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
     from areal_jax.config import ConfigError
-    from areal_jax.data import load_prompts
+    from areal_jax.data import load_prompts, read_prompts
     from areal_jax.models import load_pretrained, load_tokenizer, save_pretrained
     from areal_jax.trainer import Trainer
     from areal_jax.trainer.multihost import StepHub
@@ -193,26 +193,34 @@ async def _train(cfg: RunConfig, resume: bool = False,
     start = meta["step"] if meta is not None else 0
     timeline.add("config checks, mesh", t_checks)
 
-    # A fresh run's rollout servers start once the prompts are read (a bad dataset fails before
-    # any server), on the base model, in parallel with loading the model, building the trainer
-    # and any warm start (whose weights reach them from disk once trained, as version 0, before
-    # anything is generated).
-    early = None
+    # A fresh run's rollout servers start once the prompts are read and checked (a bad dataset
+    # fails before any server starts), in parallel with writing a tiny base model (embedded
+    # servers import meanwhile and wait for it), tokenising the prompts, loading the model,
+    # building the trainer and any warm start (whose weights reach them from disk once trained,
+    # as version 0, before anything is generated).
+    early = rewards = None
     try:
+        # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
+        # them hold the same rows, which a warm start (trained by every process) needs.
+        data_cfg = cfg.data if hub.processes == 1 else dataclasses.replace(cfg.data, process_index=0, process_count=1)
+        with timeline.span("prompts read and checked"):
+            read = read_prompts(data_cfg)
+        if hub.leader:  # its worker processes start now, not when the evaluation before RL scores its first answer
+            from areal_jax.rewards import RewardPool
+
+            rewards = RewardPool(cfg.reward)
+        if hub.leader and meta is None and cfg.model.path is None and cfg.rollout.backend == "embedded":
+            early = start_fleet_early(cfg, clear_tiny_base(run_dir), run_dir / "logs", timeline, wait_for_model=True)
         # A tiny model is built once, by process 0, where every process reads it (the run directory);
         # with no shared filesystem (a URL run directory) every process builds (or downloads) its own.
         with timeline.span("base model written"):
             base = prepare_model_dir(cfg, run_dir) if hub.leader or files.remote else base_dir(cfg, run_dir)
         hub.barrier("base model ready")
-        t_data = time.perf_counter()
-        tokenizer = load_tokenizer(base)
-        # Process 0's controller draws every prompt, so no process takes a shard of the data; all of
-        # them hold the same rows, which a warm start (trained by every process) needs.
-        data = load_prompts(cfg.data if hub.processes == 1 else
-                            dataclasses.replace(cfg.data, process_index=0, process_count=1), tokenizer)
-        timeline.add("tokenizer, prompts", t_data)
-        if hub.leader and meta is None:
+        if early is None and hub.leader and meta is None:
             early = start_fleet_early(cfg, base, run_dir / "logs", timeline)
+        with timeline.span("tokenizer, prompts tokenised"):
+            tokenizer = load_tokenizer(base)
+            data = load_prompts(data_cfg, tokenizer, read)
         if meta is None and files.remote and hub.leader:
             files.remove("tensorboard")  # an earlier run's events; the metrics file is replaced whole
         if meta is not None and files.remote:
@@ -231,6 +239,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
     except BaseException:
         if early is not None:
             early.stop()
+        if rewards is not None:
+            rewards.close()
         raise
     result = RunResult(run_dir=run_dir, metrics=logger.history)
     host = None  # this host's engine (``backend: local`` on several processes)
@@ -292,7 +302,7 @@ async def _train(cfg: RunConfig, resume: bool = False,
             host = await start_engine_host(cfg, serve_dir, trainer.mesh, hub)
         if hub.leader:
             try:
-                await _lead(run, serve_dir, early, host)
+                await _lead(run, serve_dir, rewards, early, host)
                 result.eval_before, result.eval_after = run.eval_before, run.eval_after
             except BaseException as e:  # the followers wait for the next step: tell them why there is none
                 if hub.processes > 1:
@@ -316,6 +326,8 @@ async def _train(cfg: RunConfig, resume: bool = False,
             await host.stop()
         if early is not None and not early.taken:  # the run failed before its rollout opened
             early.stop()
+        if rewards is not None:  # closed already where _lead ran
+            rewards.close()
         if ckpts is not None:  # the run failed: let a save in progress finish, the first error stands
             with contextlib.suppress(Exception):
                 ckpts.close()
@@ -336,12 +348,11 @@ async def _train(cfg: RunConfig, resume: bool = False,
     return result
 
 
-async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) -> None:
+async def _lead(run: Run, serve_dir: Path, rewards: Any, early: Any = None, host: Any = None) -> None:
     """Process 0's part of the run: open rollout (serving ``serve_dir``; ``early``: servers
     started already; ``host``: this host's engine, one of every host's), the weight push,
-    rewards, evaluation and the controller, then the steps (each announced to the other
-    processes of a multi-process run)."""
-    from areal_jax.rewards import RewardPool
+    evaluation and the controller over the ``rewards`` pool (closed here), then the steps (each
+    announced to the other processes of a multi-process run)."""
     from areal_jax.trainer.weight_push import WeightPush, make_sink
 
     cfg, logger, meta = run.cfg, run.logger, run.meta
@@ -375,7 +386,7 @@ async def _lead(run: Run, serve_dir: Path, early: Any = None, host: Any = None) 
         if meta is not None:  # rollout serves the restored policy from the start
             version = meta["version"]
             await run.weights.send(version)
-        with RewardPool(cfg.reward) as pool:
+        with rewards as pool:
             run.episodes = EpisodeClient(client, run.tokenizer, pool, rollout.sampling_params(),
                                          rollout.group_size, dict(rollout.workflow_options),
                                          batch_groups=rollout.batch_group_requests)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -125,28 +126,35 @@ class EarlyFleet:
         self.task.add_done_callback(lambda t: (self.fleet.stop(), t.cancelled() or t.exception()))
 
 
-def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: Any = None) -> EarlyFleet | None:
+def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: Any = None, *,
+                      wait_for_model: bool = False) -> EarlyFleet | None:
     """Start the configured server processes now, in a thread, so that their start (a process
     importing JAX, loading the model, warming its engine) overlaps the trainer's own; None where
-    the rollout has no processes of ours to start (``local``, or given ``servers``). (Starting
-    them before a tiny model is even written, ``serve --wait-for-model``, also started them
-    before the prompts were read: a bad dataset then stopped a run only after its servers.)"""
+    the rollout has no processes of ours to start (``local``, or given ``servers``).
+    ``wait_for_model``: ``serve_dir`` is still being written (embedded servers only): they import
+    meanwhile and load it once its ``config.json`` appears, within ``rollout.startup_timeout_s``."""
     if cfg.rollout.backend not in ("embedded", "sglang"):
         return None
-    fleet = _make_fleet(cfg, serve_dir, log_dir)
+    if wait_for_model and cfg.rollout.backend != "embedded":
+        raise ValueError("wait_for_model: only embedded servers (areal-jax serve) wait for their model")
+    wait = ["--wait-for-model", f"{cfg.rollout.startup_timeout_s:g}"] if wait_for_model else []
+    fleet = _make_fleet(cfg, serve_dir, log_dir, wait)
+
+    launched = time.perf_counter()  # in the caller: the span starts when the run asked for them
 
     def start() -> list[str]:
-        if timeline is None:
+        try:
             return fleet.start()
-        with timeline.span("rollout servers started (process, imports, model load, /health)"):
-            return fleet.start()
+        finally:
+            if timeline is not None:
+                timeline.add("rollout servers started (process, imports, model load, /health)", launched)
 
     # run_in_executor starts the thread now, not at the caller's next await: the caller goes on
     # with blocking work (loading the model, building the trainer) meanwhile.
     return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, start))
 
 
-def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
+def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path, extra_args: list[str] | None = None) -> Any:
     from areal_jax.trainer.startup import compile_cache_env
     from rollout_bridge.launcher import ServerFleet
 
@@ -158,7 +166,7 @@ def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path) -> Any:
 
         def command(i: int, port: int) -> list[str]:
             return sglang_command(rollout.sglang, str(serve_dir), port, seed=cfg.seed + i, api_key=rollout.api_key)
-    return ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=list(rollout.server_args),
+    return ServerFleet(serve_dir, rollout.num_servers, log_dir, extra_args=[*rollout.server_args, *(extra_args or [])],
                        seed=cfg.seed, startup_timeout_s=rollout.startup_timeout_s, command=command,
                        weight_roots=[Path(serve_dir).absolute().parent, local_run_dir(cfg).absolute(),
                                      *([rollout.weights_dir] if rollout.weights_dir else [])],

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from areal_jax.data import DatasetConfig, DatasetError, load_prompts
+from areal_jax.data import DatasetConfig, DatasetError, load_prompts, read_prompts
 from areal_jax.models import encode_chat
 from areal_jax.models.tiny import build_char_tokenizer
 
@@ -92,6 +92,27 @@ def test_errors_before_any_work(tok, tmp_path: Path) -> None:
         load_prompts(DatasetConfig(task="chain_sum", size=3, task_options={"bogus": 1}), tok)
     with pytest.raises(ValueError, match="data.source=jsonl needs data.path"):
         DatasetConfig(source="jsonl")
+
+
+def test_rows_are_read_and_checked_without_a_tokenizer(tok, tmp_path: Path) -> None:
+    """``read_prompts`` (what a run does before any model is written or server started) raises
+    the same errors as ``load_prompts`` with no tokenizer at hand, and ``load_prompts`` over its
+    rows gives the rows, split and counts of a load from scratch."""
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DatasetError, match="no usable rows"):
+        read_prompts(DatasetConfig(source="jsonl", path=str(tmp_path / "empty.jsonl")))
+    with pytest.raises(DatasetError, match=r"holding out 3 of 3 rows leaves none to train on"):
+        read_prompts(DatasetConfig(source="jsonl", path=str(FIX / "gsm8k.jsonl"), eval_size=3))
+    with pytest.raises(DatasetError, match="data.strict is on"):
+        read_prompts(DatasetConfig(source="jsonl", path=str(FIX / "malformed.jsonl"), format="gsm8k", strict=True))
+    cfg = DatasetConfig(task="chain_sum", size=30, seed=1, eval_size=5)
+    read = read_prompts(cfg)
+    assert len(read.rows) == 30 and read.eval_rows is None
+    both, fresh = load_prompts(cfg, tok, read), load_prompts(cfg, tok)
+    assert [(r.id, r.prompt_ids) for r in both.eval_rows] == [(r.id, r.prompt_ids) for r in fresh.eval_rows]
+    assert [r.id for r in both.train_rows] == [r.id for r in fresh.train_rows] and both.stats == fresh.stats
+    # the rows read are not changed by tokenising them: a second load over them is the same
+    assert [r.id for r in load_prompts(cfg, tok, read).eval_rows] == [r.id for r in fresh.eval_rows]
 
 
 def test_too_long_prompts_dropped_and_counted(tok) -> None:

@@ -85,6 +85,32 @@ def test_fleet_reports_a_server_that_never_becomes_healthy(tmp_path: Path) -> No
         os.kill(int(pid_file.read_text()), 0)
 
 
+def test_a_fleet_stopped_while_it_starts_ends_its_start_at_once(tmp_path: Path) -> None:
+    """``stop`` from another thread (a run that failed while its servers started, e.g. writing the
+    tiny model they wait for) ends ``start`` at once. Before, ``start`` went on polling the
+    stopped servers for ``startup_timeout_s`` (300 s by default), and the failed run with it."""
+    import threading
+
+    hang = [sys.executable, "-c", "import time; time.sleep(120)"]
+    fleet = ServerFleet(tmp_path, 1, tmp_path / "logs", startup_timeout_s=300, command=lambda i, port: hang)
+    box: dict[str, BaseException] = {}
+
+    def start() -> None:
+        try:
+            fleet.start()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=start)
+    t.start()
+    while not fleet.children and t.is_alive():  # spawned: now waiting for /health
+        time.sleep(0.01)
+    fleet.stop()
+    t.join(60)  # far below startup_timeout_s: the old start waited all of it
+    assert not t.is_alive()
+    assert isinstance(box.get("error"), LaunchError) and "stopped while they started" in str(box["error"])
+
+
 def test_fleet_skips_the_server_warmup_unless_asked(tmp_path: Path) -> None:
     """A run's servers start at once (the run compiles only the shapes it uses); ``--server-warmup``
     in ``server_args`` keeps the start-up compile and is not passed on to ``serve``, which lacks it."""

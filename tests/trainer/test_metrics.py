@@ -150,3 +150,19 @@ def test_a_resumed_run_continues_without_duplicate_steps(tmp_path: Path) -> None
     shown = _tensorboard_view(tmp_path / "tensorboard")
     assert [s for s, _ in shown["reward_mean"]] == [1, 2, 3, 4, 5, 6, 7]
     assert [s for s, _ in shown["resumed"]] == [4, 5, 6, 7]
+
+
+def test_the_tensorboard_writer_opens_beside_the_start_and_its_failure_surfaces_at_the_first_log(
+        tmp_path: Path) -> None:
+    """The writer (tensorboardX imports torch) opens in a thread; the first ``log`` waits for it,
+    and a writer that cannot open fails that ``log`` with its own error, not silently."""
+    ok = MetricsLogger(tmp_path / "ok", LogConfig(progress=False))
+    ok.log({"step": 1, "reward_mean": 0.5})
+    ok.close()
+    assert list((tmp_path / "ok" / "tensorboard").glob("events.out.tfevents.*"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tensorboard").write_text("a file where the events folder goes")
+    bad = MetricsLogger(tmp_path / "bad", LogConfig(progress=False))
+    with pytest.raises(OSError):
+        bad.log({"step": 1, "reward_mean": 0.5})
+    bad.close()

@@ -84,13 +84,14 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
     # Step 1 carries the start-up timeline. The evaluation before RL ended before the first
     # batch was asked for; the servers started once the prompts were read (a bad dataset fails
     # before any server: test_bad_data_and_mesh_fail_before_any_model_or_server) and before the
-    # model was loaded, and said how their start went; the first step's shapes were compiled
+    # tiny base model was written (they import meanwhile, then wait for it; before: once it was
+    # written and the prompts tokenised), and said how their start went; the first step's shapes were compiled
     # while its batch was generated, so step 1 compiled nothing itself (before: its gradient and
     # optimizer steps).
     spans = metrics[0]["startup"]
     assert spans["held-out evaluation before RL"][1] <= spans["first batch wait"][0]
     servers = spans["rollout servers started (process, imports, model load, /health)"]
-    assert spans["tokenizer, prompts"][1] <= servers[0] <= spans["model loaded"][0]
+    assert spans["prompts read and checked"][1] <= servers[0] <= spans["base model written"][0]
     assert "server 0: model loaded, engine built" in spans
     assert "first step compiled ahead (background)" in spans and metrics[0]["compile_seconds"] == 0.0
     # the summary names where every output went, the last step's checkpoint included
@@ -147,7 +148,8 @@ def test_bad_data_and_mesh_fail_before_any_model_or_server(tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """An empty or wholly malformed dataset, a held-out split that takes every row, and a mesh the
     devices cannot fill each stop ``areal-jax train`` with one line naming the field and the fix,
-    before a server starts (no logs/) and, for the mesh, before any model is built (no base/)."""
+    before a server starts (no logs/) and before any model is built (no base/; before, the data
+    was read after the base model was written)."""
     from areal_jax.cli import main
 
     (tmp_path / "empty.jsonl").write_text("")
@@ -169,8 +171,7 @@ def test_bad_data_and_mesh_fail_before_any_model_or_server(tmp_path: Path,
         assert re.search(message, str(e.value.code)), (overrides, e.value.code)
         assert str(e.value.code).startswith("areal-jax train: ") and "\n" not in str(e.value.code)
         assert not (run / "logs").exists()  # no server was started
-        if overrides[0].startswith("mesh"):
-            assert not (run / "base").exists()  # no model was built or loaded
+        assert not (run / "base").exists()  # no model was built or loaded
 
 
 @pytest.mark.slow
