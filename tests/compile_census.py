@@ -47,6 +47,8 @@ def _write(rec: dict[str, Any]) -> None:
 
 
 def _patch(compiler: Any) -> None:
+    if getattr(compiler._compile_and_write_cache, "census", False):
+        return  # patched already (by this file loaded under another name: see pytest_configure)
     compile_and_write, cache_read = compiler._compile_and_write_cache, compiler._cache_read
 
     def compiled(backend: Any, computation: Any, devices: Any, options: Any, callbacks: Any, module: str,
@@ -63,6 +65,7 @@ def _patch(compiler: Any) -> None:
             _write({"ev": "hit", "mod": module, "key": key[-64:], "s": time.monotonic() - t})
         return out
 
+    compiled.census = True  # type: ignore[attr-defined]
     compiler._compile_and_write_cache, compiler._cache_read = compiled, read
 
 
@@ -85,18 +88,11 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-_installed = False
-
-
 def install() -> None:
     """Count this process's compilations (before or after jax is imported); once per process."""
-    global _installed
-    if _installed:
-        return
-    _installed = True
     if "jax._src.compiler" in sys.modules:
         _patch(sys.modules["jax._src.compiler"])
-    else:
+    elif not any(type(f).__name__ == _PatchOnImport.__name__ for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchOnImport())
 
 
@@ -104,8 +100,12 @@ def pytest_configure(config: Any) -> None:
     root = Path(__file__).resolve().parents[1]
     os.environ.setdefault(LOG_ENV, str(root / ".cache" / "compile-census.jsonl"))
     site = Path(tempfile.mkdtemp(prefix="compile-census-"))
+    # Loaded under a name of its own: importing ``tests.compile_census`` before pytest does would
+    # stop pytest from rewriting its asserts (a warning in every xdist worker).
     (site / "sitecustomize.py").write_text(
-        "try:\n    import tests.compile_census as c\nexcept ImportError:\n    pass\nelse:\n    c.install()\n")
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('_compile_census', {str(Path(__file__).resolve())!r})\n"
+        "census = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(census)\ncensus.install()\n")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), str(root), os.environ.get("PYTHONPATH")) if p)
     install()
 
