@@ -130,7 +130,7 @@ def summary(records: list[dict[str, Any]], top: int = 40) -> str:
             mods[r["test"].split("::")[0]][r["mod"]] += r["s"]
             kinds["engine" if r["mod"] in ENGINE else "trainer" if r["mod"] in TRAINER else "other"] += r["s"]
             keys[r["key"]] += 1
-        else:
+        elif r["ev"] == "hit":
             p[2] += 1
             p[3] += r["s"]
     lines = ["compile s  compiles  loads  load s  file: costliest modules (s)"]
