@@ -29,6 +29,7 @@ from areal_jax.inference import (
 from areal_jax.inference import weights as weights_module
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
+from tests.inference.conftest import ENGINE_CFG
 from tests.inference.reference import (
     generate_all,
     prompts,
@@ -127,7 +128,7 @@ def test_cancelling_queued_requests_costs_constant_time_each(slot_engine: Engine
 
 
 def test_default_seed_differs_per_engine_explicit_seed_reproduces(ckpt: Path) -> None:
-    cfg = EngineConfig(num_slots=2, max_seq_len=32, max_prefill_batch=1, decode_steps=4, lanes=1)
+    cfg = EngineConfig(**{**vars(ENGINE_CFG), "seed": None})  # the shared engine's shapes: compiled once
     a, b = Engine(load_pretrained(ckpt), cfg), Engine(load_pretrained(ckpt), cfg)
     assert a.seed != b.seed
     sp = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
@@ -320,8 +321,9 @@ def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Deco
 def test_finished_slot_sampling_params_are_reset(model: Decoder) -> None:
     """A finished top-p/top-k request leaves defaults in its slot: later decode steps of other
     requests must not stay on the vocabulary-sorting path."""
-    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=4, lanes=1, seed=0,
-                                        kv_cache="slots"))  # the paged engine keeps no device slot state
+    # The paged engine keeps no device slot state. The next test's decode_steps, so its programs serve both.
+    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_steps=8, lanes=1, seed=0,
+                                        kv_cache="slots"))
     short = GenerateRequest([3, 4, 5], SamplingParams(max_new_tokens=2, top_p=0.5, top_k=3, ignore_eos=True))
     long = GenerateRequest([6, 7, 8], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))
     outs = generate_all(engine, [short, long])

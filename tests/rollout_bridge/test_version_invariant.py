@@ -334,7 +334,8 @@ def test_client_sends_nothing_while_it_has_stock_sglang_paused(tiny_dir: Path) -
     then stamped with the version pushed, the one that makes it."""
     sgl = _sglang_schema()
     model = load_pretrained(tiny_dir)
-    engine = Engine(model, EngineConfig(num_slots=2, max_seq_len=64, seed=0), eos_token_ids=model.config.eos_token_ids)
+    # The stand-in's engine above (programs compiled once for both; the slot count is not the point)
+    engine = Engine(model, EngineConfig(num_slots=4, max_seq_len=64, seed=0), eos_token_ids=model.config.eos_token_ids)
 
     async def run() -> tuple[int, Any]:
         await engine.start()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from areal_jax.trainer.run_dir import RunDir, local_run_dir
+from tests import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,8 +45,9 @@ def test_a_url_run_dir_uploads_and_downloads_files_and_trees(tmp_path: Path) -> 
 
 
 def _cli(buckets: Path, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # one device, as a laptop
+    # one device, as a laptop; compiled fast: two one-step runs, mostly compiling (the programs
+    # are then the ones other one-device runs of the suite compile, so the cache shares them)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": xla_flags.FAST_COMPILE}
     return subprocess.run([sys.executable, "-m", "tests.trainer.fake_gs", str(buckets), "train", *args],
                           env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
 
