@@ -211,7 +211,13 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self._unseat(seq)
 
     def _unseat(self, seq: _Seq) -> None:
-        """``seq`` holds no seat and no KV any more (finished, or back in the queue)."""
+        """``seq`` holds no seat and no KV any more (finished, or back in the queue). The
+        requests that share pages it has written no longer wait for it: those pages stay theirs
+        (they hold them), so a group's leader that finishes first costs its followers nothing."""
+        if seq.sched is not None and seq.source is None and seq.computed:
+            for other in self.scheduler.running:
+                if other.seq is not None and other.seq.source is seq.sched and seq.computed >= other.seq.shared:
+                    other.seq.source = None
         if seq.lane is not None:
             seq.lane.slots[seq.slot] = None
             seq.lane = seq.slot = None
@@ -253,6 +259,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self.allocator.check()
 
     def _admit_waiting(self, lane: _Lane) -> None:
+        self.scheduler.version = self._version
         for adm in self.scheduler.admit():
             seq = adm.request.seq
             seq.computed = seq.shared = adm.shared_tokens
@@ -289,15 +296,14 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             seq = self.scheduler.waiting[0].seq
             self._finish(seq, {"type": "length", "length": len(seq.out_ids)})
             return
-        ready = []
+        live = []  # ready, or waiting for pages another request writes (``_prefill_rows`` decides)
         for req in list(self.scheduler.running):
-            state = self._ready(req.seq)
-            if state is None:  # its shared pages will never be written: start it over
+            if self._ready(req.seq) is None:  # its shared pages will never be written: start it over
                 self.scheduler.retract(req)
                 self._unseat(req.seq)
-            elif state:
-                ready.append(req.seq)
-        prefill = [s for s in ready if s.computed < s.length - 1]
+            else:
+                live.append(req.seq)
+        prefill = [s for s in live if s.computed < s.length - 1]
         if prefill and not self.mixed_chunk:
             await self._prefill_paged(lane, prefill)
             if self._paused is not None:  # a pause waits for this round: do not make it wait for a decode too
@@ -305,12 +311,36 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             prefill = []
         self._grow(self.cfg.decode_steps)
         prefill = [s for s in prefill if s.sched.table is not None]  # not retracted for the pages
-        decode = [r.seq for r in self.scheduler.running
-                  if r.seq.source is None and r.seq.computed == r.seq.length - 1 and r.seq.finish_reason is None]
         if prefill:
-            await self._mixed_paged(lane, prefill, decode)
-        elif decode:
+            await self._mixed_paged(lane, prefill)
+            return
+        decode = self._decodable({})
+        if decode:
             await self._decode_paged(lane, decode)
+
+    def _decodable(self, planned: dict[int, int]) -> list[_Seq]:
+        """The running requests whose tokens but the last are written, or are once a call has
+        written ``planned`` (``id(seq)``: its tokens written by then): a request sharing pages
+        another writes in that call reads them in it (every token's keys and values are written
+        before any row attends)."""
+        out = []
+        for r in self.scheduler.running:
+            seq = r.seq
+            written = planned.get(id(seq), seq.computed)
+            if seq.finish_reason is not None or written != seq.length - 1:
+                continue
+            if seq.source is None or planned.get(id(seq.source.seq), -1) >= seq.shared:
+                out.append(seq)
+        return out
+
+    def _wrote(self, rows: list[tuple[_Seq, int, int]], readers: list[_Seq]) -> None:
+        """A call ran that wrote ``rows`` (``_prefill_rows``) and read them for ``readers``: a
+        reader whose shared pages it wrote no longer waits for their writer (they are written,
+        whatever becomes of it)."""
+        planned = {id(seq): start + take for seq, start, take in rows}
+        for seq in readers:
+            if seq.source is not None and planned.get(id(seq.source.seq), -1) >= seq.shared:
+                seq.source = None
 
     def _grow(self, tokens: int) -> None:
         """Pages for ``tokens`` more tokens of every running request, retracting (or, alone,
@@ -329,6 +359,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         lane.cache = await self._timed("prefill_seconds", self._run_paged, self.prefill_fn, self._state,
                                        lane.cache, ids, pos, wp, wo, work)
         self.stats["prefill_calls"] += 1
+        self._wrote(rows, [seq for seq, _, _ in rows])
         self._prefilled(rows)
 
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
@@ -344,11 +375,14 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self.stats["decode_calls"] += 1
         self._take_tokens(seqs, count, version, *out)
 
-    async def _mixed_paged(self, lane: _Lane, prefill: list[_Seq], decode: list[_Seq]) -> None:
+    async def _mixed_paged(self, lane: _Lane, prefill: list[_Seq]) -> None:
         """One mixed call: the next chunk of ``prefill`` beside up to ``decode_steps`` tokens of
-        each of ``decode`` (the first in the chunk's forward pass)."""
+        each running request whose tokens but the last are written once the chunk is (the first
+        in the chunk's forward pass): a request whose prefill the chunk ends, or whose shared
+        pages it writes, samples its first token in the same call."""
         n = self.cfg.decode_steps
         rows, chunk = self._prefill_rows(prefill, half_steps=False)
+        decode = self._decodable({id(seq): start + take for seq, start, take in rows})
         # the fixed shapes ``warmup`` compiled (``mixed_shape``): every running row, the most
         # prefill rows of this width, work lists at their fixed lengths
         chunk = self._pad_prefill(chunk, self.mixed_prefill_rows(chunk[0].shape[1]))
@@ -362,6 +396,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                                 p.temperature, p.top_p, p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids,
                                 early)
         self.stats["mixed_calls"] += 1
+        self._wrote(rows, [seq for seq, _, _ in rows] + decode)
         self._prefilled(rows)
         self._take_tokens(decode, count, version, *out)
 

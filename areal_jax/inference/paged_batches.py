@@ -89,13 +89,19 @@ class PagedBatches:
                       half_steps: bool = True) -> tuple[list[tuple[_Seq, int, int]], tuple[Any, ...]]:
         """The next tokens of ``seqs`` to prefill (all but each one's last), up to
         ``chunked_prefill_size`` in all, oldest first, one row each (padded to the widest).
+        A request whose shared pages another writes (``seq.source``) joins only behind that
+        writer's row, when it writes them in this same call (every token's keys and values are
+        written before any row attends), so a group's answers prefill in one call with their prompt.
         Returns the rows ``(seq, start, take)`` and the arrays ids, positions (-1: padding), write
         pages and offsets ``[rows, width]`` and the work list."""
         chunk = self.cfg.chunked_prefill_size
         budget = self.max_seq_len if chunk == -1 else chunk
         rows: list[tuple[_Seq, int, int]] = []
+        planned: dict[int, int] = {}  # id(seq) -> its tokens written once this call has run
         widest = real = 0
         for seq in seqs:
+            if seq.source is not None and planned.get(id(seq.source.seq), -1) < seq.shared:
+                continue  # its shared pages are written by a later call (or by its writer's row here)
             take = min(seq.length - 1 - seq.computed, budget)
             if take <= 0:
                 break
@@ -105,6 +111,7 @@ class PagedBatches:
             if rows and (padded > self.cfg.max_prefill_tokens or padded > max(2 * (real + take), 256)):
                 break
             rows.append((seq, seq.computed, take))
+            planned[id(seq)] = seq.computed + take
             widest, real = max(widest, take), real + take
             budget -= take
             if len(rows) == self.cfg.max_prefill_batch:
