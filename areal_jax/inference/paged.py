@@ -365,7 +365,6 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
         tokens, positions, step, count, wp, wo, p, work = self._decode_rows(seqs, n)
-        work = self._fixed_work(work, len(tokens))
         self.compiled_shapes.add(("decode", len(tokens), n, len(work[0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
@@ -381,14 +380,11 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         in the chunk's forward pass): a request whose prefill the chunk ends, or whose shared
         pages it writes, samples its first token in the same call."""
         n = self.cfg.decode_steps
-        rows, chunk = self._prefill_rows(prefill, half_steps=False)
+        rows, chunk = self._prefill_rows(prefill)
         decode = self._decodable({id(seq): start + take for seq, start, take in rows})
-        # the fixed shapes ``warmup`` compiled (``mixed_shape``): every running row, the most
-        # prefill rows of this width, work lists at their fixed lengths
-        chunk = self._pad_prefill(chunk, self.mixed_prefill_rows(chunk[0].shape[1]))
-        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False,
-                                                                            num_rows=self.mixed_rows)
-        work = self._fixed_work(work, len(tokens))
+        # the fixed shapes ``warmup`` compiled (``_mixed_shape``): every running row, the chunk's
+        # blocks padded to one of ``block_counts``, work lists at their fixed lengths
+        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, num_rows=self.mixed_rows)
         self.compiled_shapes.add(("mixed", len(tokens), *chunk[0].shape, len(work[0]), len(chunk[4][0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version

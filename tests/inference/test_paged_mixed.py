@@ -179,8 +179,8 @@ def test_after_warmup_a_run_crossing_page_buckets_compiles_nothing_and_leaves_no
     live: list[int] = []
     fixed = engine._fixed_work  # noqa: SLF001
 
-    def record(work: tuple, rows: int) -> tuple:
-        out = fixed(work, rows)
+    def record(tables: list, lens: list, rows: int) -> tuple:
+        out = fixed(tables, lens, rows)
         live.append(int(out[3]))
         return out
 
