@@ -14,7 +14,7 @@ One loop steps the pool. Each round admits what fits, then makes one device call
   chunk of up to ``chunked_prefill_size`` prompt tokens (over one or more requests, a row each)
   and the first decode token of every running answer run as one flat token batch, each segment
   reading only its own pages, then the answers decode up to ``decode_steps - 1`` more tokens in
-  a decode call of the same rows right after it (``_run_mixed``: one worker-thread call, the
+  a decode call of the answers' rows right after it (``_run_mixed``: one worker-thread call, the
   decode loop compiled once for both kinds of call). A long prompt so never stalls the answers
   in flight (SGLang's mixed chunk).
   Prefill samples nothing: it writes every token but a request's last, which its first decode
@@ -56,7 +56,7 @@ from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.engine import Engine, _Lane, _Seq
-from areal_jax.inference.paged_batches import PagedBatches
+from areal_jax.inference.paged_batches import PagedBatches, pow2
 from areal_jax.inference.paged_shapes import PagedShapes
 from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_step
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
@@ -390,7 +390,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         version = self._version
         out = await self._timed("mixed_seconds", self._run_mixed, lane, tokens, positions, wp, wo, work, *chunk,
                                 p.temperature, p.top_p, p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids,
-                                early)
+                                early, live_rows=len(decode))
         self.stats["mixed_calls"] += 1
         self._wrote(rows, [seq for seq, _, _ in rows] + decode)
         self._prefilled(rows)
@@ -409,10 +409,13 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                    prefill_pages: np.ndarray, prefill_offsets: np.ndarray, prefill_work: tuple[np.ndarray, ...],
                    temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seed: np.ndarray,
                    stream: np.ndarray, step: np.ndarray, top_n: np.ndarray, remaining: np.ndarray,
-                   stop_ids: np.ndarray, early: np.bool_) -> tuple[np.ndarray, ...]:
+                   stop_ids: np.ndarray, early: np.bool_, live_rows: int) -> tuple[np.ndarray, ...]:
         """The mixed step (the chunk and each answer's first token), then, unless no answer has
-        a token left (or one stopped and ``early``), a decode call of the same rows for the
-        rest: ``decode_step``'s outputs over both."""
+        a token left (or one stopped and ``early``), a decode call of its first ``live_rows``
+        rows (the answers; the rest is padding) for the rest: ``decode_step``'s outputs over
+        both, for those rows. The decode call has the rows of a plain decode call (a power of
+        two, compiled at warm-up), not every running row: while prompts keep arriving most rounds
+        are mixed, and their decode steps then cost the answers live."""
         sampling = (temperature, top_p, top_k, seed, stream)
         lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo, work, ids,
                                          prefill_positions, prefill_pages, prefill_offsets, prefill_work, *sampling,
@@ -421,12 +424,17 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         main, values, top_ids, rest, ended = (np.asarray(x) for x in jax.device_get(out))
         if not rest.any() or (early and ended):
             return main, values, top_ids, 1
-        # the decode call's arrays: one token on, the write columns shifted (a sink column last)
-        shift = lambda a, v: np.concatenate([a[:, 1:], np.full((len(a), 1), v, a.dtype)], axis=1)
-        more = self._run_decode(lane, main[0, 0].astype(np.int32), positions + 1, shift(wp, SINK_PAGE), shift(wo, 0),
-                                work, *sampling, step + 1, top_n, rest.astype(np.int32), stop_ids, early)
-        return (np.concatenate([main, more[0]], axis=1), np.concatenate([values, more[1]]),
-                np.concatenate([top_ids, more[2]]), 1 + int(more[3]))
+        # the decode call's arrays: the answers' rows (work entries are in row order, and each row
+        # reads at most ``row_pages``), one token on, the write columns shifted (a sink column last)
+        k = pow2(live_rows, self.min_decode_rows)
+        cut = lambda a: a[:k]
+        shift = lambda a, v: np.concatenate([a[:k, 1:], np.full((k, 1), v, a.dtype)], axis=1)
+        work = (*(w[:k * self.row_pages] for w in work[:3]), work[3])
+        more = self._run_decode(lane, main[0, 0, :k].astype(np.int32), cut(positions) + 1, shift(wp, SINK_PAGE),
+                                shift(wo, 0), work, *map(cut, sampling), cut(step) + 1, cut(top_n),
+                                cut(rest).astype(np.int32), cut(stop_ids), early)
+        return (np.concatenate([main[:, :, :k], more[0]], axis=1), np.concatenate([values[:, :k], more[1]]),
+                np.concatenate([top_ids[:, :k], more[2]]), 1 + int(more[3]))
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
         lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,
