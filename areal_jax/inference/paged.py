@@ -10,31 +10,33 @@ not have (they go back to the queue's front with every token, and prefill again 
 
 One loop steps the pool. Each round admits what fits, then makes one device call:
 
-- a mixed step (``paged_steps.mixed_step``) while some prompt has tokens to prefill: the next
-  chunk of up to ``chunked_prefill_size`` prompt tokens (over one or more requests, a row each)
-  and the first decode token of every running answer run as one flat token batch, each segment
-  reading only its own pages, then the answers decode up to ``decode_steps - 1`` more tokens in
-  a decode call of the answers' rows right after it (``_run_mixed``: one worker-thread call, the
-  decode loop compiled once for both kinds of call). A long prompt so never stalls the answers
-  in flight (SGLang's mixed chunk).
-  Prefill samples nothing: it writes every token but a request's last, which its first decode
-  step computes and samples from.
+- a mixed step (``paged_steps.mixed_step``) while some prompt has tokens to prefill: up to
+  ``chunked_prefill_size`` tokens to prefill, packed from as many requests as they come from in
+  blocks of a fixed width (each block a row reading only its own pages), and the first decode
+  token of every running answer run as one flat batch, then the answers decode up to
+  ``decode_steps - 1`` more tokens in a decode call of the answers' rows right after it
+  (``_run_mixed``: one worker-thread call, the decode loop compiled once for both kinds of call).
+  A long prompt so never stalls the answers in flight (SGLang's mixed chunk). Prefill writes
+  every token but a request's last, which its first decode step computes and samples from: in
+  the same call when the chunk ends its prefill (every token's keys and values are written
+  before any row attends).
 - else a decode call that advances every request whose tokens but the last are written by up to
   ``decode_steps`` tokens, each row reading only its own pages through a ragged work list
   (``Decoder.decode_paged_layers``), so a step costs the tokens live, not rows x the longest.
 
 ``mixed_chunk = False`` keeps the alternating path: a prefill call per chunk, then a decode call.
 
-A request that shares pages another request writes in the same round (a group admitted together,
-or a long prompt still being prefilled in chunks) waits until that one has written them.
+A request that shares pages another request writes (a group admitted together, answers sent again
+with their tokens after an abort, a long prompt still being prefilled in chunks) joins the call
+that writes them, behind its writer's blocks, or waits for a later one.
 
 Shapes: ``warmup`` compiles every shape a running engine calls, so nothing compiles mid-run (a
 compile there stalls every answer for seconds and grows the process). A work list, whose length
 follows the pages the requests hold, has a fixed length per call shape (every row a full
 context) and is read on device only up to the smallest of ``models.paged.work_sizes`` that holds
 its live entries: the pages read cost what they are without being part of the shape. A mixed
-step has a row for every running request and, per padded prefill width (a power of two), the
-most prefill rows that width can have: one shape per width. A decode call pads its rows to a
+step has a row for every running request and its prefill blocks padded to one of a few counts
+(``PagedShapes.block_counts``): one shape per count. A decode call pads its rows to a
 power of two: one shape per power of two up to ``max_running_requests``. The host arrays of each
 call are built in ``paged_batches``, the compiled steps live in ``paged_steps``, the shapes and
 their warm-up in ``paged_shapes``.
