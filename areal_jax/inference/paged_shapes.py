@@ -58,8 +58,8 @@ class PagedShapes:
 
     def block_widths(self) -> list[int]:
         """The widths of prefill blocks: ``PREFILL_BLOCK``, and ``LONG_BLOCK`` where a request
-        can have more than ``LONG_TAKE`` tokens to prefill (``_prefill_rows``)."""
-        return [PREFILL_BLOCK] + ([LONG_BLOCK] if self.longest_take() > LONG_TAKE else [])
+        can have ``LONG_TAKE`` or more tokens to prefill (``_prefill_rows``; a chunk of 512 does)."""
+        return [PREFILL_BLOCK] + ([LONG_BLOCK] if self.longest_take() >= LONG_TAKE else [])
 
     def block_counts(self, width: int) -> list[int]:
         """The block counts a prefill of ``width``-token blocks pads to: powers of four from 8
