@@ -67,7 +67,8 @@ class EngineConfig:
     kv_buckets: tuple[int, ...] | None = None
     """Attended lengths a decode chunk compiles for; None derives them from ``max_seq_len``."""
     max_prefill_batch: int = 8
-    """Most prompts prefilled in one call; rows are padded to a power of two up to this."""
+    """Slot engine: most prompts prefilled in one call; rows are padded to a power of two up to
+    this. The paged engine packs by tokens instead (``chunked_prefill_size``)."""
     max_prefill_tokens: int = 8192
     """Most padded tokens (rows x bucket) in one prefill call; one prompt always fits."""
     share_prompts: bool = True

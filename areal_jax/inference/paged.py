@@ -10,31 +10,33 @@ not have (they go back to the queue's front with every token, and prefill again 
 
 One loop steps the pool. Each round admits what fits, then makes one device call:
 
-- a mixed step (``paged_steps.mixed_step``) while some prompt has tokens to prefill: the next
-  chunk of up to ``chunked_prefill_size`` prompt tokens (over one or more requests, a row each)
-  and the first decode token of every running answer run as one flat token batch, each segment
-  reading only its own pages, then the answers decode up to ``decode_steps - 1`` more tokens in
-  a decode call of the same rows right after it (``_run_mixed``: one worker-thread call, the
-  decode loop compiled once for both kinds of call). A long prompt so never stalls the answers
-  in flight (SGLang's mixed chunk).
-  Prefill samples nothing: it writes every token but a request's last, which its first decode
-  step computes and samples from.
+- a mixed step (``paged_steps.mixed_step``) while some prompt has tokens to prefill: up to
+  ``chunked_prefill_size`` tokens to prefill, packed from as many requests as they come from in
+  blocks of a fixed width (each block a row reading only its own pages), and the first decode
+  token of every running answer run as one flat batch, then the answers decode up to
+  ``decode_steps - 1`` more tokens in a decode call of the answers' rows right after it
+  (``_run_mixed``: one worker-thread call, the decode loop compiled once for both kinds of call).
+  A long prompt so never stalls the answers in flight (SGLang's mixed chunk). Prefill writes
+  every token but a request's last, which its first decode step computes and samples from: in
+  the same call when the chunk ends its prefill (every token's keys and values are written
+  before any row attends).
 - else a decode call that advances every request whose tokens but the last are written by up to
   ``decode_steps`` tokens, each row reading only its own pages through a ragged work list
   (``Decoder.decode_paged_layers``), so a step costs the tokens live, not rows x the longest.
 
 ``mixed_chunk = False`` keeps the alternating path: a prefill call per chunk, then a decode call.
 
-A request that shares pages another request writes in the same round (a group admitted together,
-or a long prompt still being prefilled in chunks) waits until that one has written them.
+A request that shares pages another request writes (a group admitted together, answers sent again
+with their tokens after an abort, a long prompt still being prefilled in chunks) joins the call
+that writes them, behind its writer's blocks, or waits for a later one.
 
 Shapes: ``warmup`` compiles every shape a running engine calls, so nothing compiles mid-run (a
 compile there stalls every answer for seconds and grows the process). A work list, whose length
 follows the pages the requests hold, has a fixed length per call shape (every row a full
 context) and is read on device only up to the smallest of ``models.paged.work_sizes`` that holds
 its live entries: the pages read cost what they are without being part of the shape. A mixed
-step has a row for every running request and, per padded prefill width (a power of two), the
-most prefill rows that width can have: one shape per width. A decode call pads its rows to a
+step has a row for every running request and its prefill blocks padded to one of a few counts
+(``PagedShapes.block_counts``): one shape per count. A decode call pads its rows to a
 power of two: one shape per power of two up to ``max_running_requests``. The host arrays of each
 call are built in ``paged_batches``, the compiled steps live in ``paged_steps``, the shapes and
 their warm-up in ``paged_shapes``.
@@ -56,7 +58,7 @@ from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.engine import Engine, _Lane, _Seq
-from areal_jax.inference.paged_batches import PagedBatches
+from areal_jax.inference.paged_batches import PagedBatches, pow2
 from areal_jax.inference.paged_shapes import PagedShapes
 from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_step
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
@@ -216,7 +218,13 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self._unseat(seq)
 
     def _unseat(self, seq: _Seq) -> None:
-        """``seq`` holds no seat and no KV any more (finished, or back in the queue)."""
+        """``seq`` holds no seat and no KV any more (finished, or back in the queue). The
+        requests that share pages it has written no longer wait for it: those pages stay theirs
+        (they hold them), so a group's leader that finishes first costs its followers nothing."""
+        if seq.sched is not None and seq.source is None and seq.computed:
+            for other in self.scheduler.running:
+                if other.seq is not None and other.seq.source is seq.sched and seq.computed >= other.seq.shared:
+                    other.seq.source = None
         if seq.lane is not None:
             seq.lane.slots[seq.slot] = None
             seq.lane = seq.slot = None
@@ -258,6 +266,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self.allocator.check()
 
     def _admit_waiting(self, lane: _Lane) -> None:
+        self.scheduler.version = self._version
         for adm in self.scheduler.admit():
             seq = adm.request.seq
             seq.computed = seq.shared = adm.shared_tokens
@@ -294,15 +303,14 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             seq = self.scheduler.waiting[0].seq
             self._finish(seq, {"type": "length", "length": len(seq.out_ids)})
             return
-        ready = []
+        live = []  # ready, or waiting for pages another request writes (``_prefill_rows`` decides)
         for req in list(self.scheduler.running):
-            state = self._ready(req.seq)
-            if state is None:  # its shared pages will never be written: start it over
+            if self._ready(req.seq) is None:  # its shared pages will never be written: start it over
                 self.scheduler.retract(req)
                 self._unseat(req.seq)
-            elif state:
-                ready.append(req.seq)
-        prefill = [s for s in ready if s.computed < s.length - 1]
+            else:
+                live.append(req.seq)
+        prefill = [s for s in live if s.computed < s.length - 1]
         if prefill and not self.mixed_chunk:
             await self._prefill_paged(lane, prefill)
             if self._paused is not None:  # a pause waits for this round: do not make it wait for a decode too
@@ -310,12 +318,36 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             prefill = []
         self._grow(self.cfg.decode_steps)
         prefill = [s for s in prefill if s.sched.table is not None]  # not retracted for the pages
-        decode = [r.seq for r in self.scheduler.running
-                  if r.seq.source is None and r.seq.computed == r.seq.length - 1 and r.seq.finish_reason is None]
         if prefill:
-            await self._mixed_paged(lane, prefill, decode)
-        elif decode:
+            await self._mixed_paged(lane, prefill)
+            return
+        decode = self._decodable({})
+        if decode:
             await self._decode_paged(lane, decode)
+
+    def _decodable(self, planned: dict[int, int]) -> list[_Seq]:
+        """The running requests whose tokens but the last are written, or are once a call has
+        written ``planned`` (``id(seq)``: its tokens written by then): a request sharing pages
+        another writes in that call reads them in it (every token's keys and values are written
+        before any row attends)."""
+        out = []
+        for r in self.scheduler.running:
+            seq = r.seq
+            written = planned.get(id(seq), seq.computed)
+            if seq.finish_reason is not None or written != seq.length - 1:
+                continue
+            if seq.source is None or planned.get(id(seq.source.seq), -1) >= seq.shared:
+                out.append(seq)
+        return out
+
+    def _wrote(self, rows: list[tuple[_Seq, int, int]], readers: list[_Seq]) -> None:
+        """A call ran that wrote ``rows`` (``_prefill_rows``) and read them for ``readers``: a
+        reader whose shared pages it wrote no longer waits for their writer (they are written,
+        whatever becomes of it)."""
+        planned = {id(seq): start + take for seq, start, take in rows}
+        for seq in readers:
+            if seq.source is not None and planned.get(id(seq.source.seq), -1) >= seq.shared:
+                seq.source = None
 
     def _grow(self, tokens: int) -> None:
         """Pages for ``tokens`` more tokens of every running request, retracting (or, alone,
@@ -334,12 +366,12 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         lane.cache = await self._timed("prefill_seconds", self._run_paged, self.prefill_fn, self._state,
                                        lane.cache, ids, pos, wp, wo, work)
         self.stats["prefill_calls"] += 1
+        self._wrote(rows, [seq for seq, _, _ in rows])
         self._prefilled(rows)
 
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
         tokens, positions, step, count, wp, wo, p, work = self._decode_rows(seqs, n)
-        work = self._fixed_work(work, len(tokens))
         self.compiled_shapes.add(("decode", len(tokens), n, len(work[0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
@@ -349,24 +381,25 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self.stats["decode_calls"] += 1
         self._take_tokens(seqs, count, version, *out)
 
-    async def _mixed_paged(self, lane: _Lane, prefill: list[_Seq], decode: list[_Seq]) -> None:
+    async def _mixed_paged(self, lane: _Lane, prefill: list[_Seq]) -> None:
         """One mixed call: the next chunk of ``prefill`` beside up to ``decode_steps`` tokens of
-        each of ``decode`` (the first in the chunk's forward pass)."""
+        each running request whose tokens but the last are written once the chunk is (the first
+        in the chunk's forward pass): a request whose prefill the chunk ends, or whose shared
+        pages it writes, samples its first token in the same call."""
         n = self.cfg.decode_steps
-        rows, chunk = self._prefill_rows(prefill, half_steps=False)
-        # the fixed shapes ``warmup`` compiled (``mixed_shape``): every running row, the most
-        # prefill rows of this width, work lists at their fixed lengths
-        chunk = self._pad_prefill(chunk, self.mixed_prefill_rows(chunk[0].shape[1]))
-        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, half_steps=False,
-                                                                            num_rows=self.mixed_rows)
-        work = self._fixed_work(work, len(tokens))
+        rows, chunk = self._prefill_rows(prefill)
+        decode = self._decodable({id(seq): start + take for seq, start, take in rows})
+        # the fixed shapes ``warmup`` compiled (``_mixed_shape``): every running row, the chunk's
+        # blocks padded to one of ``block_counts``, work lists at their fixed lengths
+        tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, num_rows=self.mixed_rows)
         self.compiled_shapes.add(("mixed", len(tokens), *chunk[0].shape, len(work[0]), len(chunk[4][0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
         out = await self._timed("mixed_seconds", self._run_mixed, lane, tokens, positions, wp, wo, work, *chunk,
                                 p.temperature, p.top_p, p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids,
-                                early)
+                                early, live_rows=len(decode))
         self.stats["mixed_calls"] += 1
+        self._wrote(rows, [seq for seq, _, _ in rows] + decode)
         self._prefilled(rows)
         self._take_tokens(decode, count, version, *out)
 
@@ -383,10 +416,13 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                    prefill_pages: np.ndarray, prefill_offsets: np.ndarray, prefill_work: tuple[np.ndarray, ...],
                    temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seed: np.ndarray,
                    stream: np.ndarray, step: np.ndarray, top_n: np.ndarray, remaining: np.ndarray,
-                   stop_ids: np.ndarray, early: np.bool_) -> tuple[np.ndarray, ...]:
+                   stop_ids: np.ndarray, early: np.bool_, live_rows: int) -> tuple[np.ndarray, ...]:
         """The mixed step (the chunk and each answer's first token), then, unless no answer has
-        a token left (or one stopped and ``early``), a decode call of the same rows for the
-        rest: ``decode_step``'s outputs over both."""
+        a token left (or one stopped and ``early``), a decode call of its first ``live_rows``
+        rows (the answers; the rest is padding) for the rest: ``decode_step``'s outputs over
+        both, for those rows. The decode call has the rows of a plain decode call (a power of
+        two, compiled at warm-up), not every running row: while prompts keep arriving most rounds
+        are mixed, and their decode steps then cost the answers live."""
         sampling = (temperature, top_p, top_k, seed, stream)
         lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo, work, ids,
                                          prefill_positions, prefill_pages, prefill_offsets, prefill_work, *sampling,
@@ -395,12 +431,17 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         main, values, top_ids, rest, ended = (np.asarray(x) for x in jax.device_get(out))
         if not rest.any() or (early and ended):
             return main, values, top_ids, 1
-        # the decode call's arrays: one token on, the write columns shifted (a sink column last)
-        shift = lambda a, v: np.concatenate([a[:, 1:], np.full((len(a), 1), v, a.dtype)], axis=1)
-        more = self._run_decode(lane, main[0, 0].astype(np.int32), positions + 1, shift(wp, SINK_PAGE), shift(wo, 0),
-                                work, *sampling, step + 1, top_n, rest.astype(np.int32), stop_ids, early)
-        return (np.concatenate([main, more[0]], axis=1), np.concatenate([values, more[1]]),
-                np.concatenate([top_ids, more[2]]), 1 + int(more[3]))
+        # the decode call's arrays: the answers' rows (work entries are in row order, and each row
+        # reads at most ``row_pages``), one token on, the write columns shifted (a sink column last)
+        k = pow2(live_rows, self.min_decode_rows)
+        cut = lambda a: a[:k]
+        shift = lambda a, v: np.concatenate([a[:k, 1:], np.full((k, 1), v, a.dtype)], axis=1)
+        work = (*(w[:k * self.row_pages] for w in work[:3]), work[3])
+        more = self._run_decode(lane, main[0, 0, :k].astype(np.int32), cut(positions) + 1, shift(wp, SINK_PAGE),
+                                shift(wo, 0), work, *map(cut, sampling), cut(step) + 1, cut(top_n),
+                                cut(rest).astype(np.int32), cut(stop_ids), early)
+        return (np.concatenate([main[:, :, :k], more[0]], axis=1), np.concatenate([values[:, :k], more[1]]),
+                np.concatenate([top_ids[:, :k], more[2]]), 1 + int(more[3]))
 
     def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
         lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,

@@ -1,8 +1,8 @@
 """What the paged engine compiles, and compiling it ahead: the fixed set of call shapes a running
-engine uses (mixed steps, one per prefill width; decode calls, one per power of two of rows; the
-alternating path's first prefill shapes) and ``warmup``, which runs each once on padding so that
-nothing compiles mid-run (a compile there stalls every answer for seconds and grows the process).
-A mixin of ``PagedEngine``: it reads the engine's config, allocator and jitted steps."""
+engine uses (mixed steps, one per count of prefill blocks; decode calls, one per power of two of
+rows; on the alternating path prefill calls, one per count of blocks) and ``warmup``, which runs
+each once on padding so that nothing compiles mid-run (a compile there stalls every answer for
+seconds and grows the process). A mixin of ``PagedEngine``: it reads the engine's config, allocator and jitted steps."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from areal_jax.inference.engine import _SamplingRows
-from areal_jax.inference.paged_batches import MIN_DECODE_ROWS, MIN_WIDTH, MIN_WORK, pow2
+from areal_jax.inference.paged_batches import LONG_BLOCK, LONG_TAKE, MIN_DECODE_ROWS, PREFILL_BLOCK, pow2
 from areal_jax.inference.pages import NO_POSITION, SINK_PAGE
 
 __all__ = ["PagedShapes"]
@@ -50,52 +50,63 @@ class PagedShapes:
         per prefill width (decode calls keep a row count per power of two)."""
         return pow2(self.cfg.num_slots, self.min_decode_rows)
 
-    def prefill_widths(self) -> list[int]:
-        """Every padded width a prefill row can have: powers of two from ``MIN_WIDTH`` up to the
-        longest take (a chunk, or a whole prompt shorter than the context)."""
+    def longest_take(self) -> int:
+        """The most tokens of one request a call prefills: a chunk, or a whole prompt shorter
+        than the context."""
         chunk = self.cfg.chunked_prefill_size
-        longest = min(self.max_seq_len - 1, self.max_seq_len if chunk == -1 else chunk)
-        return [w for w in (MIN_WIDTH << k for k in range(64)) if w <= pow2(longest, MIN_WIDTH)]
+        return min(self.max_seq_len - 1, self.max_seq_len if chunk == -1 else chunk)
 
-    def mixed_prefill_rows(self, width: int) -> int:
-        """Prefill rows of a mixed step of ``width``-token rows: the most ``_prefill_rows`` can
-        give that width (``max_prefill_batch`` rows, padded at most twice the real tokens or
-        256, the call at most ``max_prefill_tokens``, the real tokens at most a chunk)."""
+    def block_widths(self) -> list[int]:
+        """The widths of prefill blocks: ``PREFILL_BLOCK``, and ``LONG_BLOCK`` where a request
+        can have ``LONG_TAKE`` or more tokens to prefill (``_prefill_rows``; a chunk of 512 does)."""
+        return [PREFILL_BLOCK] + ([LONG_BLOCK] if self.longest_take() >= LONG_TAKE else [])
+
+    def block_counts(self, width: int) -> list[int]:
+        """The block counts a prefill of ``width``-token blocks pads to: powers of four from 8
+        below the most a call holds (a chunk's tokens in blocks, at most ``max_prefill_tokens``),
+        then that most. A few shapes: a group's prompt pads to 8 blocks, not to the chunk. Long
+        blocks fill the call (the long chunk at its head does): that count alone."""
         chunk = self.cfg.chunked_prefill_size
-        real = self.cfg.max_prefill_batch * (self.max_seq_len - 1)
-        if chunk != -1:
-            real = min(real, chunk)
-        tokens = min(self.cfg.max_prefill_tokens, max(2 * real, 256))
-        return min(pow2(self.cfg.max_prefill_batch), 1 << max(tokens // width, 1).bit_length() - 1)
+        budget = self.max_seq_len if chunk == -1 else chunk
+        room = max(1, min(pow2(-(-budget // width)), self.cfg.max_prefill_tokens // width))
+        if width != PREFILL_BLOCK:
+            return [room]
+        counts, n = [], 8
+        while n < room:
+            counts.append(n)
+            n *= 4
+        return [*counts, room]
 
-    def _mixed_shape(self, width: int) -> tuple[Any, ...]:
-        rows, prefill_rows = self.mixed_rows, self.mixed_prefill_rows(width)
-        return ("mixed", rows, prefill_rows, width, rows * self.row_pages, prefill_rows * self.row_pages)
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every ``(blocks, width)`` a prefill chunk can have (``block_widths``, ``block_counts``)."""
+        return [(n, w) for w in self.block_widths() for n in self.block_counts(w)]
+
+    def _mixed_shape(self, blocks: int, width: int) -> tuple[Any, ...]:
+        rows = self.mixed_rows
+        return ("mixed", rows, blocks, width, rows * self.row_pages, blocks * self.row_pages)
 
     def _decode_shape(self, rows: int) -> tuple[Any, ...]:
         return ("decode", rows, self.cfg.decode_steps, rows * self.row_pages)
 
     def step_shapes(self) -> list[tuple[Any, ...]]:
         """The shapes ``warmup`` compiles, every one a running engine calls: mixed steps
-        ``("mixed", rows, prefill rows, width, work, prefill work)``, one per prefill width
-        (``prefill_widths``), and decode calls ``("decode", rows, steps, work)``, one per power of
+        ``("mixed", rows, prefill blocks, width, work, prefill work)``, one per
+        ``prefill_shapes``, and decode calls ``("decode", rows, steps, work)``, one per power of
         two of rows. Work lists have a fixed length per shape (``_fixed_work``): the pages read
         are chosen on device. On the alternating path (``mixed_chunk`` False) prefill calls
-        ``("prefill", rows, width, work)`` of one and two short prompts are compiled first, and
-        its other prefill shapes when first used (``compiled_shapes``)."""
+        ``("prefill", blocks, width, work)`` take the mixed steps' place."""
         if self.mixed_chunk:
-            first = [self._mixed_shape(w) for w in self.prefill_widths()]
+            first = [self._mixed_shape(n, w) for n, w in self.prefill_shapes()]
         else:
-            first = [("prefill", 1, MIN_WIDTH, MIN_WORK), ("prefill", 2, MIN_WIDTH, MIN_WORK)]
+            first = [("prefill", n, w, n * self.row_pages) for n, w in self.prefill_shapes()]
         rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
         return [*first, *(self._decode_shape(r) for r in rows)]
 
     def _warm_call(self, shape: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         """(jitted step, host arguments after the pool, static arguments) of a call of ``shape``
         on padding: every write goes to the sink page, every work entry is masked."""
-        def work(n: int, live: bool = True) -> tuple[np.ndarray, ...]:
-            padding = (np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32))
-            return (*padding, np.int32(0)) if live else padding
+        def work(n: int) -> tuple[np.ndarray, ...]:
+            return np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32), np.int32(0)
 
         kind, rows, width, size = shape[:4]
         steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top}
@@ -108,7 +119,7 @@ class PagedShapes:
                                    *sampling), steps
         zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
         if kind == "prefill":  # (prefill, rows, width, work)
-            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size, False)), {}
+            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size)), {}
         return self.decode_fn, (z, z, sink, zeros, work(size), *sampling), steps  # (decode, rows, steps, work)
 
     def warmup(self, stop: Any = None) -> int:

@@ -30,7 +30,7 @@ __all__ = ["decode_step", "mixed_step", "prefill_step"]
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, ids: jax.Array,
                   positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
-                  work: tuple[jax.Array, jax.Array, jax.Array]) -> PagedKVCache:
+                  work: tuple[jax.Array, ...]) -> PagedKVCache:
     """Write the keys and values of ``ids [rows, width]`` at ``positions`` (-1: padding) into the
     pool; nothing is sampled."""
     model = nnx.merge(graphdef, state)

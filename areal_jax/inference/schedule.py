@@ -13,9 +13,13 @@ decode the running requests, write where their page tables say). SGLang's meanin
   pages are freed and they go back to the front of the queue with every token they have, to be
   prefilled again later (never lost). The victim is the request with the fewest output tokens
   (the least work lost), the longest prompt among equals, as SGLang's ``retract_decode`` picks.
-- Requests with the same prompt (a GRPO group, or an answer resumed after a retraction while its
-  siblings run) share the prompt's whole pages: one copy, n readers, and each reader prefills only
-  the tokens past them (``share_prompts``; SGLang's radix cache, ``--disable-radix-cache`` off).
+- Requests that begin with the same tokens share the whole pages of that prefix with a running
+  request that holds them: a GRPO group's answers (one prompt), an answer resumed after a
+  retraction while its siblings run, and the answers a client sends again after a weight update
+  aborted them (prompt plus each one's tokens so far: the group's prompt is their common prefix).
+  One copy, n readers, and each reader prefills only the tokens past the shared pages
+  (``share_prompts``; SGLang's radix cache, ``--disable-radix-cache`` off). Candidates are
+  found by their first page of tokens; the longest common prefix wins.
 """
 
 from __future__ import annotations
@@ -37,10 +41,18 @@ class Request:
     table: PageTable | None = None
     """Its pages while running; None while waiting."""
     retractions: int = 0
+    key: tuple[int, ...] = ()
+    """Its first page of tokens when it was admitted: where the scheduler files it as a prefix owner."""
+    version: int = 0
+    """The weight version it was admitted under: only requests of the same version share pages."""
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.output)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return self.prompt + tuple(self.output)
 
     @property
     def done(self) -> bool:
@@ -84,10 +96,13 @@ class Scheduler:
         self.allocator = allocator
         self.max_running_requests, self.context_length = max_running_requests, context_length
         self.headroom, self.share_prompts = max(headroom, 1), share_prompts
+        self.version = 0
+        """The served weights' version (the engine sets it): a request admitted under an older one
+        (its KV kept across an ``in_place`` update) lends no page to a newer one."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._readers: dict[tuple[int, ...], list[Request]] = {}
-        """Running requests by prompt: where a new request with the same prompt finds its pages."""
+        """Running requests by their first page of tokens: where a new request finds a prefix's pages."""
 
     # -- requests in and out --
 
@@ -137,7 +152,8 @@ class Scheduler:
             self.waiting.popleft()
             req.table = table
             self.running.append(req)
-            self._readers.setdefault(req.prompt, []).append(req)
+            req.key, req.version = req.tokens[:self.allocator.page_size], self.version
+            self._readers.setdefault(req.key, []).append(req)
             admitted.append(Admission(req, shared, source))
         return admitted
 
@@ -172,24 +188,39 @@ class Scheduler:
         self._retract(req)
 
     def _shared_table(self, req: Request) -> tuple[PageTable, int, Request | None]:
-        """A page table for ``req``: the whole prompt pages of a running request with the same
-        prompt when there is one (at least the last token is left to compute, which samples the
-        next), else a new empty table."""
+        """A page table for ``req``: the whole pages of the longest prefix of its tokens that a
+        running request's tokens begin with (at least ``req``'s last token is left to compute,
+        which samples the next; at most the owner's tokens but its last, which its next decode
+        step writes), else a new empty table."""
         if self.share_prompts:
             size = self.allocator.page_size
-            whole = min(len(req.prompt), req.length - 1) // size * size
-            for owner in self._readers.get(req.prompt, ()):
-                if whole and owner.table.num_tokens >= whole:
-                    child = owner.table.fork(whole)
-                    return child, child.num_tokens, owner
+            tokens = req.tokens
+            limit = (len(tokens) - 1) // size
+            best, source = 0, None
+            for owner in self._readers.get(tokens[:size], ()) if limit else ():
+                if owner.version != self.version:
+                    continue
+                theirs = owner.tokens
+                most = min(limit, (len(theirs) - 1) // size)
+                whole = 0
+                while whole < most and tokens[whole * size:(whole + 1) * size] == theirs[whole * size:
+                                                                                         (whole + 1) * size]:
+                    whole += 1
+                if whole > best:
+                    best, source = whole, owner
+                    if best == limit:
+                        break
+            if source is not None:
+                child = source.table.fork(best * size)
+                return child, child.num_tokens, source
         return PageTable(self.allocator), 0, None
 
     def _drop_running(self, req: Request) -> None:
         self.running.remove(req)
-        readers = self._readers[req.prompt]
+        readers = self._readers[req.key]
         readers.remove(req)
         if not readers:
-            del self._readers[req.prompt]
+            del self._readers[req.key]
         req.table.release()
         req.table = None
 

@@ -93,11 +93,12 @@ def _answers_then_prompts(engine: PagedEngine, answers: list[GenerateRequest], l
 
 
 def test_prompts_landing_while_answers_decode_equal_the_reference(paged: PagedEngine, model: Decoder) -> None:
-    """Four answers decode while prompts of 3, 4, 5, 8, 9, 17, 33 and 41 tokens arrive: the
+    """Four answers (64 tokens: still decoding when a warm engine has them at two) decode while
+    prompts of 3, 4, 5, 8, 9, 17, 33 and 41 tokens arrive: the
     mixed steps that prefill them (ragged, beside and on page boundaries, one to three chunks)
     also decode the answers, and every token and logprob equals the full forward pass's."""
     before = dict(paged.stats)
-    answers = [GenerateRequest(p, greedy(24)) for p in prompts([6, 7, 10, 12], seed=21)]
+    answers = [GenerateRequest(p, greedy(64)) for p in prompts([6, 7, 10, 12], seed=21)]
     late = [GenerateRequest(p, greedy(10)) for p in prompts([3, 4, 5, 8, 9, 17, 33, 41], seed=22)]
     outs = _answers_then_prompts(paged, answers, late)
     for r, out in zip(answers + late, outs, strict=True):
@@ -179,8 +180,8 @@ def test_after_warmup_a_run_crossing_page_buckets_compiles_nothing_and_leaves_no
     live: list[int] = []
     fixed = engine._fixed_work  # noqa: SLF001
 
-    def record(work: tuple, rows: int) -> tuple:
-        out = fixed(work, rows)
+    def record(tables: list, lens: list, rows: int) -> tuple:
+        out = fixed(tables, lens, rows)
         live.append(int(out[3]))
         return out
 

@@ -62,6 +62,44 @@ def test_a_groups_answers_share_the_prompt_pages() -> None:
     assert again.request is victim and again.shared_tokens == 32
 
 
+def test_answers_sent_again_with_their_tokens_share_the_longest_common_prefix() -> None:
+    """After an abort the client sends each answer again as prompt + its tokens so far: they
+    share the whole pages of their longest common prefix with a running request (the prompt's,
+    and an answer's own tokens where two agree), never a page past a token they differ at, nor
+    the page of the owner's last token (its next decode step writes it)."""
+    pool = PageAllocator(num_pages=64, page_size=4)
+    s = Scheduler(pool, max_running_requests=16, context_length=4096)
+    prompt = tuple(range(100, 110))  # 10 tokens: two whole pages
+    first = Request("a", prompt + (1, 2, 3, 4, 5), 8)
+    same_start = Request("b", prompt + (1, 2, 3, 4, 9, 9), 8)  # agrees with "a" for 14 tokens
+    other = Request("c", prompt + (7,), 8)
+    stranger = Request("d", tuple(range(200, 216)), 8)
+    for r in (first, same_start, other, stranger):
+        s.submit(r)
+    admitted = {a.request.rid: a for a in s.admit()}
+    assert {rid: a.shared_tokens for rid, a in admitted.items()} == {"a": 0, "b": 12, "c": 8, "d": 0}
+    assert admitted["b"].source is first and admitted["c"].source in (first, same_start)
+    assert same_start.table.pages[:3] == first.table.pages[:3] and other.table.pages[:2] == first.table.pages[:2]
+    # an owner's last token is not shared: a request equal to it up to there shares one page fewer
+    short = Request("s", tuple(range(300, 308)), 8)  # 8 tokens: its last (the 8th) not yet written
+    s.submit(short)
+    s.admit()
+    longer = Request("t", tuple(range(300, 313)), 8)
+    s.submit(longer)
+    (again,) = s.admit()
+    assert again.shared_tokens == 4 and again.source is short
+    # new weights: a request admitted under them shares nothing computed under the old ones
+    s.version = 1
+    newer = Request("n", prompt + (1, 2, 3, 4, 5), 8)
+    s.submit(newer)
+    (fresh,) = s.admit()
+    assert fresh.shared_tokens == 0 and fresh.source is None
+    for r in list(s.running):
+        s.finish(r)
+    assert pool.used_pages == 0
+    pool.check()
+
+
 def test_out_of_pages_retracts_the_cheapest_request_and_keeps_its_tokens() -> None:
     pool = PageAllocator(num_pages=6, page_size=4)
     s = Scheduler(pool, max_running_requests=8, context_length=4096, share_prompts=False)

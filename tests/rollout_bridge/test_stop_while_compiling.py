@@ -15,7 +15,8 @@ from rollout_bridge.state import STATE
 
 
 def test_stopping_during_the_start_up_compile_stops_it(tiny_dir: Path) -> None:
-    cfg = EngineConfig(num_slots=4, max_seq_len=64, chunked_prefill_size=64, max_prefill_batch=2, lanes=1, seed=0)
+    # 16 slots: three shapes to compile (a mixed step of four prefill blocks, decode calls of 8 and 16 rows)
+    cfg = EngineConfig(num_slots=16, max_seq_len=64, chunked_prefill_size=64, max_prefill_batch=2, lanes=1, seed=0)
     engine = Engine(load_pretrained(tiny_dir), cfg)
     total = len(engine.step_shapes())
     assert total > 2
