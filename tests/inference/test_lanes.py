@@ -62,11 +62,18 @@ def test_lanes_fill_and_step_concurrently(slot_engine: Engine) -> None:
     barrier, calls, lock = threading.Barrier(2, timeout=120), [0], threading.Lock()
     met: list[bool] = []
     real = slot_engine._run_step
+    # The answers each lane stepped, by stream id, over the whole run (read at each of its step
+    # calls, not at one moment: on a loaded machine one lane may finish its answers before the
+    # other lane's first tokens are out).
+    stepped: list[set[int]] = [set() for _ in slot_engine._lanes]
 
     def meeting(fn, *args, **kwargs):  # noqa: ANN001, ANN202
         with lock:
             calls[0] += 1
             first_two = calls[0] <= 2
+            for k, lane in enumerate(slot_engine._lanes):
+                if lane.cache is args[1]:
+                    stepped[k] |= {s.stream_id for s in lane.running}
         if first_two:
             try:
                 barrier.wait()
@@ -77,22 +84,21 @@ def test_lanes_fill_and_step_concurrently(slot_engine: Engine) -> None:
 
     slot_engine._run_step = meeting
     try:
-        async def go() -> list[int]:
+        async def go() -> None:
             await slot_engine.start()
             try:
                 sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
                 streams = [slot_engine.stream(GenerateRequest(p, sp)) for p in prompts([5] * 8, seed=6)]
                 firsts = await asyncio.gather(*(anext(s) for s in streams))
                 assert all(len(f.output_ids) >= 1 for f in firsts)
-                busy = [len(lane.running) for lane in slot_engine._lanes]
                 for s in streams:
                     async for _ in s:
                         pass
-                return busy
             finally:
                 await slot_engine.stop()
-        busy = run(go())
+        run(go())
     finally:
         del slot_engine._run_step
-    assert sum(busy) == 8 and min(busy) >= 1, busy  # both lanes took requests
+    busy = [len(ids) for ids in stepped]
+    assert sum(busy) == 8 and min(busy) >= 1 and not set.intersection(*stepped), stepped  # both lanes took requests
     assert met == [True, True], met  # the two lanes' calls were in flight at the same time
