@@ -137,6 +137,29 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(x.dtype) * x32.astype(x.dtype)).reshape(shape)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def resharded(x: jax.Array, names: tuple[str | None, ...] | None, grad_names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` constrained to the sharding of logical ``names`` (None: as it is), its cotangent to
+    that of ``grad_names`` (a plain constraint gives the cotangent the value's own sharding). A
+    weight read whole (``names`` all None) inside a loop keeps its gradient in its own shards:
+    each iteration's part is reduce-scattered into them, and nothing is gathered back whole.
+    Both are no-ops outside a mesh."""
+    return x if names is None else constrain(x, names)
+
+
+def _resharded_fwd(x: jax.Array, names: tuple[str | None, ...] | None,
+                   grad_names: tuple[str | None, ...]) -> tuple[jax.Array, None]:
+    return resharded(x, names, grad_names), None
+
+
+def _resharded_bwd(names: tuple[str | None, ...] | None, grad_names: tuple[str | None, ...], _: None,
+                   g: jax.Array) -> tuple[jax.Array]:
+    return (constrain(g, grad_names),)
+
+
+resharded.defvjp(_resharded_fwd, _resharded_bwd)
+
+
 def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
     """HIGHEST in float32 mode, so float32 means float32 on TPU too (whose default multiplies
     float32 in one bfloat16 pass); the backend default in bfloat16 mode."""
@@ -443,18 +466,41 @@ class Decoder(nnx.Module):
             return min(cfg.train_unroll, cfg.num_hidden_layers)
         return cfg.num_hidden_layers if jax.default_backend() == "cpu" else 1
 
-    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+    def head_weight(self, *, whole: bool = False) -> jax.Array:
+        """The head's weight in the parameter dtype: ``[hidden, vocab]``, or the tied embedding
+        table ``[vocab, hidden]``. ``whole``: constrained unsharded, so that a loop over token
+        chunks (``chunked_logprobs``) reads one copy gathered before it. Gathered inside the loop
+        instead, FSDP gathers the head once per chunk forward (bfloat16), again for the
+        backward's recompute, and a third time in float32 for the hidden states' gradient (JAX's
+        transpose of the float32-output matmul widens the weight before the gather): at
+        Qwen2.5-7B on 8 devices 1.09 + 1.09 + 2.18 GB per 1,024-token chunk, beside the
+        gradient's reduce-scatter. Whole, it is one 2.18 GB float32 gather a micro-batch; each
+        chunk's gradient is still scattered into the weight's shards (``logits_from_hidden``)."""
+        w = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.kernel[...]
+        return resharded(w, (None, None), self._head_axes) if whole else w
+
+    @property
+    def _head_axes(self) -> tuple[str, str]:
+        return ("vocab", "embed") if self.lm_head is None else ("embed", "vocab")
+
+    def logits_from_hidden(self, hidden: jax.Array, head: jax.Array | None = None) -> jax.Array:
         """Float32 logits ``[..., vocab]``. In bfloat16 mode the head multiplies bfloat16 operands
         (exact products) with float32 accumulation and output, so the logits, and every PPO ratio
-        built on them, carry no bfloat16 rounding; in float32 mode it is a HIGHEST-precision matmul."""
+        built on them, carry no bfloat16 rounding; in float32 mode it is a HIGHEST-precision matmul.
+        ``head``: the weight as ``head_weight`` gives it (default: the parameter)."""
         cfg = self.config
         compute = cfg.jnp_dtype
         hidden = hidden.astype(compute)
+        if head is None:
+            w = self.head_weight()
+        else:  # read whole: its gradient still lands in the parameter's shards
+            w = resharded(head, None, self._head_axes)
+        w = w.astype(compute)
         if self.lm_head is None:  # tied: the embedding table [vocab, hidden] is the head
-            logits = jnp.einsum("...h,vh->...v", hidden, self.embed_tokens.embedding[...].astype(compute),
+            logits = jnp.einsum("...h,vh->...v", hidden, w,
                                 precision=matmul_precision(cfg), preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("...h,hv->...v", hidden, self.lm_head.kernel[...].astype(compute),
+            logits = jnp.einsum("...h,hv->...v", hidden, w,
                                 precision=matmul_precision(cfg), preferred_element_type=jnp.float32)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 

@@ -33,8 +33,9 @@ def token_logprobs(
     """``log_softmax(logits / T)`` of each position's target, and optionally the entropy there."""
     hidden = model.hidden_states(batch["input_ids"], batch["positions"], batch["segment_ids"],
                                  **attention_args(batch, attention_window, attention_block))
+    head = model.head_weight(whole=True)  # gathered once for every chunk (Decoder.head_weight)
     return chunked_logprobs(
-        hidden, batch["targets"], model.logits_from_hidden,
+        hidden, batch["targets"], lambda h: model.logits_from_hidden(h, head),
         temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
     )
 

@@ -102,17 +102,30 @@ def test_qwen25_7b_fits_8_devices_by_default() -> None:
 
 
 @pytest.mark.slow
-def test_qwen25_7b_gathers_bfloat16_weights() -> None:
-    """FSDP gathers the compute-dtype copy of each weight (cast on its shard), half the bytes of
-    the float32 masters. Read off the partitioned HLO: XLA:CPU's later passes widen bfloat16 dots
+def test_qwen25_7b_gathers_bfloat16_layers_and_the_head_once() -> None:
+    """FSDP gathers the compute-dtype copy of each layer's weights (cast on its shard), half the
+    bytes of the float32 masters, and the head once a micro-batch, before the chunked logprobs'
+    loop: whole and in float32, so that its gradient sums over the chunks in float32, scattered
+    into its shards each chunk (``Decoder.head_weight``). Gathered inside the loop instead it
+    was three gathers a chunk (bfloat16 forward, bfloat16 recompute, float32 for the hidden
+    states' gradient). Read off the partitioned HLO: XLA:CPU's later passes widen bfloat16 dots
     to float32 and their gathers with them, which an accelerator does not."""
     train = TrainConfig(compute_dtype="bfloat16", remat="full")  # no plan: one compile
-    gathers = weight_gathers(partitioned_hlo(abstract_trainer(QWEN25_7B, 8, train)))
-    assert set(gathers) == {"bf16"}, gathers
-    # Every weight matrix of a layer (in the scan's body, written once) and the head, gathered
-    # whole from its eighths: 2 bytes an element.
+    hlo = partitioned_hlo(abstract_trainer(QWEN25_7B, 8, train))
+    vocab, hidden = QWEN25_7B["vocab_size"], QWEN25_7B["hidden_size"]
+    head = [line for line in hlo.splitlines() if "all-gather(" in line and str(vocab) in line.split("all-gather(")[0]]
+    assert len(head) == 1 and "/while/" not in head[0], head  # once, outside every loop
+    assert collective_bytes(head[0]) == {"f32": 4 * vocab * hidden}, head
+    layers = weight_gathers("\n".join(line for line in hlo.splitlines() if line not in head))
+    assert set(layers) == {"bf16"}, layers
+    # Every weight matrix of a layer (in the scan's body, written once), gathered whole from its
+    # eighths: 2 bytes an element.
     layer = 3584 * (28 * 128 + 2 * 4 * 128) + 28 * 128 * 3584 + 3 * 3584 * 18944
-    assert gathers["bf16"] >= 2 * (layer + 3584 * 152064), gathers
+    assert layers["bf16"] >= 2 * layer, layers
+    # The head's gradient is summed into its shards in the loop, never held whole outside it.
+    grads = [line for line in hlo.splitlines() if "all-gather(" in line and "transpose(" in line
+             and str(vocab) in line.split("all-gather(")[0]]
+    assert grads == [], grads
 
 
 @pytest.mark.slow
