@@ -14,6 +14,7 @@ from sharding.rules import (
     logical_axis_size,
     logical_to_sharding,
     logical_to_spec,
+    resharded,
     shardings_of,
 )
 
@@ -31,5 +32,6 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "put_from_host",
+    "resharded",
     "shardings_of",
 ]

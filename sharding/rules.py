@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import flax.core.spmd as flax_spmd
@@ -105,3 +106,26 @@ def shardings_of(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
         lambda v: logical_to_sharding(v.get_metadata().get("out_sharding") or (), mesh, rules),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable),
     )
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def resharded(x: jax.Array, names: tuple[str | None, ...] | None, grad_names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` constrained to the sharding of logical ``names`` (None: as it is), its cotangent to
+    that of ``grad_names`` (a plain constraint gives the cotangent the value's own sharding). A
+    weight read whole (``names`` all None) inside a loop keeps its gradient in its own shards:
+    each iteration's part is reduce-scattered into them, and nothing is gathered back whole.
+    Both are no-ops outside a mesh."""
+    return x if names is None else constrain(x, names)
+
+
+def _resharded_fwd(x: jax.Array, names: tuple[str | None, ...] | None,
+                   grad_names: tuple[str | None, ...]) -> tuple[jax.Array, None]:
+    return resharded(x, names, grad_names), None
+
+
+def _resharded_bwd(names: tuple[str | None, ...] | None, grad_names: tuple[str | None, ...], _: None,
+                   g: jax.Array) -> tuple[jax.Array]:
+    return (constrain(g, grad_names),)
+
+
+resharded.defvjp(_resharded_fwd, _resharded_bwd)

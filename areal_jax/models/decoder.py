@@ -16,13 +16,11 @@ Parameters and main activations carry logical axis names; mesh axes live in ``sh
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from areal_jax.models import paged
@@ -40,7 +38,8 @@ from areal_jax.models.config import ModelConfig, jnp_dtype
 from areal_jax.models.fused import FusedLayout, mlp_shards, qkv_layout, qkv_shards
 from areal_jax.models.fused import layouts as fused_layouts
 from areal_jax.models.paged import K_PAGE_AXES, V_PAGE_AXES, PagedKVCache  # noqa: F401 (re-exported)
-from sharding import constrain, logical_axis_size
+from areal_jax.models.rope import ROPE_SCALINGS, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
+from sharding import constrain, logical_axis_size, resharded
 
 
 class KVCache(NamedTuple):
@@ -75,51 +74,6 @@ K_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "head_dim", "cache_le
 V_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim")
 
 
-# --- RoPE -------------------------------------------------------------------------------------
-
-def _rope_default(inv_freq: np.ndarray, _: dict[str, Any]) -> np.ndarray:
-    return inv_freq
-
-
-def _rope_linear(inv_freq: np.ndarray, p: dict[str, Any]) -> np.ndarray:
-    return inv_freq / p["factor"]
-
-
-def _rope_llama3(inv_freq: np.ndarray, p: dict[str, Any]) -> np.ndarray:
-    # Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`, short
-    # ones kept, and the band between interpolated smoothly.
-    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
-    old_len = p["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return np.where(medium, smoothed, scaled)
-
-
-ROPE_SCALINGS = {"default": _rope_default, "linear": _rope_linear, "llama3": _rope_llama3}
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    params = cfg.rope_scaling or {}
-    kind = params.get("rope_type", "default")
-    if kind not in ROPE_SCALINGS:
-        raise ValueError(f"rope_scaling type {kind!r} is not supported; supported: {sorted(ROPE_SCALINGS)}")
-    return ROPE_SCALINGS[kind](inv_freq, params).astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x [b, t, heads, d]`` by ``positions [b, t]`` (HF's rotate-half layout)."""
-    freqs = positions[..., None].astype(jnp.float32) * inv_freq
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
 # --- layers -----------------------------------------------------------------------------------
 
 class RMSNorm(nnx.Module):
@@ -135,29 +89,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (self.weight[...].astype(x.dtype) * x32.astype(x.dtype)).reshape(shape)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def resharded(x: jax.Array, names: tuple[str | None, ...] | None, grad_names: tuple[str | None, ...]) -> jax.Array:
-    """``x`` constrained to the sharding of logical ``names`` (None: as it is), its cotangent to
-    that of ``grad_names`` (a plain constraint gives the cotangent the value's own sharding). A
-    weight read whole (``names`` all None) inside a loop keeps its gradient in its own shards:
-    each iteration's part is reduce-scattered into them, and nothing is gathered back whole.
-    Both are no-ops outside a mesh."""
-    return x if names is None else constrain(x, names)
-
-
-def _resharded_fwd(x: jax.Array, names: tuple[str | None, ...] | None,
-                   grad_names: tuple[str | None, ...]) -> tuple[jax.Array, None]:
-    return resharded(x, names, grad_names), None
-
-
-def _resharded_bwd(names: tuple[str | None, ...] | None, grad_names: tuple[str | None, ...], _: None,
-                   g: jax.Array) -> tuple[jax.Array]:
-    return (constrain(g, grad_names),)
-
-
-resharded.defvjp(_resharded_fwd, _resharded_bwd)
 
 
 def matmul_precision(cfg: ModelConfig) -> jax.lax.Precision | None:
