@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from areal_jax import CACHE_ROOT
+
 
 def load_tokenizer(model_dir: str | os.PathLike) -> Any:
     """The ``transformers`` tokenizer saved in ``model_dir`` (tokenizer.json and its config):
@@ -50,7 +52,7 @@ CLASSES_ENV = "AREAL_JAX_TOKENIZER_CLASSES"
 
 
 def _classes_path() -> Path:
-    return Path(os.environ.get(CLASSES_ENV) or Path("~/.cache/areal-jax/tokenizer-classes.json")).expanduser()
+    return Path(os.environ.get(CLASSES_ENV) or Path(CACHE_ROOT, "tokenizer-classes.json")).expanduser()
 
 
 def _files_key(model_dir: Path) -> str | None:

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from areal_jax import CACHE_ROOT
 from areal_jax.algo import AlgoConfig
 from areal_jax.config import load_config
 from areal_jax.controller.config import RolloutConfig
@@ -148,7 +149,7 @@ class RunConfig:
     export: bool = True
     """Save the final policy as a HF model directory in ``<run dir>/final`` (a URL run directory:
     written there by every process, each its own shards)."""
-    compile_cache: str | None = "~/.cache/areal-jax/jax"
+    compile_cache: str | None = f"{CACHE_ROOT}/jax"
     """JAX's persistent compilation cache, for the trainer and the rollout servers it starts: a
     run compiles its train step and the servers' prefill and decode shapes once, and the runs
     after it load them (``JAX_COMPILATION_CACHE_DIR``, when set, wins; None: no cache)."""

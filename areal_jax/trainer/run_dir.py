@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from areal_jax import CACHE_ROOT
 from areal_jax.models.hf_write import is_url
 
 
@@ -42,7 +43,7 @@ def local_run_dir(run_dir: str, local_dir: str | None = None) -> Path:
         base = Path(local_dir).expanduser()
     else:
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", run_dir.split("://", 1)[1].strip("/")) or "run"
-        base = Path("~/.cache/areal-jax/runs").expanduser() / name
+        base = Path(CACHE_ROOT, "runs").expanduser() / name
     return base / f"process-{jax.process_index()}" if jax.process_count() > 1 else base
 
 
