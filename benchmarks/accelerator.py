@@ -33,6 +33,7 @@ import json
 import platform
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from flax import nnx
 from train_step import batch, best_seconds, matmul_peak, model_flops
 
 from areal_jax.algo import AlgoConfig
-from areal_jax.inference import Engine, EngineConfig
+from areal_jax.inference import Engine, EngineConfig, GenerateOutput
 from areal_jax.models.config import ModelConfig
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.logprobs import logprobs_from_logits
@@ -115,7 +116,10 @@ def attention_check(shape: dict[str, Any], rows: int, row_len: int) -> dict[str,
 
 def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_tokens: int, decode_steps: int,
            rounds: int, bandwidth: float, unroll: int = 1,
-           backends: tuple[str, ...] = ("auto",)) -> list[dict[str, Any]]:
+           backends: tuple[str, ...] = ("auto",),
+           on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
+    """Decode rows, concurrency by concurrency, each backend in turn (see the module docstring);
+    ``on_row`` gets the rows so far after each one (so a run cut short keeps what it measured)."""
     cfg = ModelConfig(**shape, param_dtype="bfloat16", dtype="bfloat16", decode_unroll=unroll,
                       fuse_projections=True)  # the serving layout (models.fused)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
@@ -123,39 +127,76 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k and v, bfloat16
     short = max(decode_steps, new_tokens // 4)
     rows = []
+    first: dict[int, tuple[str, list[GenerateOutput]]] = {}  # each concurrency's first backend's answers
     for c, backend in ((c, b) for c in concurrency for b in backends):
-        prompts = np.random.default_rng(c).integers(4, min(cfg.vocab_size, 1000), (c, prompt_len)).tolist()
-        max_len = prompt_len + new_tokens + decode_steps
-        engine = Engine(model, EngineConfig(num_slots=c, max_seq_len=max_len, max_prefill_batch=min(c, 64),
-                                            decode_steps=decode_steps, lanes=1, attention_backend=backend),
-                        eos_token_ids=[])
-        ran = getattr(engine, "attention_backend", "slots")  # the slot cache has no paged attention
+        try:
+            rows.append(_decode_row(model, c, backend, prompt_len, new_tokens, decode_steps, rounds, bandwidth,
+                                    short, weight_bytes, kv_per_token, first))
+        except Exception as e:  # a kernel this device cannot run must not lose the other rows
+            traceback.print_exc()
+            rows.append({"concurrency": c, "attention_backend": backend, "error": f"{type(e).__name__}: {e}"[:2000]})
+        if on_row is not None:
+            on_row(rows)
+    return rows
+
+
+def _decode_row(model: Decoder, c: int, backend: str, prompt_len: int, new_tokens: int, decode_steps: int,
+                rounds: int, bandwidth: float, short: int, weight_bytes: int, kv_per_token: int,
+                first: dict[int, tuple[str, list[GenerateOutput]]]) -> dict[str, Any]:
+    """One decode row (see ``decode``); the first backend run at ``c`` leaves its answers in
+    ``first``, and each later one reports how far its greedy answers agree with them."""
+    cfg = model.config
+    prompts = np.random.default_rng(c).integers(4, min(cfg.vocab_size, 1000), (c, prompt_len)).tolist()
+    max_len = prompt_len + new_tokens + decode_steps
+    engine = Engine(model, EngineConfig(num_slots=c, max_seq_len=max_len, max_prefill_batch=min(c, 64),
+                                        decode_steps=decode_steps, lanes=1, attention_backend=backend),
+                    eos_token_ids=[])
+    ran = getattr(engine, "attention_backend", "slots")  # the slot cache has no paged attention
+    try:
         t0 = time.perf_counter()
-        engine_run(engine, prompts, new_tokens)  # compiles every shape the timed runs meet
+        answers: list[GenerateOutput] = []
+        engine_run(engine, prompts, new_tokens, answers)  # compiles every shape the timed runs meet
         engine_run(engine, prompts, short)
         warmup = time.perf_counter() - t0
         full, part = [], []
         for _ in range(rounds):
             full.append(engine_run(engine, prompts, new_tokens))
             part.append(engine_run(engine, prompts, short))
-        decode_s = min(full) - min(part)
-        # A difference of two timings: NaN where the machine's noise exceeded it (raise --new-tokens).
-        tokens_s = c * (new_tokens - short) / decode_s if decode_s > 0 else float("nan")
-        mean_ctx = prompt_len + (short + new_tokens) / 2
-        step_bytes = weight_bytes + c * kv_per_token * mean_ctx
-        roofline = c * bandwidth / step_bytes
-        rows.append({"concurrency": c, "attention_backend": backend, "ran": ran, "decode_tokens_per_s": tokens_s,
-                     "end_to_end_tokens_per_s": c * new_tokens / min(full),
-                     "ms_per_decode_step": 1e3 * decode_s / (new_tokens - short), "roofline_tokens_per_s": roofline,
-                     "fraction_of_roofline": tokens_s / roofline, "bytes_per_step": step_bytes,
-                     "warmup_s": warmup, "full_s": full, "short_s": part})
-        r = rows[-1]
-        print(f"decode c={c:4d} {backend}->{ran}: {tokens_s:10,.0f} tok/s ({r['ms_per_decode_step']:.2f} ms/step), "
-              f"roofline "
-              f"{roofline:10,.0f} -> {100 * r['fraction_of_roofline']:.1f}%; end to end "
-              f"{r['end_to_end_tokens_per_s']:,.0f} tok/s; warm-up {warmup:.0f} s", flush=True)
+    finally:
         del engine
-    return rows
+    decode_s = min(full) - min(part)
+    # A difference of two timings: NaN where the machine's noise exceeded it (raise --new-tokens).
+    tokens_s = c * (new_tokens - short) / decode_s if decode_s > 0 else float("nan")
+    mean_ctx = prompt_len + (short + new_tokens) / 2
+    step_bytes = weight_bytes + c * kv_per_token * mean_ctx
+    roofline = c * bandwidth / step_bytes
+    row: dict[str, Any] = {
+        "concurrency": c, "attention_backend": backend, "ran": ran, "decode_tokens_per_s": tokens_s,
+        "end_to_end_tokens_per_s": c * new_tokens / min(full),
+        "ms_per_decode_step": 1e3 * decode_s / (new_tokens - short), "roofline_tokens_per_s": roofline,
+        "fraction_of_roofline": tokens_s / roofline, "bytes_per_step": step_bytes,
+        "warmup_s": warmup, "full_s": full, "short_s": part}
+    agree = ""
+    if c not in first:
+        first[c] = (ran, answers)
+    else:
+        # Greedy answers of two attention paths: the same first token's logprob up to bfloat16
+        # rounding, and the same tokens until a near-tie flips one (random weights make ties common).
+        ref_ran, ref = first[c]
+        same = [next((i for i, (a, b) in enumerate(zip(x.output_ids, y.output_ids, strict=True)) if a != b), new_tokens)
+                for x, y in zip(answers, ref, strict=True)]
+        row["agreement_with"] = {
+            "ran": ref_ran, "first_logprob_max_abs_diff": float(max(
+                abs(x.output_logprobs[0] - y.output_logprobs[0]) for x, y in zip(answers, ref, strict=True))),
+            "mean_tokens_before_first_difference": float(np.mean(same)),
+            "first_token_equal_fraction": float(np.mean([s > 0 for s in same]))}
+        a = row["agreement_with"]
+        agree = (f"; vs {ref_ran}: first-logprob diff {a['first_logprob_max_abs_diff']:.3f}, "
+                 f"{a['mean_tokens_before_first_difference']:.0f} tokens agree on average")
+    print(f"decode c={c:4d} {backend}->{ran}: {tokens_s:10,.0f} tok/s ({row['ms_per_decode_step']:.2f} ms/step), "
+          f"roofline {roofline:10,.0f} -> {100 * row['fraction_of_roofline']:.1f}%; end to end "
+          f"{row['end_to_end_tokens_per_s']:,.0f} tok/s; warm-up {warmup:.0f} s{agree}", flush=True)
+    return row
 
 
 def train(shape: dict[str, Any], impls: list[str], groups: int, group_size: int, max_answer: int, budget: int,
@@ -250,7 +291,7 @@ def main() -> None:
         "attention_check": lambda: attention_check(shape, rows=4, row_len=args.attention_len),
         "decode": lambda: decode(shape, args.concurrency, args.prompt_len, args.new_tokens, args.decode_steps,
                                  args.rounds, c["copy_gb_per_s"] * 1e9, args.decode_unroll,
-                                 tuple(args.attention_backend)),
+                                 tuple(args.attention_backend), lambda rows: (result.update(decode=rows), save())),
         "train": lambda: [row for impl in args.impls for row in train(
             shape, [impl], args.groups, args.group_size, args.max_answer, args.budget, args.batches,
             c["bf16_matmul_tflops_per_s"] * 1e12, args.compile_warmup)],

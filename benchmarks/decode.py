@@ -32,13 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingParams
+from areal_jax.inference import Engine, EngineConfig, GenerateOutput, GenerateRequest, SamplingParams
 from areal_jax.models.hf_io import load_pretrained
 from areal_jax.models.tiny import make_tiny_checkpoint
 
 
-def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds to generate ``new_tokens`` for every prompt, all submitted at once."""
+def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int,
+               outputs: list[GenerateOutput] | None = None) -> float:
+    """Seconds to generate ``new_tokens`` for every prompt, all submitted at once (the answers are
+    appended to ``outputs`` when one is given)."""
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
     async def go() -> float:
@@ -50,6 +52,8 @@ def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int) -> flo
         finally:
             await engine.stop()
         assert all(len(o.output_ids) == new_tokens for o in outs)
+        if outputs is not None:
+            outputs.extend(outs)
         return elapsed
 
     return asyncio.run(go())
