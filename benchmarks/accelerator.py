@@ -116,7 +116,7 @@ def attention_check(shape: dict[str, Any], rows: int, row_len: int) -> dict[str,
 
 def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_tokens: int, decode_steps: int,
            rounds: int, bandwidth: float, unroll: int = 1,
-           backends: tuple[str, ...] = ("auto",),
+           backends: tuple[str, ...] = ("auto",), layouts: tuple[str, ...] = ("split",),
            on_row: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Decode rows, concurrency by concurrency, each backend in turn (see the module docstring);
     ``on_row`` gets the rows so far after each one (so a run cut short keeps what it measured)."""
@@ -128,19 +128,20 @@ def decode(shape: dict[str, Any], concurrency: list[int], prompt_len: int, new_t
     short = max(decode_steps, new_tokens // 4)
     rows = []
     first: dict[int, tuple[str, list[GenerateOutput]]] = {}  # each concurrency's first backend's answers
-    for c, backend in ((c, b) for c in concurrency for b in backends):
+    for c, backend, layout in ((c, b, u) for c in concurrency for b in backends for u in layouts):
         try:
-            rows.append(_decode_row(model, c, backend, prompt_len, new_tokens, decode_steps, rounds, bandwidth,
+            rows.append(_decode_row(model, c, backend, layout, prompt_len, new_tokens, decode_steps, rounds, bandwidth,
                                     short, weight_bytes, kv_per_token, first))
         except Exception as e:  # a kernel this device cannot run must not lose the other rows
             traceback.print_exc()
-            rows.append({"concurrency": c, "attention_backend": backend, "error": f"{type(e).__name__}: {e}"[:2000]})
+            rows.append({"concurrency": c, "attention_backend": backend, "layer_layout": layout,
+                         "error": f"{type(e).__name__}: {e}"[:2000]})
         if on_row is not None:
             on_row(rows)
     return rows
 
 
-def _decode_row(model: Decoder, c: int, backend: str, prompt_len: int, new_tokens: int, decode_steps: int,
+def _decode_row(model: Decoder, c: int, backend: str, layout: str, prompt_len: int, new_tokens: int, decode_steps: int,
                 rounds: int, bandwidth: float, short: int, weight_bytes: int, kv_per_token: int,
                 first: dict[int, tuple[str, list[GenerateOutput]]]) -> dict[str, Any]:
     """One decode row (see ``decode``); the first backend run at ``c`` leaves its answers in
@@ -149,7 +150,8 @@ def _decode_row(model: Decoder, c: int, backend: str, prompt_len: int, new_token
     prompts = np.random.default_rng(c).integers(4, min(cfg.vocab_size, 1000), (c, prompt_len)).tolist()
     max_len = prompt_len + new_tokens + decode_steps
     engine = Engine(model, EngineConfig(num_slots=c, max_seq_len=max_len, max_prefill_batch=min(c, 64),
-                                        decode_steps=decode_steps, lanes=1, attention_backend=backend),
+                                        decode_steps=decode_steps, lanes=1, attention_backend=backend,
+                                        layer_layout=layout),
                     eos_token_ids=[])
     ran = getattr(engine, "attention_backend", "slots")  # the slot cache has no paged attention
     try:
@@ -171,7 +173,8 @@ def _decode_row(model: Decoder, c: int, backend: str, prompt_len: int, new_token
     step_bytes = weight_bytes + c * kv_per_token * mean_ctx
     roofline = c * bandwidth / step_bytes
     row: dict[str, Any] = {
-        "concurrency": c, "attention_backend": backend, "ran": ran, "decode_tokens_per_s": tokens_s,
+        "concurrency": c, "attention_backend": backend, "layer_layout": layout, "ran": ran,
+        "decode_tokens_per_s": tokens_s,
         "end_to_end_tokens_per_s": c * new_tokens / min(full),
         "ms_per_decode_step": 1e3 * decode_s / (new_tokens - short), "roofline_tokens_per_s": roofline,
         "fraction_of_roofline": tokens_s / roofline, "bytes_per_step": step_bytes,
@@ -193,7 +196,8 @@ def _decode_row(model: Decoder, c: int, backend: str, prompt_len: int, new_token
         a = row["agreement_with"]
         agree = (f"; vs {ref_ran}: first-logprob diff {a['first_logprob_max_abs_diff']:.3f}, "
                  f"{a['mean_tokens_before_first_difference']:.0f} tokens agree on average")
-    print(f"decode c={c:4d} {backend}->{ran}: {tokens_s:10,.0f} tok/s ({row['ms_per_decode_step']:.2f} ms/step), "
+    print(f"decode c={c:4d} {backend}->{ran} {layout}: {tokens_s:10,.0f} tok/s "
+          f"({row['ms_per_decode_step']:.2f} ms/step), "
           f"roofline {roofline:10,.0f} -> {100 * row['fraction_of_roofline']:.1f}%; end to end "
           f"{row['end_to_end_tokens_per_s']:,.0f} tok/s; warm-up {warmup:.0f} s{agree}", flush=True)
     return row
@@ -258,6 +262,8 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16, help="tokens per compiled decode call")
     ap.add_argument("--attention-backend", nargs="+", default=["auto"], choices=["auto", "native", "fa"],
                     help="paged attention backends the decode part runs, side by side (e.g. native fa)")
+    ap.add_argument("--layer-layout", nargs="+", default=["split"], choices=["split", "stacked"],
+                    help="the engine's layer weights (EngineConfig.layer_layout), side by side (e.g. split stacked)")
     ap.add_argument("--decode-unroll", type=int, default=1, help="decoder layers per iteration of the decode scan")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--impls", nargs="+", default=["dense", "dot_product"], help="train attention implementations")
@@ -291,7 +297,8 @@ def main() -> None:
         "attention_check": lambda: attention_check(shape, rows=4, row_len=args.attention_len),
         "decode": lambda: decode(shape, args.concurrency, args.prompt_len, args.new_tokens, args.decode_steps,
                                  args.rounds, c["copy_gb_per_s"] * 1e9, args.decode_unroll,
-                                 tuple(args.attention_backend), lambda rows: (result.update(decode=rows), save())),
+                                 tuple(args.attention_backend), tuple(args.layer_layout),
+                                 lambda rows: (result.update(decode=rows), save())),
         "train": lambda: [row for impl in args.impls for row in train(
             shape, [impl], args.groups, args.group_size, args.max_answer, args.budget, args.batches,
             c["bf16_matmul_tflops_per_s"] * 1e12, args.compile_warmup)],

@@ -3,7 +3,8 @@
 #   1. decode at Qwen2.5-7B's shapes, concurrency 1, 64 and 256, the XLA paged attention and the
 #      Pallas kernel side by side in one process (accelerator.py; each row says what ran and how
 #      far the kernel's greedy answers agree with the XLA path's);
-#   2. the same at Qwen2.5-1.5B's shapes;
+#   2. 7B decode with the layer weights stacked (sliced out each step) against split, at 1 and 64;
+#   (with RUN_1_5B=1, the first part again at Qwen2.5-1.5B's shapes;)
 #   3. the quick-start demo with the rollout engine in the trainer's process (rollout.backend=local).
 # Each part has its own time limit so one slow part cannot lose the others' figures.
 #
@@ -28,10 +29,15 @@ run() {  # run LIMIT_S NAME CMD...: CMD's output to OUT/NAME.log, cut at LIMIT_S
   grep -E '^(decode|train|bf16|NVIDIA|packed)|Error' "$out/$name.log" | tail -20
 }
 
-run "${LIMIT_7B:-240}" decode_7b python3 benchmarks/accelerator.py --model qwen2.5-7b --parts ceilings,decode \
+run "${LIMIT_7B:-270}" decode_7b python3 benchmarks/accelerator.py --model qwen2.5-7b --parts ceilings,decode \
   --concurrency 1 64 256 --new-tokens 128 --attention-backend native fa --out "$out/decode_7b.json"
-run "${LIMIT_1_5B:-130}" decode_1_5b python3 benchmarks/accelerator.py --model qwen2.5-1.5b --parts ceilings,decode \
-  --concurrency 1 64 256 --new-tokens 128 --attention-backend native fa --out "$out/decode_1_5b.json"
+run "${LIMIT_LAYOUT:-130}" layout_7b python3 benchmarks/accelerator.py --model qwen2.5-7b --parts ceilings,decode \
+  --concurrency 1 64 --new-tokens 128 --attention-backend native --layer-layout stacked split \
+  --out "$out/layout_7b.json"
+if [ -n "${RUN_1_5B:-}" ]; then
+  run "${LIMIT_1_5B:-130}" decode_1_5b python3 benchmarks/accelerator.py --model qwen2.5-1.5b --parts ceilings,decode \
+    --concurrency 1 64 256 --new-tokens 128 --attention-backend native fa --out "$out/decode_1_5b.json"
+fi
 run "${LIMIT_DEMO:-180}" demo python3 -c 'from areal_jax.cli import main; main()' train --config configs/demo.yaml \
   rollout.backend=local "steps=$demo_steps" eval.every=20 "run_dir=$out/demo_run"
 tail -5 "$out/demo.log"

@@ -43,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 from areal_jax.inference.engine import PAUSE_MODES, Engine
 from areal_jax.inference.types import EngineDeadError, GenerateRequest, QueueFullError
 from areal_jax.inference.types import SamplingParams as EngineSamplingParams
+from areal_jax.models.layer_stack import stacked_view
 from rollout_bridge import protocol as P
 from rollout_bridge import validation as V
 from rollout_bridge.client import ClientConfig, GenerateResult, RolloutClient, RolloutError
@@ -135,8 +136,13 @@ def handover(params: Any, like: Any) -> tuple[Any, int]:
     device: a leaf whose dtype and layout already match is passed through as is; the others are
     cast and resharded onto ``like``'s shardings without a trip through host memory (see
     ``_place``). Returns the new state, in ``like``'s tree (its variables' metadata), and the
-    bytes copied. Blocks until the arrays are in place."""
+    bytes copied. Blocks until the arrays are in place.
+
+    A ``like`` in the serving layout (``models.layer_stack``) is taken as the stacked arrays it
+    stands for: the state returned is stacked, and ``set_state`` splits it (a copy of the layer
+    parameters; an engine with ``--layer-layout stacked`` serves the handed-over arrays as they are)."""
     keystr = jax.tree_util.keystr
+    like = stacked_view(like)
     given = {keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
     paths, olds = zip(*jax.tree_util.tree_leaves_with_path(like), strict=True)
     wanted = [keystr(p) for p in paths]
@@ -164,7 +170,8 @@ def handover(params: Any, like: Any) -> tuple[Any, int]:
         for i, y in zip(idx, placed, strict=True):
             leaves[i] = y
     state = jax.tree.unflatten(jax.tree.structure(like), leaves)
-    return jax.block_until_ready(state), sum(olds[i].nbytes for idx in moving.values() for i in idx)
+    return jax.block_until_ready(state), sum(olds[i].size * np.dtype(olds[i].dtype).itemsize
+                                             for idx in moving.values() for i in idx)
 
 
 _COPIES = "handover_copies"

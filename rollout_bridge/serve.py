@@ -112,6 +112,11 @@ def parser() -> argparse.ArgumentParser:
                    help="paged attention (sglang-jax's values): 'fa' the maintained kernel (TPU ragged paged "
                         "attention; Pallas GPU paged attention for decode rows), 'native' the XLA gather path, "
                         "'auto' the kernel where it runs (TPU/GPU, bfloat16/float16, one device), else native")
+    p.add_argument("--layer-layout", default="split", choices=["split", "stacked"],
+                   help="the served layer weights: 'split', one array per layer, read in place by decode (the "
+                        "fast layout); 'stacked', the trainer's layout, which an in-process trainer lends without "
+                        "a copy when dtypes match, at a copy of each layer's weights per decode step (not an "
+                        "SGLang flag)")
     p.add_argument("--kv-cache", default=None, choices=["paged", "slots"],
                    help="'paged': one page pool, admission by free pages; 'slots': one --context-length region per "
                         "running request (not an SGLang flag; default: paged, or $AREAL_JAX_KV_CACHE; slots over "
@@ -205,7 +210,7 @@ def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool
                         max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size,
                         share_prompts=not args.disable_radix_cache, kv_cache=kv_cache, page_size=args.page_size,
                         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                        attention_backend=args.attention_backend)
+                        attention_backend=args.attention_backend, layer_layout=args.layer_layout)
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -45,6 +45,7 @@ from areal_jax.inference.types import (
 )
 from areal_jax.inference.weight_swap import WeightSwaps
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.layer_stack import split_layers
 from sharding import activate
 
 __all__ = ["PAUSE_MODES", "EngineBase"]
@@ -64,7 +65,13 @@ class EngineBase(WeightSwaps):
         self._version = version
         self.eos_token_ids = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self._graphdef, state = nnx.split(model)
+        # The serving layout (EngineConfig.layer_layout): each stacked layer parameter as one array
+        # per layer, which the layer loop reads in place (models.layer_stack). ``self.model`` is
+        # then the engine's own object in that layout; the caller's model is left as it was.
         self._state = self._committed(state)
+        if cfg.layer_layout == "split":
+            self._state = split_layers(self._state)
+            self.model = nnx.merge(self._graphdef, self._state)
         self.max_top = max(1, min(cfg.max_top_logprobs, model.config.vocab_size))
         # at[].set writes into the donated input buffer (zeros_like would not use it, so XLA would not
         # reuse it): a flush never holds two caches.

@@ -128,6 +128,12 @@ class EngineConfig:
     decode rows); ``auto``, ``fa`` where its constraints hold (TPU or GPU, bfloat16/float16,
     head_dim and page size the kernel tiles, one device), else ``native``. An explicit ``fa``
     that cannot run is an error at start."""
+    layer_layout: str = "split"
+    """How the served weights hold the decoder's layer parameters (``models.layer_stack``):
+    ``split``, one array per layer, which decode reads in place; ``stacked``, the trainer's one
+    array per parameter, which an in-process trainer can lend without a copy when its dtype and
+    layout match, at the price of slicing (on a GPU, copying) every layer's weights out of the
+    stack at each decode step."""
     mem_fraction_static: float | None = None
     """Paged: share of the device's memory that weights and the KV pool may take (SGLang's
     ``--mem-fraction-static``); None: 0.85 on a device that reports its memory. On a CPU (no
@@ -154,6 +160,8 @@ class EngineConfig:
                              f"areal-jax serve --kv-cache, or the environment's {KV_CACHE_ENV})")
         from areal_jax.models.paged_kernels import ATTENTION_BACKENDS
 
+        if self.layer_layout not in ("split", "stacked"):
+            raise ValueError(f"layer_layout={self.layer_layout!r} (--layer-layout): choose 'split' or 'stacked'")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} (--attention-backend): choose one of "
                              f"{list(ATTENTION_BACKENDS)}")

@@ -39,6 +39,7 @@ from areal_jax.inference.engine import Engine
 from areal_jax.inference.types import DuplicateRequestError, GenerateOutput, GenerateRequest
 from areal_jax.inference.weights import check_swappable
 from areal_jax.models.decoder import Decoder
+from areal_jax.models.layer_stack import split_layers
 
 __all__ = ["ReplicaEngine", "ReplicaStage", "replica_pool_tokens"]
 
@@ -401,6 +402,7 @@ def _placed_like(state: Any, like: Any) -> Any:
     """``state``'s arrays on ``like``'s shardings, in ``like``'s tree (its variables' metadata,
     which records the mesh a model was made on); the parameters must match by path."""
     keystr = jax.tree_util.keystr
+    state = split_layers(state, like=like)  # stacked layer parameters into the serving layout, placed
     given = jax.tree_util.tree_leaves_with_path(state)
     wanted = jax.tree_util.tree_leaves_with_path(like)
     if [keystr(p) for p, _ in given] != [keystr(p) for p, _ in wanted]:

@@ -14,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.inference.weights import WeightStage, check_swappable, new_state
+from areal_jax.models.layer_stack import split_layers, stacked_view
 
 __all__ = ["WeightSwaps"]
 
@@ -42,7 +43,8 @@ class WeightSwaps:
         them to ``swap_weights``, which only swaps. Raises on invalid weights."""
         def build() -> Any:  # committed like the served state, so the compiled steps take it as it is
             state = new_state(self.model, tensors=tensors, model_dir=model_dir, stage=stage)
-            return self._committed(state, like=self._state)
+            # new stacked parameters into the serving layout, each freed once split
+            return self._committed(split_layers(state, like=self._state, consume=True), like=self._state)
 
         return await asyncio.to_thread(self._in_mesh, build)
 
@@ -67,7 +69,8 @@ class WeightSwaps:
 
     @property
     def state(self) -> Any:
-        """The served model's ``nnx.State``: the tree, dtypes and shardings ``set_state`` wants."""
+        """The served model's ``nnx.State`` in the serving layout (layer parameters as
+        ``layer_stack.LayerStack`` s): the tree, dtypes and shardings ``set_state`` wants."""
         return self._state
 
     def placement(self) -> dict[str, Any]:
@@ -78,14 +81,18 @@ class WeightSwaps:
             return {"mesh": None}
         cache = self._lanes[0].cache
         return {"mesh": {str(k): int(v) for k, v in self.mesh.shape.items()},
-                "params": _placement(self._state),
+                "params": _placement(stacked_view(self._state)),
                 "kv_cache": {} if cache is None else _placement({"k": cache.k, "v": cache.v})}
 
     async def set_state(self, state: Any, *, version: int) -> None:
         """Serve ``state`` (device arrays already on this engine's shardings and dtypes, e.g. an
         in-process trainer's params handed over) as ``version``, swapped in between steps. The
-        arrays are used as they are, not copied: whoever made them must not delete them while
-        they are served. A tree, shape, dtype or sharding that differs raises before any change."""
+        arrays of a state in the serving layout (``self.state``'s) are used as they are, not
+        copied: whoever made them must not delete them while they are served. A state with stacked
+        layer parameters (``layer_stack.stacked_view(self.state)``'s tree, a trainer's) is split
+        into the serving layout first, a copy of those parameters. A tree, shape, dtype or sharding
+        that differs raises before any change."""
+        state = split_layers(state, like=self._state)
         check_swappable(self._state, state)
         async with self._update_lock, self._all_lanes():
             nnx.update(self.model, state)

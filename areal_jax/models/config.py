@@ -125,8 +125,9 @@ class ModelConfig:
     """Decoder layers per iteration of the KV-cache path's scan over layers (prefill and decode):
     1 compiles one layer whatever the depth; ``num_hidden_layers`` (or more) unrolls them all,
     which compiles in time growing with depth. On CPU unrolling measured no faster (see
-    benchmarks/README.md); it is there for backends where the loop itself costs. Not a HF
-    config key."""
+    benchmarks/README.md); it is there for backends where the loop itself costs. An engine in
+    the default ``layer_layout: split`` runs no scan (it loops over its per-layer weights), and
+    this applies only to ``stacked``. Not a HF config key."""
     train_unroll: int | None = None
     """Decoder layers per iteration of the packed path's scan over layers (training, and the
     proximal, reference and critic forward passes). None: all of them on CPU, where XLA:CPU

@@ -37,6 +37,7 @@ from areal_jax.models.attention import (
 from areal_jax.models.config import ModelConfig, jnp_dtype
 from areal_jax.models.fused import FusedLayout, mlp_shards, qkv_layout, qkv_shards
 from areal_jax.models.fused import layouts as fused_layouts
+from areal_jax.models.layer_stack import layer_modules
 from areal_jax.models.paged import K_PAGE_AXES, V_PAGE_AXES, PagedKVCache  # noqa: F401 (re-exported)
 from areal_jax.models.rope import ROPE_SCALINGS, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
 from sharding import constrain, logical_axis_size, resharded
@@ -377,6 +378,11 @@ class Decoder(nnx.Module):
         def layer_fn(x: jax.Array, layer: DecoderLayer) -> jax.Array:
             return layer(x, positions, segment_ids, attention_window, attention_pairs, attention_block)
 
+        split = layer_modules(self.layers)
+        if split is not None:  # the serving layout: each layer's own arrays, read in place
+            for layer in split:
+                x = layer_fn(x, layer)
+            return self.norm(x)
         if self.config.remat != "none":
             layer_fn = nnx.remat(layer_fn, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
         run = nnx.scan(layer_fn, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata=_LAYERS_AXIS,
@@ -478,7 +484,14 @@ class Decoder(nnx.Module):
         A scan over the stacked layer parameters carrying the stacked cache, so compile time does
         not grow with depth; each layer scatters its keys and values into the carried cache in
         place (with the cache donated, a step writes only its new positions).
-        ``ModelConfig.decode_unroll`` layers run per scan iteration."""
+        ``ModelConfig.decode_unroll`` layers run per scan iteration. Layers held one array per
+        layer (``models.layer_stack``, an engine's layout) run in a loop that reads them in place."""
+        split = layer_modules(self.layers)
+        if split is not None:
+            for i, layer in enumerate(split):
+                x, cache = layer.decode(x, positions, cache, jnp.int32(i), slots, kv_len)
+                cache = KVCache(constrain(cache.k, K_CACHE_AXES), constrain(cache.v, V_CACHE_AXES))
+            return x, cache
         graphdef, params = nnx.split(self.layers)
         layers = self.config.num_hidden_layers
 

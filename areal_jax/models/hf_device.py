@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
+from areal_jax.models.layer_stack import LayerStack
 from areal_jax.models.safetensors_codec import safetensors_views
 
 
@@ -89,7 +90,13 @@ def from_hf(old: jax.Array, blocks: Sequence[np.ndarray], layers: Sequence[int] 
         jax.device_put(host, may_alias=True)
     if layers is None or list(layers) == list(range(old.shape[0])):
         return _from_hf_fn(transpose, old.dtype, old.sharding, False)(device)
-    return _from_hf_fn(transpose, old.dtype, old.sharding, True)(old, device, np.asarray(layers, np.int32))
+    return _from_hf_fn(transpose, old.dtype, old.sharding, True)(_array(old), device, np.asarray(layers, np.int32))
+
+
+def _array(old: Any) -> jax.Array:
+    """``old`` as one array: a served parameter held one array per layer (``LayerStack``) stacked
+    again, for an update of some of its layers."""
+    return old.stacked() if isinstance(old, LayerStack) else old
 
 
 @functools.cache
@@ -129,7 +136,9 @@ def from_hf_fused(old: jax.Array, parts: Sequence[tuple[tuple[int, int], Sequenc
     covered = sum(b - a for a, b in spans) == total and all(at is None for at in layers)
     fn = _from_hf_fused_fn(transpose, old.sharding, tuple(spans), covered, tuple(int(x) for x in order),
                            tuple(int(x) for x in inverse))
-    return fn(old, tuple(blocks), tuple(layers))
+    if isinstance(old, LayerStack) and covered:  # a complete update reads nothing of ``old`` but its dtype
+        return fn(jnp.zeros((), old.dtype), tuple(blocks), tuple(layers))
+    return fn(_array(old), tuple(blocks), tuple(layers))
 
 
 def _aligned(blocks: Sequence[np.ndarray], *, stack: bool, align: int = 64) -> np.ndarray:

@@ -27,6 +27,7 @@ from flax import nnx
 
 from areal_jax.models.attention import PagedWork, attend_ragged
 from areal_jax.models.config import jnp_dtype
+from areal_jax.models.layer_stack import layer_modules
 from areal_jax.models.paged_kernels import attend_kernel
 from sharding import constrain
 
@@ -119,7 +120,9 @@ def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax
     if len(sizes) == 1:
         return attend(work.rows, work.pages, work.first)
     branches = [lambda r, p, f, n=n: attend(r[:n], p[:n], f[:n]) for n in sizes]
-    index = jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), work.live), len(sizes) - 1)
+    # the first size that holds the live entries: a count of the smaller ones (one fused kernel;
+    # searchsorted's default lowering is a loop of tiny kernels, and this runs in every layer)
+    index = jnp.minimum(jnp.sum(jnp.asarray(sizes, jnp.int32) < work.live), len(sizes) - 1)
     return jax.lax.switch(index, branches, work.rows, work.pages, work.first)
 
 
@@ -216,9 +219,15 @@ def mixed_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache
 
 def _scan_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, write_pages: jax.Array,
                  write_offsets: jax.Array, work: PagedWork | tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+    backend = getattr(model, "paged_attention_backend", "native")
+    split = layer_modules(model.layers)
+    if split is not None:  # one array per layer (models.layer_stack): read in place, no slice copied
+        for i, layer in enumerate(split):
+            x, cache = layer_paged(layer, x, positions, cache, jnp.int32(i), write_pages, write_offsets, work, backend)
+            cache = PagedKVCache(constrain(cache.k, K_PAGE_AXES), constrain(cache.v, V_PAGE_AXES))
+        return x, cache
     graphdef, params = nnx.split(model.layers)
     layers = model.config.num_hidden_layers
-    backend = getattr(model, "paged_attention_backend", "native")
 
     def body(carry: tuple[jax.Array, PagedKVCache], xs: tuple[nnx.State, jax.Array]) -> tuple:
         x, cache = carry

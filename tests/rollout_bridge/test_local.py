@@ -74,7 +74,9 @@ def shared(tiny_dir: Path) -> tuple[Trainer, LocalRolloutClient]:
     """A trainer one step past the checkpoint, and a client over an engine still serving it."""
     trainer = Trainer(load_pretrained(tiny_dir), AlgoConfig(), TRAIN)
     trainer.train_batch(random_trajectories(np.random.default_rng(2), 2, 4), 0)
-    return trainer, LocalRolloutClient(build_engine(tiny_dir, ENGINE_ARGS, seed=0))
+    # the trainer's layout, so the engine can serve the lent arrays themselves (the default split
+    # layout copies the layer parameters: test_layer_stack)
+    return trainer, LocalRolloutClient(build_engine(tiny_dir, [*ENGINE_ARGS, "--layer-layout", "stacked"], seed=0))
 
 
 def test_handover_shares_the_arrays_and_the_engine_matches_the_trainers_forward(

@@ -27,6 +27,7 @@ from areal_jax.algo import AlgoConfig
 from areal_jax.data.trajectory import Trajectory
 from areal_jax.inference.types import GenerateRequest, SamplingParams
 from areal_jax.models.hf_io import load_pretrained
+from areal_jax.models.layer_stack import stacked_view
 from areal_jax.trainer import TrainConfig, Trainer
 from rollout_bridge.local import build_engine, handover, split_devices
 from sharding import MeshConfig, make_mesh
@@ -59,8 +60,9 @@ def test_split_handover_goes_device_to_device(tiny_dir: Path, engine_devices: in
     engine = build_engine(tiny_dir, ENGINE_ARGS, mesh=make_mesh(engine_mesh, gen_devices), seed=0)
     with _no_host_transfers():
         state, copied = handover(params, engine.state)
-    got, old = jax.tree.leaves(state), jax.tree.leaves(engine.state)
-    assert copied == sum(x.nbytes for x in old) > 0  # other devices: every byte moved
+    # handed over in the stacked form of the served state (set_state then splits the layers)
+    got, old = jax.tree.leaves(state), jax.tree.leaves(stacked_view(engine.state))
+    assert copied == sum(x.nbytes for x in jax.tree.leaves(engine.state)) > 0  # other devices: every byte moved
     for x, was, want in zip(got, old, jax.tree.leaves(params), strict=True):
         assert x.sharding == was.sharding and x.dtype == was.dtype
         np.testing.assert_array_equal(np.asarray(x), np.asarray(want))
@@ -80,7 +82,7 @@ def test_bfloat16_engine_in_the_split_placement_samples_from_the_trainers_weight
                           seed=0)
     with _no_host_transfers():
         state, copied = handover(trainer.policy.params, engine.state)
-    for x, was in zip(jax.tree.leaves(state), jax.tree.leaves(engine.state), strict=True):
+    for x, was in zip(jax.tree.leaves(state), jax.tree.leaves(stacked_view(engine.state)), strict=True):
         assert x.dtype == jax.numpy.bfloat16 and x.sharding == was.sharding
     assert copied == sum(x.nbytes for x in jax.tree.leaves(state))
     prompt = [5, 9, 14, 3]
