@@ -58,7 +58,7 @@ from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.engine import Engine, _Lane, _Seq
-from areal_jax.inference.paged_batches import PagedBatches, pow2
+from areal_jax.inference.paged_batches import PagedBatches
 from areal_jax.inference.paged_shapes import PagedShapes
 from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_step
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
@@ -403,8 +403,23 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self._prefilled(rows)
         self._take_tokens(decode, count, version, *out)
 
+    async def start(self) -> None:
+        """Start the loop; with ``cfg.compile_threads``, and shapes not compiled yet, compile them
+        in the background meanwhile (``compile_in_background``)."""
+        if not self._running and self.cfg.compile_threads:
+            self.background_compiles = self.compile_in_background(self.cfg.compile_threads) or self.background_compiles
+        await super().start()
+
+    async def stop(self) -> None:
+        """``Engine.stop``, then no more background compiles (waiting for those in hand)."""
+        await super().stop()
+        if self.background_compiles is not None:
+            await asyncio.to_thread(self.background_compiles.close)
+
     def _run_step(self, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh)."""
+        """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh),
+        once no background compile of its shape is in hand (``PagedShapes._claim``)."""
+        self._claim(fn, args, kwargs)
         with activate(self.mesh):
             return fn(state, cache, *jax.tree.map(self._replicated, args), **kwargs)
 
@@ -433,7 +448,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             return main, values, top_ids, 1
         # the decode call's arrays: the answers' rows (work entries are in row order, and each row
         # reads at most ``row_pages``), one token on, the write columns shifted (a sink column last)
-        k = pow2(live_rows, self.min_decode_rows)
+        k = self.fit_rows(live_rows)
+        self.compiled_shapes.add(self._decode_shape(k))
         cut = lambda a: a[:k]
         shift = lambda a, v: np.concatenate([a[:k, 1:], np.full((k, 1), v, a.dtype)], axis=1)
         work = (*(w[:k * self.row_pages] for w in work[:3]), work[3])
