@@ -31,7 +31,8 @@ with their tokens after an abort, a long prompt still being prefilled in chunks)
 that writes them, behind its writer's blocks, or waits for a later one.
 
 Shapes: ``warmup`` compiles every shape a running engine calls, so nothing compiles mid-run (a
-compile there stalls every answer for seconds and grows the process). A work list, whose length
+compile there stalls every answer for seconds and grows the process), or, with ``compile_threads``,
+worker threads compile them from ``start()`` while it serves (``paged_compiles``). A work list, whose length
 follows the pages the requests hold, has a fixed length per call shape (every row a full
 context) and is read on device only up to the smallest of ``models.paged.work_sizes`` that holds
 its live entries: the pages read cost what they are without being part of the shape. A mixed
@@ -402,19 +403,6 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self._wrote(rows, [seq for seq, _, _ in rows] + decode)
         self._prefilled(rows)
         self._take_tokens(decode, count, version, *out)
-
-    async def start(self) -> None:
-        """Start the loop; with ``cfg.compile_threads``, and shapes not compiled yet, compile them
-        in the background meanwhile (``compile_in_background``)."""
-        if not self._running and self.cfg.compile_threads:
-            self.background_compiles = self.compile_in_background(self.cfg.compile_threads) or self.background_compiles
-        await super().start()
-
-    async def stop(self) -> None:
-        """``Engine.stop``, then no more background compiles (waiting for those in hand)."""
-        await super().stop()
-        if self.background_compiles is not None:
-            await asyncio.to_thread(self.background_compiles.close)
 
     def _run_step(self, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh),

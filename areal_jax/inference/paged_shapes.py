@@ -8,6 +8,7 @@ mixin of ``PagedEngine``: it reads the engine's config, allocator and jitted ste
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -111,6 +112,19 @@ class PagedShapes:
             first = [("prefill", n, w, n * self.row_pages) for n, w in self.prefill_shapes()]
         rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
         return [*first, *(self._decode_shape(r) for r in rows)]
+
+    async def start(self) -> None:
+        """Start the loop; with ``cfg.compile_threads``, and shapes not compiled yet, compile them
+        in the background meanwhile (``compile_in_background``)."""
+        if not self._running and self.cfg.compile_threads:
+            self.background_compiles = self.compile_in_background(self.cfg.compile_threads) or self.background_compiles
+        await super().start()
+
+    async def stop(self) -> None:
+        """``Engine.stop``, then no more background compiles (waiting for those in hand)."""
+        await super().stop()
+        if self.background_compiles is not None:
+            await asyncio.to_thread(self.background_compiles.close)
 
     def compile_order(self) -> list[tuple[Any, ...]]:
         """``step_shapes`` in the order ``compile_in_background`` compiles them: first the widest
