@@ -129,6 +129,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-server-warmup", action="store_true",
                    help="start answering at once and compile each step shape when first needed (default: compile "
                         "every prefill and decode shape at start-up; /health answers 200 after)")
+    p.add_argument("--compile-threads", type=int, default=None,
+                   help="paged engine: threads that compile the step shapes not compiled yet in the background once "
+                        "the engine starts (with --skip-server-warmup, or the in-process engine of rollout.backend "
+                        "local), those the first requests need first; 0: each shape compiles at its first call, one "
+                        "after another (not an SGLang flag; default: one per two cores, at most 8)")
     p.add_argument("--disable-radix-cache", action="store_true",
                    help="prefill every request, even one whose tokens another admitted with it also sent (default: "
                         "those share one prefill, e.g. a GRPO group's answers to one prompt)")
@@ -195,6 +200,7 @@ def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool
     keeps the slot cache: a page pool is one per engine and does not split over a data axis (the
     server runs paged data parallelism as replicas instead, ``inference.replicas``)."""
     from areal_jax.inference.config import EngineConfig, default_kv_cache
+    from areal_jax.inference.paged_shapes import PagedShapes
 
     kv_cache = args.kv_cache or default_kv_cache()
     if data_parallel and kv_cache == "paged":
@@ -210,7 +216,9 @@ def engine_config(args: argparse.Namespace, context: int, *, data_parallel: bool
                         max_queued_requests=args.max_queued_requests, chunked_prefill_size=args.chunked_prefill_size,
                         share_prompts=not args.disable_radix_cache, kv_cache=kv_cache, page_size=args.page_size,
                         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                        attention_backend=args.attention_backend, layer_layout=args.layer_layout)
+                        attention_backend=args.attention_backend, layer_layout=args.layer_layout,
+                        compile_threads=PagedShapes.default_compile_threads() if args.compile_threads is None
+                        else args.compile_threads)
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:

@@ -139,6 +139,13 @@ class EngineConfig:
     ``--mem-fraction-static``); None: 0.85 on a device that reports its memory. On a CPU (no
     device memory to profile) the pool takes at most this share (default 0.25) of the host's
     available memory."""
+    compile_threads: int = 0
+    """Paged: worker threads that, from ``start()``, compile the step shapes not compiled yet
+    (``warmup`` compiles them all before it) while the engine serves, those the first requests
+    need first; a step waits for its shape's compile rather than compiling it again
+    (``inference.paged_compiles``). 0: none, each shape compiles at its first call, one after
+    another while every request waits. (``areal-jax serve --compile-threads``; default there:
+    one per two cores, at most 8.)"""
 
     def __post_init__(self) -> None:
         if self.cache_dtype is not None:  # a name, as every config stores dtypes (hashable, serialisable)
@@ -168,6 +175,9 @@ class EngineConfig:
         if self.attention_backend == "fa" and self.kv_cache != "paged":
             raise ValueError("--attention-backend fa runs over the page pool, not kv_cache='slots' "
                              "(--kv-cache slots); use --kv-cache paged, or --attention-backend auto")
+        if self.compile_threads < 0:
+            raise ValueError(f"compile_threads must be >= 0 (0: compile each shape at its first call), got "
+                             f"{self.compile_threads} (EngineConfig.compile_threads, --compile-threads)")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1 token, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

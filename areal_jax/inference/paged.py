@@ -31,7 +31,8 @@ with their tokens after an abort, a long prompt still being prefilled in chunks)
 that writes them, behind its writer's blocks, or waits for a later one.
 
 Shapes: ``warmup`` compiles every shape a running engine calls, so nothing compiles mid-run (a
-compile there stalls every answer for seconds and grows the process). A work list, whose length
+compile there stalls every answer for seconds and grows the process), or, with ``compile_threads``,
+worker threads compile them from ``start()`` while it serves (``paged_compiles``). A work list, whose length
 follows the pages the requests hold, has a fixed length per call shape (every row a full
 context) and is read on device only up to the smallest of ``models.paged.work_sizes`` that holds
 its live entries: the pages read cost what they are without being part of the shape. A mixed
@@ -58,7 +59,7 @@ from jax.sharding import Mesh
 
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.engine import Engine, _Lane, _Seq
-from areal_jax.inference.paged_batches import PagedBatches, pow2
+from areal_jax.inference.paged_batches import PagedBatches
 from areal_jax.inference.paged_shapes import PagedShapes
 from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_step
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
@@ -404,7 +405,9 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self._take_tokens(decode, count, version, *out)
 
     def _run_step(self, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh)."""
+        """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh),
+        once no background compile of its shape is in hand (``PagedShapes._claim``)."""
+        self._claim(fn, args, kwargs)
         with activate(self.mesh):
             return fn(state, cache, *jax.tree.map(self._replicated, args), **kwargs)
 
@@ -433,7 +436,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             return main, values, top_ids, 1
         # the decode call's arrays: the answers' rows (work entries are in row order, and each row
         # reads at most ``row_pages``), one token on, the write columns shifted (a sink column last)
-        k = pow2(live_rows, self.min_decode_rows)
+        k = self.fit_rows(live_rows)
+        self.compiled_shapes.add(self._decode_shape(k))
         cut = lambda a: a[:k]
         shift = lambda a, v: np.concatenate([a[:k, 1:], np.full((k, 1), v, a.dtype)], axis=1)
         work = (*(w[:k * self.row_pages] for w in work[:3]), work[3])

@@ -94,7 +94,7 @@ class PagedBatches:
             planned[id(seq)] = seq.computed + take
             blocks += -(-take // width)
             budget -= take
-        num_blocks = next(n for n in counts if n >= blocks)
+        num_blocks = self.fit_blocks(blocks, width)  # a count of ``counts``
         ids, pos = np.zeros((num_blocks, width), np.int32), np.full((num_blocks, width), -1, np.int32)
         wp, wo = np.full((num_blocks, width), SINK_PAGE, np.int32), np.zeros((num_blocks, width), np.int32)
         tables, lens = [], []
@@ -125,9 +125,9 @@ class PagedBatches:
 
     def _decode_rows(self: PagedEngine, seqs: list[_Seq], n: int, num_rows: int | None = None) -> tuple[Any, ...]:
         """The host arrays of up to ``n`` decode tokens of each of ``seqs`` (rows padded to
-        ``num_rows``, by default a power of two): tokens, positions, PRNG steps, token counts,
+        ``num_rows``, by default a power of two, ``fit_rows``): tokens, positions, PRNG steps, token counts,
         write pages and offsets ``[rows, n]``, sampling rows and the work list (``_fixed_work``)."""
-        num_rows = num_rows or pow2(len(seqs), self.min_decode_rows)
+        num_rows = num_rows or self.fit_rows(len(seqs))
         tokens, positions = np.zeros((num_rows,), np.int32), np.full((num_rows,), -1, np.int32)
         step, count = np.zeros((num_rows,), np.int32), np.zeros((num_rows,), np.int32)
         wp, wo = np.full((num_rows, n), SINK_PAGE, np.int32), np.zeros((num_rows, n), np.int32)

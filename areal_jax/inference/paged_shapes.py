@@ -2,17 +2,24 @@
 engine uses (mixed steps, one per count of prefill blocks; decode calls, one per power of two of
 rows; on the alternating path prefill calls, one per count of blocks) and ``warmup``, which runs
 each once on padding so that nothing compiles mid-run (a compile there stalls every answer for
-seconds and grows the process). A mixin of ``PagedEngine``: it reads the engine's config, allocator and jitted steps."""
+seconds and grows the process), and ``compile_in_background``, which compiles the shapes not
+compiled yet in worker threads after ``start()`` while the engine serves (``paged_compiles``). A
+mixin of ``PagedEngine``: it reads the engine's config, allocator and jitted steps."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from typing import Any
 
+import jax
 import numpy as np
 
 from areal_jax.inference.engine import _SamplingRows
 from areal_jax.inference.paged_batches import LONG_BLOCK, LONG_TAKE, MIN_DECODE_ROWS, PREFILL_BLOCK, pow2
+from areal_jax.inference.paged_compiles import BackgroundCompiles
 from areal_jax.inference.pages import NO_POSITION, SINK_PAGE
+from sharding import activate
 
 __all__ = ["PagedShapes"]
 
@@ -32,7 +39,11 @@ class PagedShapes:
     _running: bool
     _lanes: list[Any]
     _state: Any
+    mesh: Any
     _run_step: Any  # PagedEngine's: runs one jitted step on the pool
+    _replicated: Any  # PagedEngine's: a host array placed as the steps want it
+    background_compiles: BackgroundCompiles | None = None
+    """The compiles ``compile_in_background`` started (the last ``start()``'s), or None."""
 
     @property
     def min_decode_rows(self) -> int:
@@ -101,6 +112,120 @@ class PagedShapes:
             first = [("prefill", n, w, n * self.row_pages) for n, w in self.prefill_shapes()]
         rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
         return [*first, *(self._decode_shape(r) for r in rows)]
+
+    async def start(self) -> None:
+        """Start the loop; with ``cfg.compile_threads``, and shapes not compiled yet, compile them
+        in the background meanwhile (``compile_in_background``)."""
+        if not self._running and self.cfg.compile_threads:
+            self.background_compiles = self.compile_in_background(self.cfg.compile_threads) or self.background_compiles
+        await super().start()
+
+    async def stop(self) -> None:
+        """``Engine.stop``, then no more background compiles (waiting for those in hand)."""
+        await super().stop()
+        if self.background_compiles is not None:
+            await asyncio.to_thread(self.background_compiles.close)
+
+    def compile_order(self) -> list[tuple[Any, ...]]:
+        """``step_shapes`` in the order ``compile_in_background`` compiles them: first the widest
+        mixed (or prefill) call and the decode call of the most rows, which every call fits
+        (``_fitting`` pads a call up to them meanwhile), then the rest, the two kinds alternating,
+        each from its smallest (the shapes of the first prompts, then of bursts)."""
+        shapes = self.step_shapes()
+        first = [s for s in shapes if s[0] != "decode"]
+        decode = [s for s in shapes if s[0] == "decode"]
+        widest = first[-1:] + decode[-1:]
+        first, decode = first[:-1], decode[:-1]
+        order = [s for pair in zip(first, decode, strict=False) for s in pair]
+        n = min(len(first), len(decode))
+        return [*widest, *order, *first[n:], *decode[n:]]
+
+    def _fitting(self, shapes: list[tuple[Any, ...]]) -> int:
+        """Which of ``shapes`` (a call's own shape, then the larger ones its arrays can be padded
+        to) the call takes: its own, unless background compiles are under way
+        (``compile_in_background``); then the first compiled already, else the first a worker
+        compiles now (the call waits for it in ``_run_step``), else its own (the call compiles
+        it). So while the shapes compile, a call pads up to one compiled or being compiled
+        rather than start yet another compile: the first requests wait for at most the widest
+        shapes' compiles, not for every shape they meet one after another. Padding rows and
+        blocks compute nothing that is kept (position -1, the sink page)."""
+        compiles = self.background_compiles
+        if compiles is None or not compiles.pending:
+            return 0
+        for i, shape in enumerate(shapes):
+            if shape in self.compiled_shapes or compiles.compiled(shape):
+                return i
+        return next((i for i, shape in enumerate(shapes) if compiles.running(shape)), 0)
+
+    def fit_blocks(self, blocks: int, width: int) -> int:
+        """The block count a prefill chunk of ``blocks`` blocks of ``width`` tokens pads to: the
+        smallest of ``block_counts`` that holds them, or a larger one (``_fitting``)."""
+        counts = [n for n in self.block_counts(width) if n >= blocks]
+        if self.mixed_chunk:
+            shapes = [self._mixed_shape(n, width) for n in counts]
+        else:
+            shapes = [("prefill", n, width, n * self.row_pages) for n in counts]
+        return counts[self._fitting(shapes)]
+
+    def fit_rows(self, rows: int) -> int:
+        """The rows a decode call of ``rows`` live rows pads to: the smallest power of two that
+        holds them (at least ``min_decode_rows``), or a larger one up to ``mixed_rows``
+        (``_fitting``)."""
+        least = pow2(rows, self.min_decode_rows)
+        counts = [least] + [r for r in (self.min_decode_rows << k for k in range(64)) if least < r <= self.mixed_rows]
+        return counts[self._fitting([self._decode_shape(r) for r in counts])]
+
+    def compile_in_background(self, threads: int) -> BackgroundCompiles | None:
+        """Compile the ``compile_order`` shapes neither called nor compiled ahead before, in
+        ``threads`` worker threads (``BackgroundCompiles``); ``_run_step`` claims each shape before
+        its call. None when nothing is left to compile."""
+        before = self.background_compiles
+        done = set(self.compiled_shapes)
+        if before is not None:
+            done |= {s for s, f in before.futures.items() if f.done() and not f.cancelled() and f.exception() is None}
+        shapes = [s for s in self.compile_order() if s not in done]
+        if not shapes or threads < 1:
+            return None
+        # the pool and weights as shapes and shardings: the loop donates the pool while a worker
+        # lowers, and a weight swap replaces the state with arrays of the same specs
+        spec = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+        state, cache = spec(self._state), spec(self._lanes[0].cache)
+
+        def compile_one(shape: tuple[Any, ...]) -> None:
+            fn, args, static = self._warm_call(shape)
+            with activate(self.mesh):
+                fn.lower(state, cache, *jax.tree.map(self._replicated, args), **static).compile()
+
+        # the widest shapes, which every call fits, at the thread's priority (the first requests
+        # wait for them); the rest at a lower one: calls fit the widest meanwhile
+        widest = set(self.compile_order()[:2])
+        return BackgroundCompiles(sorted(shapes, key=lambda s: s not in widest), compile_one, threads,
+                                  urgent=sum(s in widest for s in shapes))
+
+    def _claim(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Before a call of ``fn`` on ``args`` (``_run_step``'s): wait for its shape's compile in
+        the background, if one is running (``BackgroundCompiles.claim``)."""
+        compiles = self.background_compiles
+        if compiles is None:
+            return
+        if fn is self.mixed_fn:  # the shape as ``_mixed_shape`` spells it
+            shape: tuple[Any, ...] = ("mixed", len(args[0]), *np.shape(args[5]), len(args[4][0]), len(args[9][0]))
+        elif fn is self.decode_fn:
+            shape = ("decode", len(args[0]), kwargs.get("num_steps"), len(args[4][0]))
+        elif fn is self.prefill_fn:
+            shape = ("prefill", *np.shape(args[0]), len(args[4][0]))
+        else:
+            return
+        compiles.claim(shape)
+
+    @staticmethod
+    def default_compile_threads() -> int:
+        """Worker threads of ``compile_in_background`` when none are given: one per two usable
+        cores, at most 8. (On a busy 2-core CPU two compiles at once took longer than the same
+        two one after another, and a demo's evaluation before RL took 25 s with 2 threads against
+        14 s with 1: the serving and the trainer need the other core.)"""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(8, cores // 2))
 
     def _warm_call(self, shape: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
         """(jitted step, host arguments after the pool, static arguments) of a call of ``shape``
