@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from areal_jax.inference.types import FLOAT32_MAX
 from rollout_bridge import protocol as P
 
 BATCH_PER_INPUT = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "top_logprobs_num")
@@ -73,8 +74,9 @@ def validate_generate(req: P.GenerateReqInput, *, vocab_size: int, context_lengt
     bad = next((t for t in ids if t < 0 or t >= vocab_size), None)
     if bad is not None:
         raise P.ProtocolError("input_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if sp.temperature < 0:
-        raise P.ProtocolError("sampling_params.temperature", f"must be >= 0, got {sp.temperature}")
+    if not 0 <= sp.temperature <= FLOAT32_MAX:  # NaN and what float32 cannot hold too
+        raise P.ProtocolError("sampling_params.temperature",
+                              f"must be a number >= 0 and <= {FLOAT32_MAX:.3g}, got {sp.temperature}")
     if not 0 < sp.top_p <= 1:
         raise P.ProtocolError("sampling_params.top_p", f"must be in (0, 1], got {sp.top_p}")
     if sp.top_k == 0 or sp.top_k < -1:

@@ -64,7 +64,9 @@ class _SamplingRows:
         """Row ``i`` for ``seq``. ``remaining`` counts the tokens the decode chunks may sample:
         one fewer when this call samples the request's next token itself (a prefill)."""
         sp = seq.req.sampling
-        self.temperature[i], self.top_p[i], self.top_k[i] = sp.temperature, sp.top_p, sp.top_k
+        # a top_k past the vocabulary keeps every token, as -1 does (and fits the int32 row)
+        self.temperature[i], self.top_p[i] = sp.temperature, sp.top_p
+        self.top_k[i] = -1 if sp.top_k >= engine.vocab_size else sp.top_k
         self.top_n[i] = sp.top_logprobs_num
         self.remaining[i] = (min(sp.max_new_tokens - len(seq.out_ids), engine.max_seq_len - seq.length)
                              - int(sampled_here))

@@ -5,6 +5,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest temperature the engine's float32 sampling rows hold."""
+
 
 @dataclass
 class SamplingParams:
@@ -32,8 +35,8 @@ class SamplingParams:
         """Raise ``ValueError`` naming the first field out of range."""
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= FLOAT32_MAX:  # also rejects NaN and what float32 cannot hold
+            raise ValueError(f"temperature must be a number >= 0 and <= {FLOAT32_MAX:.3g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:

@@ -59,6 +59,8 @@ def test_same_key_same_token() -> None:
 
 @pytest.mark.parametrize(("field", "kwargs"), [
     ("temperature", dict(temperature=-0.1)),
+    ("temperature", dict(temperature=float("nan"))),
+    ("temperature", dict(temperature=1e39)),  # beyond float32: it would sample at an infinite temperature
     ("top_p", dict(top_p=0.0)),
     ("top_p", dict(top_p=1.5)),
     ("top_k", dict(top_k=0)),

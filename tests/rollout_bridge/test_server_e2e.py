@@ -129,6 +129,7 @@ def test_bad_requests_auth_and_failed_weight_load(tiny_dir: Path, tmp_path: Path
                     ({"input_ids": [1], "sampling_params": {"tempurature": 1.0}}, "tempurature"),
                     ({"input_ids": []}, "input_ids"),
                     ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+                    ({"input_ids": [1], "sampling_params": {"temperature": 1e39}}, "temperature"),
                     ({"input_ids": list(range(1, 65))}, "input_ids"),
                     ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
                     ({"input_ids": [1], "sampling_params": {"max_new_tokens": "x"}}, "max_new_tokens"),
