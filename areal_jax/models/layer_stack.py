@@ -130,16 +130,14 @@ def split_layers(state: Any, like: Any = None, *, consume: bool = False) -> Any:
     ``LayerStack``, each layer placed on ``like``'s layer's sharding; without, every leaf under a
     ``layers`` key. ``consume``: the caller owns the stacked arrays, and each is deleted as soon as
     it is split (so splitting a whole model holds one parameter twice at most, not the model)."""
+    paths_leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_stack)
     if like is not None:
-        like_leaves = jax.tree.leaves(like, is_leaf=_is_stack)
-        paths_leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_stack)
-        if len(like_leaves) != len(paths_leaves):
+        olds = jax.tree.leaves(like, is_leaf=_is_stack)
+        if len(olds) != len(paths_leaves):
             raise ValueError(f"split_layers: the state has {len(paths_leaves)} parameters, the served one "
-                             f"{len(like_leaves)}")
-        targets = [isinstance(old, LayerStack) for old in like_leaves]
-        olds = like_leaves
+                             f"{len(olds)}")
+        targets = [isinstance(old, LayerStack) for old in olds]
     else:
-        paths_leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_stack)
         targets = [_under_layers(path) for path, _ in paths_leaves]
         olds = [None] * len(paths_leaves)
     out = []
