@@ -72,13 +72,24 @@ def _flock(path: Path, mode: int) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """True in a pytest-xdist worker process (not in a pytest it starts, which inherits its
+    environment variables but not this attribute)."""
+    return hasattr(config, "workerinput")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under pytest-xdist a test marked ``serial`` (it asserts on timing or on two things running
     at once) waits until no other worker is inside a test and keeps the others out while it runs
     (set-up and tear-down included). A turnstile lock lets a waiting serial test in before new
-    tests of the other workers start."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
+    tests of the other workers start.
+
+    Only a worker itself takes the locks: a pytest that a test starts as a child process inherits
+    the worker's environment, and taking them there deadlocked a whole CI run (the parent test
+    held the room shared while a serial test on another worker held the turnstile and waited for
+    the room, and the child waited for the turnstile)."""
+    if not _is_worker(item.config):
         yield
         return
     d = _lock_dir()
@@ -120,7 +131,7 @@ def _bound_cache(limit: int = CACHE_BYTES) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # the main process, before any worker starts
+    if not _is_worker(config):  # the main process, before any worker starts
         _bound_cache()
     # pytest-xdist's loadfile hands out files largest test count first unless told otherwise,
     # which would throw away the order chosen below (it started the 1-test files that take
