@@ -46,6 +46,12 @@ class _ServerCollector:
         yield one(c, "sglang:generation_tokens", "Number of generation tokens processed.", tokens)
         yield one(c, "areal_jax:shared_prompt_tokens", "Prompt tokens not prefilled: copied from a request "
                   "admitted with the same tokens.", e.stats["shared_prompt_tokens"])
+        yield one(c, "sglang:cached_tokens", "Prompt tokens read from another request's KV pages instead of "
+                  "prefilled (the prefix cache's and a running request's).", e.stats["shared_prompt_tokens"])
+        scheduler = getattr(e, "scheduler", None)
+        if scheduler is not None:
+            yield one(g, "areal_jax:prefix_cache_tokens", "Tokens of KV pages the prefix cache holds (evicted "
+                      "when the pool runs short).", scheduler.cached_pages * e.cfg.page_size)
         yield one(c, "areal_jax:prefill_padded_tokens", "Token rows computed by prefill calls, padding included "
                   "(each call pads its rows to one length).", e.stats["prefill_padded_tokens"])
         yield one(c, "areal_jax:prefill_seconds", "Seconds in compiled prefill calls (prompts, and the prefixes "

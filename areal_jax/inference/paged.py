@@ -158,8 +158,22 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                                 static_argnames=("num_steps", "max_top"))
         self.compiled_shapes: set[tuple] = set()
         """Every (step, rows, width, work) shape called so far: the compilations it cost."""
-        self.stats.update({"retractions": 0, "mixed_calls": 0, "mixed_seconds": 0.0, "prefill_tokens": 0,
-                           "decode_rows": 0, "decode_padded_rows": 0, "work_entries": 0, "work_padded_entries": 0})
+        self.stats.update({"retractions": 0, "cached_prompt_tokens": 0, "mixed_calls": 0, "mixed_seconds": 0.0,
+                           "prefill_tokens": 0, "decode_rows": 0, "decode_padded_rows": 0, "work_entries": 0,
+                           "work_padded_entries": 0})
+
+    @property
+    def _state(self) -> Any:
+        return self.__dict__["_served_state"]
+
+    @_state.setter
+    def _state(self, state: Any) -> None:
+        """Every change of the served weights passes here (a swap, ``set_state``, a handover):
+        the keys and values computed so far, cached or in running requests' pages, are the old
+        weights', so the scheduler drops its prefix cache and stops sharing them."""
+        self.__dict__["_served_state"] = state
+        if "scheduler" in self.__dict__:
+            self.scheduler.weights_changed()
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.allocator, max_running_requests=self.cfg.num_slots, context_length=self.max_seq_len,
@@ -215,8 +229,17 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     def _release(self, seq: _Seq) -> None:
         req = seq.sched
         if req is not None and (req.table is not None or req in self.scheduler.waiting):
+            self._sync_written([req])
             self.scheduler.finish(req)
         self._unseat(seq)
+
+    def _sync_written(self, reqs: list[_Request] | None = None) -> None:
+        """Tell the scheduler how many tokens each running request (or each of ``reqs``) has
+        written, what it may leave in the prefix cache when it leaves the pool: none while pages it
+        shares are still to be written by another request."""
+        for req in self.scheduler.running if reqs is None else reqs:
+            seq = req.seq
+            req.written = seq.computed if seq is not None and seq.source is None else 0
 
     def _unseat(self, seq: _Seq) -> None:
         """``seq`` holds no seat and no KV any more (finished, or back in the queue). The
@@ -240,6 +263,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             self._paused_at = time.perf_counter()
         self._paused = mode
         async with self._all_lanes():
+            self._sync_written()
             for req in self.scheduler.retract_all():
                 self._unseat(req.seq)
 
@@ -250,6 +274,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         async with self._all_lanes():
             if self.num_running or self.num_waiting:
                 return False
+            self.scheduler.drop_cache()
             lane = self._lanes[0]
             lane.cache = await asyncio.to_thread(self._run_zero, lane.cache)
             return True
@@ -261,6 +286,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         start again on a fresh pool and scheduler."""
         log.exception("paged engine step failed")
         self._abort_where(lambda s: True, f"engine error: {e!r}", status_code=500)
+        self.scheduler.drop_cache()  # the new pool is zero: nothing cached is in it
         lane.cache = None  # free the old pool before the new one
         lane.cache, _ = self._fresh_cache()
         self.scheduler = self._new_scheduler()
@@ -276,6 +302,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             lane.slots[seat], seq.lane, seq.slot = seq, lane, seat
             self.stats["prompt_tokens"] += seq.length
             self.stats["shared_prompt_tokens"] += adm.shared_tokens
+            if adm.source is None:
+                self.stats["cached_prompt_tokens"] += adm.shared_tokens
 
     def _ready(self, seq: _Seq) -> bool | None:
         """Whether the pages ``seq`` shares are written: True; False while their writer has yet to
@@ -307,6 +335,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         live = []  # ready, or waiting for pages another request writes (``_prefill_rows`` decides)
         for req in list(self.scheduler.running):
             if self._ready(req.seq) is None:  # its shared pages will never be written: start it over
+                self._sync_written([req])
                 self.scheduler.retract(req)
                 self._unseat(req.seq)
             else:
@@ -353,6 +382,7 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     def _grow(self, tokens: int) -> None:
         """Pages for ``tokens`` more tokens of every running request, retracting (or, alone,
         cutting) what the pool cannot hold."""
+        self._sync_written()
         growth = self.scheduler.grow(tokens)
         for req in growth.retracted:
             self.stats["retractions"] += 1

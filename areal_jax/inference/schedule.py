@@ -18,8 +18,13 @@ decode the running requests, write where their page tables say). SGLang's meanin
   retraction while its siblings run, and the answers a client sends again after a weight update
   aborted them (prompt plus each one's tokens so far: the group's prompt is their common prefix).
   One copy, n readers, and each reader prefills only the tokens past the shared pages
-  (``share_prompts``; SGLang's radix cache, ``--disable-radix-cache`` off). Candidates are
-  found by their first page of tokens; the longest common prefix wins.
+  (``share_prompts``; ``--disable-radix-cache`` turns it off). Candidates are found by their
+  first page of tokens; the longest common prefix wins.
+- Requests that leave the pool (finished, aborted, retracted) leave the whole pages of their
+  written tokens in a prefix cache (``inference.prefix_cache``, SGLang's radix cache), which a
+  later request beginning with the same tokens reads: an agent's next turn, a resumed answer.
+  Cached pages are evicted, least recently used first, whenever an allocation finds the pool
+  short, so they cost no capacity; the cache is cleared whenever the weights change.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from areal_jax.inference.pages import OutOfPages, PageAllocator, PageTable
+from areal_jax.inference.prefix_cache import PrefixCache
 
 
 @dataclass(eq=False)
@@ -43,8 +49,12 @@ class Request:
     retractions: int = 0
     key: tuple[int, ...] = ()
     """Its first page of tokens when it was admitted: where the scheduler files it as a prefix owner."""
-    version: int = 0
-    """The weight version it was admitted under: only requests of the same version share pages."""
+    version: int | None = 0
+    """The weight version it was admitted under: only requests of the same version share pages
+    (None once the weights changed while it ran: its pages mix two versions' keys and values)."""
+    written: int = 0
+    """Tokens of ``tokens`` whose keys and values are written in its pages (the engine keeps it):
+    the whole pages among them go to the prefix cache when it leaves the pool."""
 
     @property
     def length(self) -> int:
@@ -84,8 +94,9 @@ class Growth:
 
 class Scheduler:
     """FIFO admission by free pages under ``max_running_requests``, retract-and-requeue when the
-    pool runs out, shared prompt pages. ``headroom`` tokens are reserved past a request's length at
-    admission (its next decode call's tokens), so a request admitted is not retracted at once."""
+    pool runs out, shared prompt pages and a prefix cache (both off without ``share_prompts``).
+    ``headroom`` tokens are reserved past a request's length at admission (its next decode call's
+    tokens), so a request admitted is not retracted at once."""
 
     def __init__(self, allocator: PageAllocator, *, max_running_requests: int, context_length: int,
                  headroom: int = 1, share_prompts: bool = True) -> None:
@@ -103,6 +114,28 @@ class Scheduler:
         self.running: list[Request] = []
         self._readers: dict[tuple[int, ...], list[Request]] = {}
         """Running requests by their first page of tokens: where a new request finds a prefix's pages."""
+        self.cache = PrefixCache(allocator) if share_prompts else None
+        """Pages of requests that left the pool, for later requests with the same prefix."""
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages only the prefix cache keeps (free for the taking when the pool runs short) and
+        pages it shares with running requests."""
+        return 0 if self.cache is None else self.cache.pages
+
+    def weights_changed(self) -> None:
+        """The engine serves other weights from now on: keys and values computed so far are the
+        old weights'. The prefix cache is dropped, and no running request lends its pages to a
+        new one or leaves them in the cache."""
+        for req in self.running:
+            req.version = None
+        if self.cache is not None:
+            self.cache.clear()
+
+    def drop_cache(self) -> int:
+        """Free every page only the prefix cache holds (SGLang's ``/flush_cache``); returns the
+        pages the cache dropped."""
+        return 0 if self.cache is None else self.cache.clear()
 
     # -- requests in and out --
 
@@ -145,7 +178,7 @@ class Scheduler:
             req = self.waiting[0]
             table, shared, source = self._shared_table(req)
             try:
-                table.reserve(req.length + self.headroom)
+                self._reserve(table, req.length + self.headroom)
             except OutOfPages:
                 table.release()
                 break
@@ -168,7 +201,7 @@ class Scheduler:
             want = min(req.length + tokens, len(req.prompt) + req.max_new_tokens)
             while True:
                 try:
-                    req.table.reserve(want)
+                    self._reserve(req.table, want)
                     break
                 except OutOfPages:
                     if len(self.running) == 1:
@@ -187,17 +220,28 @@ class Scheduler:
         """Send running ``req`` back to the queue's front, its pages freed and its tokens kept."""
         self._retract(req)
 
+    def _reserve(self, table: PageTable, num_tokens: int) -> None:
+        """``table.reserve``, evicting cached pages first when the pool is short."""
+        try:
+            table.reserve(num_tokens)
+        except OutOfPages as e:
+            if self.cache is None or not self.cache.evict(e.needed - e.free):
+                raise
+            table.reserve(num_tokens)
+
     def _shared_table(self, req: Request) -> tuple[PageTable, int, Request | None]:
-        """A page table for ``req``: the whole pages of the longest prefix of its tokens that a
-        running request's tokens begin with (at least ``req``'s last token is left to compute,
-        which samples the next; at most the owner's tokens but its last, which its next decode
-        step writes), else a new empty table."""
+        """A page table for ``req``: the whole pages of the longest prefix of its tokens that the
+        prefix cache holds or a running request's tokens begin with (at least ``req``'s last token
+        is left to compute, which samples the next; at most the owner's tokens but its last, which
+        its next decode step writes), else a new empty table. The cache wins a tie: its pages are
+        written already, a running owner's may not be yet."""
         if self.share_prompts:
             size = self.allocator.page_size
             tokens = req.tokens
             limit = (len(tokens) - 1) // size
-            best, source = 0, None
-            for owner in self._readers.get(tokens[:size], ()) if limit else ():
+            cached = self.cache.match(tokens, limit) if self.cache is not None and limit else []
+            best, source = len(cached), None
+            for owner in self._readers.get(tokens[:size], ()) if best < limit else ():
                 if owner.version != self.version:
                     continue
                 theirs = owner.tokens
@@ -213,6 +257,11 @@ class Scheduler:
             if source is not None:
                 child = source.table.fork(best * size)
                 return child, child.num_tokens, source
+            if cached:
+                child = PageTable(self.allocator)
+                self.allocator.retain(cached)
+                child.pages, child.shared, child.num_tokens = cached, len(cached), len(cached) * size
+                return child, child.num_tokens, None
         return PageTable(self.allocator), 0, None
 
     def _drop_running(self, req: Request) -> None:
@@ -221,6 +270,9 @@ class Scheduler:
         readers.remove(req)
         if not readers:
             del self._readers[req.key]
+        whole = min(req.written, req.table.num_tokens) // self.allocator.page_size
+        if self.cache is not None and whole and req.version == self.version:
+            self.cache.insert(req.tokens, req.table.pages[:whole])
         req.table.release()
         req.table = None
 

@@ -140,3 +140,17 @@ def joined(outputs: list) -> Any:
         last, output_ids=[t for o in outputs for t in o.output_ids],
         output_logprobs=[x for o in outputs for x in o.output_logprobs],
         output_versions=[v for o in outputs for v in o.output_versions])
+
+
+def assert_no_page_leaked(engine: Any) -> None:
+    """A paged engine with nothing running holds no page but the prefix cache's, whose tree and
+    the pool's counts agree; the cache is then dropped, so the next test starts on an empty pool
+    (and a prompt it sends again is prefilled, not read from an earlier test's pages)."""
+    engine.allocator.check()
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting
+    if sched.cache is not None:
+        sched.cache.check()
+    assert engine.allocator.used_pages == sched.cached_pages
+    sched.drop_cache()
+    assert engine.allocator.used_pages == 0

@@ -17,7 +17,15 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference.paged import PagedEngine
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
-from tests.inference.reference import generate_all, joined, prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import (
+    assert_no_page_leaked,
+    generate_all,
+    joined,
+    prompts,
+    reference_greedy,
+    reference_logprobs,
+    run,
+)
 
 # 24 pages of 4 tokens (96 tokens) for 8 running answers of up to 64: answers must be retracted.
 PAGED_CFG = EngineConfig(num_slots=8, max_seq_len=64, max_prefill_batch=4, decode_steps=4, seed=0, kv_cache="paged",
@@ -52,8 +60,7 @@ def test_ragged_shared_retracted_and_chunked_answers_equal_the_reference(paged: 
         assert out.finish_reason == {"type": "length", "length": 12} and out.output_versions == [0] * 12
     assert paged.stats["retractions"] > before["retractions"]
     assert paged.stats["shared_prompt_tokens"] > before["shared_prompt_tokens"]  # the group's prompt pages
-    assert paged.allocator.used_pages == 0
-    paged.allocator.check()
+    assert_no_page_leaked(paged)
 
 
 def test_sampled_answers_are_the_same_whether_or_not_they_were_retracted(paged: PagedEngine) -> None:
@@ -137,8 +144,8 @@ def test_no_page_is_held_after_many_requests_aborts_and_pauses(paged: PagedEngin
     assert all(o.finished for o in outs)
     assert any(o.finish_reason["type"] == "abort" for o in outs)
     assert any(o.finish_reason["type"] != "abort" for o in outs)
-    assert paged.num_live == 0 and paged.allocator.used_pages == 0
-    paged.allocator.check()
+    assert paged.num_live == 0
+    assert_no_page_leaked(paged)
 
 
 def test_serve_flags_size_the_pool_and_server_info_reports_it(tmp_path: Path) -> None:

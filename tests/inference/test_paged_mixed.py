@@ -19,7 +19,7 @@ from areal_jax.inference.paged import PagedEngine
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
 from areal_jax.models.paged import work_sizes
-from tests.inference.reference import _logits, prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import _logits, assert_no_page_leaked, prompts, reference_greedy, reference_logprobs, run
 
 # Pages of 4 tokens, chunks of 16: a 70-token prompt prefills in 5 mixed steps.
 CFG = EngineConfig(num_slots=8, max_seq_len=128, max_prefill_batch=4, decode_steps=4, seed=0, kv_cache="paged",
@@ -108,8 +108,7 @@ def test_prompts_landing_while_answers_decode_equal_the_reference(paged: PagedEn
                                    atol=1e-4)
     assert paged.stats["mixed_calls"] > before["mixed_calls"]
     assert paged.stats["prefill_chunks"] > before["prefill_chunks"]  # 17, 33 and 41 took several chunks
-    assert paged.allocator.used_pages == 0
-    paged.allocator.check()
+    assert_no_page_leaked(paged)
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "alternating"])
@@ -137,7 +136,7 @@ def test_a_long_prompt_does_not_stall_running_answers(paged: PagedEngine, model:
         assert len(stalled) >= 5 and all(stat == "prefill_seconds" for stat, _ in stalled)
     for r, out in zip([*answers, long], outs, strict=True):
         assert out.output_ids == reference_greedy(model, r.input_ids, r.sampling.max_new_tokens)
-    assert paged.allocator.used_pages == 0
+    assert_no_page_leaked(paged)
 
 
 def test_top_logprobs_and_sampled_tokens_of_answers_decoded_in_mixed_steps(paged: PagedEngine, model: Decoder) -> None:
@@ -215,8 +214,7 @@ def test_after_warmup_a_run_crossing_page_buckets_compiles_nothing_and_leaves_no
     assert len({next(n for n in sizes if n >= x) for x in live}) >= 3, sorted(set(live))  # 32, 64, 96 pages
     assert [f._cache_size() for f in steps] == compiled  # noqa: SLF001 - not one compile during the run
     assert engine.compiled_shapes == shapes and set(engine.step_shapes()) <= shapes
-    engine.allocator.check()
-    assert engine.allocator.free_pages == engine.allocator.num_pages
+    assert_no_page_leaked(engine)
     sched = engine.scheduler
     assert not sched.running and not sched.waiting and not sched._readers  # noqa: SLF001
     assert not engine._live and engine.num_free_slots == CFG.num_slots  # noqa: SLF001

@@ -19,7 +19,7 @@ from areal_jax.inference.paged import PagedEngine
 from areal_jax.inference.paged_batches import LONG_BLOCK, PREFILL_BLOCK
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
-from tests.inference.reference import prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import assert_no_page_leaked, prompts, reference_greedy, reference_logprobs, run
 
 # Pages of 4 tokens in a pool that holds every request at once (no retraction: one call packs them all).
 CFG = EngineConfig(num_slots=32, max_seq_len=1024, decode_steps=4, seed=0, kv_cache="paged", page_size=4,
@@ -98,8 +98,7 @@ def test_packed_ragged_prefill_with_shared_prefixes_equals_the_full_forward(page
     readers = {rid: start for rid, start, _ in first}
     assert [readers[r.rid] for r in reqs[-3:]] == [0, 8, 8]
     assert paged.stats["shared_prompt_tokens"] - before["shared_prompt_tokens"] == 3 * 12 + 2 * 8
-    assert paged.allocator.used_pages == 0
-    paged.allocator.check()
+    assert_no_page_leaked(paged)
 
 
 @pytest.mark.parametrize("length", [21, 23])
@@ -123,7 +122,7 @@ def test_a_group_prefills_its_prompt_once_in_the_call_that_samples_every_first_t
     assert calls[0][0] == (reqs[0].rid, 0, length - 1)
     assert all(len(o.output_ids) == CFG.decode_steps for o in outs)
     assert len({tuple(o.output_ids) for o in outs}) > 1
-    assert paged.allocator.used_pages == 0
+    assert_no_page_leaked(paged)
 
 
 def test_a_long_chunk_prefills_in_wide_blocks_beside_short_prompts(paged: PagedEngine, model: Decoder) -> None:
@@ -143,7 +142,7 @@ def test_a_long_chunk_prefills_in_wide_blocks_beside_short_prompts(paged: PagedE
     assert calls[0] == [(reqs[0].rid, 0, 699), (reqs[1].rid, 0, 4), (reqs[2].rid, 0, 16)]
     assert calls[1] == [(reqs[3].rid, 0, 39)]
     assert paged.stats["prefill_padded_tokens"] - before == 8 * LONG_BLOCK + 8 * PREFILL_BLOCK
-    assert paged.allocator.used_pages == 0
+    assert_no_page_leaked(paged)
 
 
 def test_followers_left_for_a_later_call_read_the_pages_of_a_leader_that_finished(
@@ -166,4 +165,4 @@ def test_followers_left_for_a_later_call_read_the_pages_of_a_leader_that_finishe
     for r, out in zip(reqs, outs, strict=True):
         np.testing.assert_allclose(out.output_logprobs, reference_logprobs(model, r.input_ids, out.output_ids, 1.0),
                                    atol=1e-4)
-    assert paged.allocator.used_pages == 0
+    assert_no_page_leaked(paged)

@@ -17,7 +17,7 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference.replicas import ReplicaEngine
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.hf_io import load_pretrained
-from tests.inference.reference import joined, prompts, reference_greedy, reference_logprobs, run
+from tests.inference.reference import assert_no_page_leaked, joined, prompts, reference_greedy, reference_logprobs, run
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs two devices (tests/conftest.py fakes eight)")
 
@@ -85,7 +85,8 @@ def test_both_replicas_take_requests_and_answer_as_one_engine(replicas: ReplicaE
     assert home.stats["shared_prompt_tokens"] > before[where[6]]["shared_prompt_tokens"]
     for i, r in enumerate(replicas.replicas):
         assert r.stats["finished_requests"] - before[i]["finished_requests"] == where.count(i)
-        assert r.num_live == 0 and r.allocator.used_pages == 0
+        assert r.num_live == 0
+        assert_no_page_leaked(r)
     single = Engine(load_pretrained(ckpt), CFG)
     from tests.inference.reference import generate_all
 
@@ -219,4 +220,6 @@ def test_abort_and_pause_reach_every_replica(replicas: ReplicaEngine) -> None:
     assert outs[0].finish_reason == {"type": "abort", "message": "one"}
     assert n == 3 and all(o.finish_reason == {"type": "abort", "message": "all"} for o in outs[1:])
     assert all(len(o.output_ids) < 60 for o in outs)
-    assert replicas.num_live == 0 and all(r.allocator.used_pages == 0 for r in replicas.replicas)
+    assert replicas.num_live == 0
+    for r in replicas.replicas:
+        assert_no_page_leaked(r)

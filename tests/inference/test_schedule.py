@@ -185,3 +185,174 @@ def test_kv_pool_tokens_has_sglangs_meaning() -> None:
                        free_bytes=30 * gib)
     with pytest.raises(ValueError, match="give --max-total-tokens"):
         kv_pool_tokens(page_size=16, bytes_per_token=1, mem_fraction_static=0.8)
+
+
+def _written(r: Request) -> Request:
+    r.written = r.length - 1  # what an engine has written once a request waits to decode its next token
+    return r
+
+
+def test_a_request_that_left_leaves_its_written_pages_for_the_next_with_that_prefix() -> None:
+    """An agent's second turn (the first turn's prompt and answer, then more) reads the first
+    turn's pages from the prefix cache after the first has finished, and prefills only the rest."""
+    pool = PageAllocator(num_pages=32, page_size=4)
+    s = Scheduler(pool, max_running_requests=4, context_length=4096)
+    first = Request("turn1", tuple(range(100, 110)), 8)
+    s.submit(first)
+    s.admit()
+    first.output += [1, 2, 3, 4, 5, 6]  # 16 tokens: the first 15 written, so 3 whole pages
+    s.grow(1)
+    _written(first)
+    pages = list(first.table.pages)
+    s.finish(first)
+    assert s.cached_pages == 3 and pool.used_pages == 3 and [pool.refcount(p) for p in pages[:3]] == [1, 1, 1]
+    second = Request("turn2", first.tokens + (42, 43), 8)
+    s.submit(second)
+    (adm,) = s.admit()
+    assert adm.shared_tokens == 12 and adm.source is None  # written already: nothing to wait for
+    assert second.table.pages[:3] == pages[:3] and second.table.shared == 3
+    assert [pool.refcount(p) for p in pages[:3]] == [2, 2, 2]
+    # a request that agrees for two pages only reads two; one that wrote nothing leaves nothing
+    other = Request("other", tuple(range(100, 108)) + (7, 7, 7, 7, 7), 8)
+    s.submit(other)
+    (adm,) = s.admit()
+    assert adm.shared_tokens == 8
+    s.finish(other)  # written = 0: its own third page goes back to the pool
+    assert s.cached_pages == 3
+    s.cache.check()
+    pool.check()
+
+
+def test_cached_pages_are_evicted_least_recently_used_first_and_never_under_a_reader() -> None:
+    pool = PageAllocator(num_pages=8, page_size=4)
+    s = Scheduler(pool, max_running_requests=4, context_length=4096)
+    olds = []
+    for k in range(3):  # three finished requests of 2 whole written pages each: 6 cached pages
+        r = Request(f"old{k}", tuple(range(100 * k, 100 * k + 9)), 4)
+        s.submit(r)
+        s.admit()
+        _written(r)
+        olds.append(list(r.table.pages[:2]))
+        s.finish(r)
+    assert s.cached_pages == 6 and pool.free_pages == 2
+    # old0 is read again (most recently used now), and held by a running reader
+    reader = Request("reader", tuple(range(0, 9)) + (5,), 4)
+    s.submit(reader)
+    (adm,) = s.admit()
+    assert adm.shared_tokens == 8 and pool.free_pages == 1  # its own third page
+    # a request of 5 pages (18 tokens + headroom) needs 4 more than are free: old1's and old2's
+    # pages go, least recently used first (old1 before old2), never old0's, which the reader holds
+    big = Request("big", tuple(range(500, 518)), 4)
+    s.submit(big)
+    (adm,) = s.admit()
+    assert adm.request is big and s.cache.stats["evicted_pages"] == 4
+    assert set(olds[0]) <= s.cache.held() and not (set(olds[1]) | set(olds[2])) & s.cache.held()
+    s.cache.check()
+    pool.check()
+
+
+def test_new_weights_drop_the_cache_and_running_requests_leave_nothing_in_it() -> None:
+    pool = PageAllocator(num_pages=16, page_size=4)
+    s = Scheduler(pool, max_running_requests=4, context_length=4096)
+    done, running = Request("done", tuple(range(9)), 4), Request("running", tuple(range(50, 59)), 4)
+    for r in (done, running):
+        s.submit(r)
+    s.admit()
+    _written(done), _written(running)
+    s.finish(done)
+    assert s.cached_pages == 2
+    s.weights_changed()
+    assert s.cached_pages == 0 and pool.used_pages == len(running.table.pages)
+    s.finish(running)  # its keys and values mix two weights' versions: not cached
+    assert s.cached_pages == 0 and pool.used_pages == 0
+    # a drop keeps what running readers hold and frees the rest
+    again = Request("again", tuple(range(9)), 4)
+    s.submit(again)
+    s.admit()
+    _written(again)
+    s.finish(again)
+    reader = Request("reader", tuple(range(9)) + (1,), 4)
+    s.submit(reader)
+    s.admit()
+    assert s.drop_cache() == 2 and pool.used_pages == len(reader.table.pages)
+    off = Scheduler(PageAllocator(num_pages=16, page_size=4), max_running_requests=4, context_length=4096,
+                    share_prompts=False)
+    r = Request("r", tuple(range(9)), 4)
+    off.submit(r)
+    off.admit()
+    _written(r)
+    off.finish(r)
+    assert off.cache is None and off.allocator.used_pages == 0  # --disable-radix-cache: nothing kept
+
+
+def test_random_traffic_with_the_prefix_cache_reads_only_pages_that_hold_its_tokens() -> None:
+    """Agent-like traffic (turns that continue earlier answers, groups, aborts, retractions,
+    pauses, weight changes) through a small pool, simulating what the device writes: every page a
+    request reads from the cache holds exactly the keys of its own prefix, every request ends
+    once with all its tokens, and the pool's counts always match the tables and the cache."""
+    rng = random.Random(1)
+    size = 4
+    pool = PageAllocator(num_pages=48, page_size=size)
+    s = Scheduler(pool, max_running_requests=10, context_length=160, headroom=4)
+    content: dict[tuple[int, int], tuple[int, ...]] = {}  # (page, offset) -> the prefix its key was computed from
+    weights = 0
+    written_under: dict[int, int] = {}  # page -> the weights its keys were computed with
+    history: list[tuple[int, ...]] = []
+    expected, finished, hits = {}, {}, 0
+    for g in range(150):
+        if history and rng.random() < 0.5:  # a next turn: an earlier request's tokens, then more
+            prompt = rng.choice(history) + tuple(rng.randrange(100) for _ in range(rng.randrange(1, 8)))
+        else:
+            prompt = tuple(rng.randrange(100) for _ in range(rng.randrange(1, 30)))
+        prompt = prompt[-100:]
+        for i in range(rng.randrange(1, 4)):
+            r = Request(f"{g}.{i}", prompt, rng.randrange(1, 40))
+            s.submit(r)
+            expected[r.rid] = r.max_new_tokens
+    rounds = 0
+    while s.waiting or s.running:
+        rounds += 1
+        assert rounds < 20_000, "the scheduler stopped making progress"
+        for adm in s.admit():
+            r = adm.request
+            r.written = 0
+            if adm.source is None and adm.shared_tokens:
+                hits += 1
+                for pos in range(adm.shared_tokens):
+                    page = r.table.pages[pos // size]
+                    assert content[page, pos % size] == r.tokens[:pos + 1], "a cached page holds other tokens"
+                    assert written_under[page] == weights, "a cached page holds old weights' keys"
+        s.grow(4)
+        for r in list(s.running):  # the device writes every token but the last, then samples
+            tokens = r.tokens
+            own = r.table.shared * size
+            for pos in range(own, r.length - 1):
+                page = r.table.pages[pos // size]
+                content[page, pos % size], written_under[page] = tokens[:pos + 1], weights
+            ok = all(content.get((r.table.pages[pos // size], pos % size)) == tokens[:pos + 1]
+                     for pos in range(own))
+            r.written = r.length - 1 if ok else 0
+            r.output += [rng.randrange(100) for _ in range(min(4, r.max_new_tokens - len(r.output)))]
+            if r.done:
+                s.finish(r)
+                assert r.rid not in finished
+                finished[r.rid] = len(r.output)
+                history.append(r.tokens)
+        if rng.random() < 0.03 and s.running:
+            victim = rng.choice(s.running)
+            s.finish(victim)
+            expected.pop(victim.rid)
+        if rng.random() < 0.02:
+            s.retract_all()
+        if rng.random() < 0.04:
+            weights += 1
+            s.version += 1
+            s.weights_changed()
+        held = {p for r in s.running for p in r.table.pages}
+        assert pool.used_pages == len(held | s.cache.held())
+        s.cache.check()
+        pool.check()
+    assert expected == finished
+    assert hits > 20 and s.cache.stats["evicted_pages"] > 0  # the cache is read and is evicted from
+    s.drop_cache()
+    assert pool.used_pages == 0

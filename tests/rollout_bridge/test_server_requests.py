@@ -87,6 +87,14 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
                        for k in ("prefill", "mixed", "decode")}
             assert seconds["prefill"] + seconds["mixed"] > 0 and seconds["decode"] > 0, seconds
             assert sum(seconds.values()) <= t_done - t_resume, seconds
+            # the finished answer's written pages stay in the prefix cache until /flush_cache
+            gauge = lambda text: float(next(line.split()[-1] for line in text.splitlines()  # noqa: E731
+                                            if line.startswith("areal_jax:prefix_cache_tokens{")))
+            assert gauge(text) == (3 + 24 - 1) // engine.cfg.page_size * engine.cfg.page_size > 0
+            async with s.post(url + "/flush_cache") as r:
+                assert r.status == 200, await r.text()
+            async with s.get(url + "/metrics") as r:
+                assert gauge(await r.text()) == 0.0
 
     asyncio.run(main())
 
