@@ -2,12 +2,15 @@
 
 The long-tail bench's warm-started model and server settings (128 running requests, context 512;
 the engine's defaults otherwise) take rounds of ``--groups`` groups of ``--group-size`` answers to
-one prompt of the bench's task, all submitted at once, in two kinds:
+one prompt of the bench's task, all submitted at once, in these kinds:
 
 - ``fresh``: each answer generates ``--new-tokens`` tokens (EOS ignored);
 - ``resend``: each answer of a fresh round is cut at a random token and sent again as its prompt
   plus the tokens so far, as the rollout client does after a weight update aborted it (AReaL with
-  SGLang), and generates ``--new-tokens`` more.
+  SGLang), and generates ``--new-tokens`` more;
+- ``turn``: each answer of a fresh round is sent again whole, with 12 tokens of a tool's reply
+  after it, as an agent's next turn, and generates ``--new-tokens`` more (what the prefix cache is
+  for: the first turn's pages are read, not prefilled again).
 
 Each variant (``--variants``: ``paged``, ``slots``, and ``paged@DIR`` for another checkout's code)
 runs in its own worker process that keeps one warm engine; the rounds alternate between the
@@ -74,6 +77,10 @@ def _worker(kv_cache: str, args: argparse.Namespace) -> None:
                 if line == "resend":  # answers cut at a random token, sent again with their tokens so far
                     outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
                     reqs = [GenerateRequest(r.input_ids + o.output_ids[:int(rng.integers(1, len(o.output_ids)))],
+                                            sampling(args.new_tokens)) for r, o in zip(reqs, outs, strict=True)]
+                elif line == "turn":  # an agent's next turn: prompt, the whole answer, a tool's reply
+                    outs = await asyncio.gather(*(engine.generate(r) for r in reqs))
+                    reqs = [GenerateRequest(r.input_ids + o.output_ids + [int(t) for t in rng.integers(3, 100, 12)],
                                             sampling(args.new_tokens)) for r, o in zip(reqs, outs, strict=True)]
                 before = {c: engine.stats.get(c, 0) for c in COUNTERS}
                 t0 = time.perf_counter()
