@@ -116,8 +116,7 @@ class PagedShapes:
     async def start(self) -> None:
         """Start the loop; with ``cfg.compile_threads``, and shapes not compiled yet, compile them
         in the background meanwhile (``compile_in_background``)."""
-        running = self.background_compiles is not None and self.background_compiles.pending
-        if not self._running and self.cfg.compile_threads and not running:  # not started early (and still at it)
+        if not self._running and self.cfg.compile_threads:
             self.background_compiles = self.compile_in_background(self.cfg.compile_threads) or self.background_compiles
         await super().start()
 

@@ -47,7 +47,6 @@ from areal_jax.trainer.rollout import (
     local_devices,
     open_rollout,
     servers_startup,
-    start_engine_early,
     start_engine_host,
     start_fleet_early,
 )
@@ -233,8 +232,6 @@ async def _train(cfg: RunConfig, resume: bool = False,
         serve_dir = base if meta is None else resume_model_dir(cfg, run_dir, base)
         if meta is not None and hub.leader:  # a resumed run's servers start on what it served
             early = start_fleet_early(cfg, serve_dir, run_dir / "logs", timeline)
-        if early is None and hub.leader:  # an in-process engine compiles while the trainer loads and warm-starts
-            early = start_engine_early(cfg, serve_dir, mesh, timeline)
         with timeline.span("model loaded"):
             model = load_pretrained(serve_dir, mesh=mesh, dtype=cfg.model.dtype,
                                     attention_impl=cfg.model.attention_impl)
@@ -379,7 +376,7 @@ async def _lead(run: Run, serve_dir: Path, rewards: Any, early: Any = None, host
                 logger.write(f"warning: {advice}")
             else:
                 log.warning(advice)
-        if (not local or early is not None) and cfg.warm_start is not None and meta is None:  # started on the base
+        if not local and cfg.warm_start is not None and meta is None:  # they started on the base model
             with run.startup.span("warm-started weights loaded by the servers"):
                 await client.update_weights_from_disk(str(serve_dir), version=0)
         sink = make_sink(cfg, client, run.trainer.model().config.to_hf_dict(), run_dir, run.base, hosts=hosts)

@@ -154,55 +154,6 @@ def start_fleet_early(cfg: RunConfig, serve_dir: Path, log_dir: Path, timeline: 
     return EarlyFleet(fleet, asyncio.get_running_loop().run_in_executor(None, start))
 
 
-class EarlyEngine:
-    """The in-process engine (``backend: local``, one process) built in a thread while the trainer
-    loads, builds and warm-starts, its step shapes compiling in the background from then on
-    (``start_engine_early``); ``open_rollout`` takes it over, or ``stop`` ends its compiles if the
-    run fails before it gets there."""
-
-    def __init__(self, task: asyncio.Future) -> None:
-        self.task, self.taken = task, False
-
-    def stop(self) -> None:
-        """No more compiles (once the build returns, should it still be under way)."""
-        def close(t: asyncio.Future) -> None:
-            if not t.cancelled() and t.exception() is None and getattr(t.result(), "background_compiles", None):
-                t.result().background_compiles.close(wait=False)
-        self.task.add_done_callback(close)
-
-
-def start_engine_early(cfg: RunConfig, serve_dir: Path, trainer_mesh: Any, timeline: Any = None) -> EarlyEngine | None:
-    """Build the in-process engine on ``serve_dir`` now, in a thread, and start compiling its
-    step shapes in the background (``PagedShapes.compile_in_background``, with the engine's
-    ``--compile-threads``), so that its compiles overlap the trainer's load, build and warm start
-    instead of following them. None where it cannot start first: a rollout that is not ``local``,
-    several processes (each host's engine starts beside its trainer), or an engine sharing an
-    accelerator with the trainer, whose memory is planned beside the trainer's step and so is
-    allocated after it. A warm start's weights reach it from disk when the rollout opens."""
-    import jax
-
-    if cfg.rollout.backend != "local" or _processes() > 1:
-        return None
-    if cfg.rollout.local.placement != "split" and jax.default_backend() != "cpu":
-        return None
-    from rollout_bridge.local import build_engine
-
-    rollout = cfg.rollout
-    launched = time.perf_counter()
-
-    def build() -> Any:
-        engine = build_engine(serve_dir, rollout.server_args, mesh=_local_engine_mesh(cfg, trainer_mesh),
-                              seed=cfg.seed)
-        threads = getattr(engine.cfg, "compile_threads", 0)
-        if threads and hasattr(engine, "compile_in_background"):
-            engine.background_compiles = engine.compile_in_background(threads)
-        if timeline is not None:
-            timeline.add("in-process engine built, its compiles started (background)", launched)
-        return engine
-
-    return EarlyEngine(asyncio.get_running_loop().run_in_executor(None, build))
-
-
 def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path, extra_args: list[str] | None = None) -> Any:
     from areal_jax.trainer.startup import compile_cache_env
     from rollout_bridge.launcher import ServerFleet
@@ -225,13 +176,12 @@ def _make_fleet(cfg: RunConfig, serve_dir: Path, log_dir: Path, extra_args: list
 
 @contextlib.asynccontextmanager
 async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path, trainer_mesh: Any = None,
-                       early: EarlyFleet | EarlyEngine | None = None, hosts: tuple[Any, Any] | None = None
+                       early: EarlyFleet | None = None, hosts: tuple[Any, Any] | None = None
                        ) -> AsyncIterator[tuple[Any, Any]]:
     """``(client, fleet)``: an ``HttpRolloutClient`` on the configured servers, or with ``backend:
     local`` a ``LocalRolloutClient`` over an engine in this process (shared placement: on
     ``trainer_mesh``); ``fleet`` is the ``ServerFleet`` of embedded servers this started (else
-    None). ``early``: servers already starting (``start_fleet_early``), or the in-process engine
-    (``start_engine_early``), taken over here.
+    None). ``early``: servers already starting (``start_fleet_early``), taken over here.
     ``hosts``: ``(this process's EngineHost, StepHub)`` of a multi-process ``backend: local``
     run: an ``HttpRolloutClient`` over every host's engine, this one's first."""
     from rollout_bridge.client import HttpRolloutClient
@@ -246,12 +196,8 @@ async def open_rollout(cfg: RunConfig, serve_dir: Path, log_dir: Path, trainer_m
     if rollout.backend == "local":
         from rollout_bridge.local import LocalRolloutClient, build_engine
 
-        if isinstance(early, EarlyEngine):
-            early.taken = True
-            engine = await early.task
-        else:
-            engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args,
-                                             mesh=_local_engine_mesh(cfg, trainer_mesh), seed=cfg.seed)
+        engine = await asyncio.to_thread(build_engine, serve_dir, rollout.server_args,
+                                         mesh=_local_engine_mesh(cfg, trainer_mesh), seed=cfg.seed)
         async with LocalRolloutClient(engine) as client:
             yield client, None
         return

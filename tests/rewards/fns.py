@@ -42,3 +42,12 @@ def sandboxed(prompt: str, completion: str, seconds: float = 5.0, **_) -> float:
 
     run_program(completion, timeout_s=seconds)
     return 1.0
+
+
+def fingerprint(prompt: str, completion: str, **_) -> float:
+    """A number in [0, 1) that follows the completion's every character: the mean over an
+    evaluation tells which policy wrote its answers."""
+    h = 0
+    for c in completion:
+        h = (h * 131 + ord(c)) % 1_000_003
+    return h / 1_000_003
