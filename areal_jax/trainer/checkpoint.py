@@ -19,6 +19,7 @@ orbax; nothing here uses ``os.path`` or ``pathlib`` on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -136,6 +137,12 @@ class RunCheckpoints:
             self.manager.save(step, force=True, args=self._ocp.args.Composite(
                 state=self._ocp.args.StandardSave(state), meta=self._ocp.args.JsonSave(meta)))
         except Exception as e:
+            # A save that failed in its blocking part may have started background writes of the
+            # same step already: let them end (failing too) before the error leaves, so nothing
+            # writes into the half-made step's directory after it (a new manager, as a resumed
+            # run makes, deletes that directory; a write after that left files behind).
+            with contextlib.suppress(Exception):
+                self.manager.wait_until_finished()
             raise self._error(step, e) from e
         self._pending = step
         self._last_save = time.monotonic()
