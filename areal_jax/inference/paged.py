@@ -65,7 +65,7 @@ from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_ste
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
 from areal_jax.inference.schedule import Request, Scheduler, kv_pool_tokens
 from areal_jax.models.decoder import K_PAGE_AXES, V_PAGE_AXES, Decoder, PagedKVCache, kv_head_replicas
-from areal_jax.models.paged_kernels import set_attention_backend
+from areal_jax.models.paged_kernels import choose_attention_backend
 from sharding import activate, logical_to_sharding
 
 __all__ = ["PagedEngine", "pool_tokens"]
@@ -145,17 +145,18 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                  mesh: Mesh | None = None, version: int = 0):
         self.pool_tokens = pool_tokens(cfg, model)
         self.allocator = PageAllocator(self.pool_tokens // cfg.page_size, cfg.page_size)
-        # before the engine splits the model: its compiled steps trace the backend it names
-        self.attention_backend = set_attention_backend(model, cfg.attention_backend, page_size=cfg.page_size,
-                                                       devices=1 if mesh is None else mesh.size)
+        self.attention_backend = choose_attention_backend(model.config, cfg.attention_backend, page_size=cfg.page_size,
+                                                          devices=1 if mesh is None else mesh.size)
+        """``native`` or ``fa``: what every compiled step is given as its static ``attention_backend``."""
         super().__init__(model, cfg, eos_token_ids=eos_token_ids, mesh=mesh, version=version)
         self.scheduler = self._new_scheduler()
         # the slot engine's names, so what wraps a step (a test's failing device) wraps these
-        self.prefill_fn = jax.jit(partial(prefill_step, self._graphdef), donate_argnums=(1,))
+        self.prefill_fn = jax.jit(partial(prefill_step, self._graphdef), donate_argnums=(1,),
+                                  static_argnames=("attention_backend",))
         self.decode_fn = jax.jit(partial(decode_step, self._graphdef), donate_argnums=(1,),
-                                 static_argnames=("num_steps", "max_top"))
+                                 static_argnames=("num_steps", "max_top", "attention_backend"))
         self.mixed_fn = jax.jit(partial(mixed_step, self._graphdef), donate_argnums=(1,),
-                                static_argnames=("num_steps", "max_top"))
+                                static_argnames=("num_steps", "max_top", "attention_backend"))
         self.compiled_shapes: set[tuple] = set()
         """Every (step, rows, width, work) shape called so far: the compilations it cost."""
         self.stats.update({"retractions": 0, "mixed_calls": 0, "mixed_seconds": 0.0, "prefill_tokens": 0,
@@ -364,7 +365,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         """The alternating path's prefill call: the next chunk of ``seqs`` (``_prefill_rows``)."""
         rows, (ids, pos, wp, wo, work) = self._prefill_rows(seqs)
         lane.cache = await self._timed("prefill_seconds", self._run_step, self._prefill_shape(*ids.shape),
-                                       self.prefill_fn, self._state, lane.cache, ids, pos, wp, wo, work)
+                                       self.prefill_fn, self._state, lane.cache, ids, pos, wp, wo, work,
+                                       attention_backend=self.attention_backend)
         self.stats["prefill_calls"] += 1
         self._wrote(rows, [seq for seq, _, _ in rows])
         self._prefilled(rows)
@@ -428,7 +430,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         lane.cache, out = self._run_step(shape, self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo,
                                          work, ids, prefill_positions, prefill_pages, prefill_offsets, prefill_work,
                                          *sampling, step, top_n, remaining, stop_ids, early,
-                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
+                                         num_steps=self.cfg.decode_steps, max_top=self.max_top,
+                                         attention_backend=self.attention_backend)
         main, values, top_ids, rest, ended = (np.asarray(x) for x in jax.device_get(out))
         if not rest.any() or (early and ended):
             return main, values, top_ids, 1
@@ -446,5 +449,6 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
 
     def _run_decode(self, lane: _Lane, shape: tuple[Any, ...], *args: Any) -> tuple[np.ndarray, ...]:
         lane.cache, out = self._run_step(shape, self.decode_fn, self._state, lane.cache, *args,
-                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
+                                         num_steps=self.cfg.decode_steps, max_top=self.max_top,
+                                         attention_backend=self.attention_backend)
         return tuple(np.asarray(x) for x in jax.device_get(out))

@@ -40,6 +40,7 @@ class PagedShapes:
     _lanes: list[Any]
     _state: Any
     mesh: Any
+    attention_backend: str
     _run_step: Any  # PagedEngine's: runs one jitted step on the pool
     _replicated: Any  # PagedEngine's: a host array placed as the steps want it
     background_compiles: BackgroundCompiles | None = None
@@ -227,7 +228,8 @@ class PagedShapes:
             return np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32), np.int32(0)
 
         kind, rows, width, size = shape[:4]
-        steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top}
+        backend = {"attention_backend": self.attention_backend}
+        steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top, **backend}
         p, z, n = _SamplingRows(rows), np.zeros((rows,), np.int32), self.cfg.decode_steps
         sampling = (p.temperature, p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
         if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
@@ -237,7 +239,7 @@ class PagedShapes:
                                    *sampling), steps
         zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
         if kind == "prefill":  # (prefill, rows, width, work)
-            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size)), {}
+            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size)), backend
         return self.decode_fn, (z, z, sink, zeros, work(size), *sampling), steps  # (decode, rows, steps, work)
 
     def warmup(self, stop: Any = None) -> int:

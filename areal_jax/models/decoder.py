@@ -513,16 +513,16 @@ class Decoder(nnx.Module):
         return paged.init_paged_cache(self, num_pages, page_size, dtype)
 
     def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                     write_pages: jax.Array, write_offsets: jax.Array,
-                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-        """``decode`` against a page pool (``models.paged.decode_paged``): float32 logits
-        ``[b, t, vocab]`` and the updated pool."""
+                     write_pages: jax.Array, write_offsets: jax.Array, work: PagedWork,
+                     backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
+        """``decode`` against a page pool (``models.paged.decode_paged``; ``backend``: the paged
+        attention, ``native`` or ``fa``): float32 logits ``[b, t, vocab]`` and the updated pool."""
         return paged.decode_paged(self, input_ids, positions, cache, write_pages=write_pages,
-                                  write_offsets=write_offsets, work=work)
+                                  write_offsets=write_offsets, work=work, backend=backend)
 
     def decode_paged_layers(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                            write_pages: jax.Array, write_offsets: jax.Array,
-                            work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+                            write_pages: jax.Array, write_offsets: jax.Array, work: PagedWork,
+                            backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
         """The decoder layers of ``decode_paged`` (``models.paged.decode_paged_layers``)."""
         return paged.decode_paged_layers(self, x, positions, cache, write_pages=write_pages,
-                                         write_offsets=write_offsets, work=work)
+                                         write_offsets=write_offsets, work=work, backend=backend)
