@@ -137,7 +137,7 @@ def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: 
     q, k, v = attn._qkv(x, positions)
     k, v = attn._replicate_kv(k, v, cache.k.shape[2] // attn.num_kv_heads)
     at = jnp.full_like(write_pages, layer)
-    # As in Attention.decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
+    # As in slot_cache.attention_decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
     k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
     v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
     out = attend_work(q, k_all, v_all, layer, positions, work, attn.precision, backend)
