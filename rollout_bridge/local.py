@@ -139,8 +139,9 @@ def handover(params: Any, like: Any) -> tuple[Any, int]:
     bytes copied. Blocks until the arrays are in place.
 
     A ``like`` in the serving layout (``models.layer_stack``) is taken as the stacked arrays it
-    stands for: the state returned is stacked, and ``set_state`` splits it (a copy of the layer
-    parameters; an engine with ``--layer-layout stacked`` serves the handed-over arrays as they are)."""
+    stands for: the state returned is stacked, and ``set_state`` splits it into the engine's own
+    layer buffers (no second copy of the layer parameters; an engine with ``--layer-layout
+    stacked`` serves the handed-over arrays as they are)."""
     keystr = jax.tree_util.keystr
     like = stacked_view(like)
     given = {keystr(path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}

@@ -10,7 +10,8 @@ own lock, held from launch to the bookkeeping of the result (one ``_round`` of `
 engine-wide changes (pause, abort all, weight swap) take every lane's lock. Aborting or cancelling
 one request takes no lock and costs O(1): the queue is keyed by request, and a step whose request
 went away ignores its result. A weight update reads and converts the new weights outside the
-locks and only swaps them in under them.
+locks and only swaps them in under them. A request's record (its checks on intake, its tokens,
+how it ends) is ``inference.bookkeeping``'s.
 
 ``EngineBase`` leaves the KV layout and the device steps to a subclass (``_fresh_cache``,
 ``_can_step``, ``_round``, ``_recover``, ``step_shapes``, ``warmup``): the slot engine
@@ -34,15 +35,10 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from areal_jax.inference.bookkeeping import RequestBookkeeping
 from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.requests import _Lane, _Seq
-from areal_jax.inference.types import (
-    DuplicateRequestError,
-    EngineDeadError,
-    GenerateOutput,
-    GenerateRequest,
-    QueueFullError,
-)
+from areal_jax.inference.types import GenerateOutput, GenerateRequest
 from areal_jax.inference.weight_swap import WeightSwaps
 from areal_jax.models.decoder import Decoder
 from areal_jax.models.layer_stack import split_layers
@@ -55,7 +51,7 @@ log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class EngineBase(WeightSwaps):
+class EngineBase(RequestBookkeeping, WeightSwaps):
     """Continuous-batching generation over a ``Decoder`` (see the module docstring); build one
     with ``inference.engine.Engine``, which picks the KV layout from ``EngineConfig.kv_cache``."""
 
@@ -217,43 +213,6 @@ class EngineBase(WeightSwaps):
 
     # -- requests --
 
-    def _admit(self, req: GenerateRequest, streaming: bool) -> _Seq:
-        if not self._running:
-            raise RuntimeError("Engine.start() has not been awaited")
-        if self._error is not None:
-            raise EngineDeadError(f"the engine is dead: {self._error!r}")
-        if req.rid in self._live:
-            raise DuplicateRequestError(f"rid {req.rid!r} is already waiting or running; give each request its own rid")
-        cap = self.cfg.max_queued_requests
-        if cap is not None and self.num_waiting >= cap and req.sampling.max_new_tokens:
-            raise QueueFullError(f"the waiting queue is full ({cap} requests); retry later")
-        req.sampling.validate(self.vocab_size)
-        if req.sampling.top_logprobs_num > self.cfg.max_top_logprobs:
-            raise ValueError(f"top_logprobs_num must be at most {self.cfg.max_top_logprobs} "
-                             f"(EngineConfig.max_top_logprobs), got {req.sampling.top_logprobs_num}")
-        n = len(req.input_ids)
-        if n == 0:
-            raise ValueError("input_ids is empty")
-        if n >= self.max_seq_len:
-            raise ValueError(f"prompt of {n} tokens does not fit: prompt + output must be at most "
-                             f"max_seq_len={self.max_seq_len} tokens (the context length)")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        seq = _Seq(req, next(self._counter), done=asyncio.get_running_loop().create_future(),
-                   updated=asyncio.Event() if streaming else None)
-        if req.sampling.max_new_tokens == 0:
-            self._finish(seq, {"type": "length", "length": 0})
-        else:
-            self._enqueue(seq)
-            self._live[req.rid] = seq
-            self._wake_all()
-        return seq
-
-    def _enqueue(self, seq: _Seq) -> None:
-        """Put a new request at the back of the waiting queue."""
-        self._waiting[seq.stream_id] = seq
-
     async def generate(self, req: GenerateRequest) -> GenerateOutput:
         """Run ``req`` to completion; cancelling the caller aborts the request."""
         seq = self._admit(req, streaming=False)
@@ -340,68 +299,6 @@ class EngineBase(WeightSwaps):
         # jit outputs are uncommitted; the steps are compiled for committed inputs (no copy here)
         return jax.tree.map(jax.device_put, zeroed, shardings)
 
-    # -- bookkeeping --
-
-    def _snapshot(self, seq: _Seq, start: int = 0, end: int | None = None) -> GenerateOutput:
-        """The request's output tokens ``[start:end]`` (all by default)."""
-        part = slice(start, end)
-        return GenerateOutput(seq.req.rid, len(seq.req.input_ids), seq.out_ids[part], seq.logprobs[part],
-                              seq.versions[part], seq.finish_reason, self._version,
-                              seq.tops[part] if seq.req.sampling.top_logprobs_num else None)
-
-    def _release(self, seq: _Seq) -> None:
-        if seq.lane is not None:
-            seq.lane.slots[seq.slot] = None
-            seq.lane = seq.slot = None
-
-    def _finish(self, seq: _Seq, reason: dict) -> None:
-        seq.finish_reason = reason
-        self._release(seq)
-        self._waiting.pop(seq.stream_id, None)
-        if self._live.get(seq.req.rid) is seq:
-            del self._live[seq.req.rid]
-        self.stats["finished_requests"] += 1
-        if not seq.done.done():
-            seq.done.set_result(self._snapshot(seq))
-        if seq.updated is not None:
-            seq.updated.set()
-
-    def _abort_seq(self, seq: _Seq, message: str, status_code: int | None = None) -> bool:
-        """End one request with an abort, wherever it is (O(1)); False if it had finished. A
-        ``status_code`` (SGLang's field) marks an error rather than a pause or a cancel."""
-        if seq.finish_reason is not None:
-            return False
-        reason: dict[str, Any] = {"type": "abort", "message": message}
-        if status_code is not None:
-            reason["status_code"] = status_code
-        self._finish(seq, reason)
-        return True
-
-    def _abort_where(self, pred: Any, message: str, status_code: int | None = None) -> int:
-        hits = [s for s in self._live.values() if pred(s)]
-        for seq in hits:
-            self._abort_seq(seq, message, status_code)
-        return len(hits)
-
-    def _append(self, seq: _Seq, token: int, logprob: float, version: int, top_values: Any = None,
-                top_ids: Any = None) -> bool:
-        """Record one sampled token (and the likeliest ones beside it); finish the request if it
-        stops here. True when finished."""
-        seq.out_ids.append(token)
-        seq.logprobs.append(logprob)
-        seq.versions.append(version)
-        n = seq.req.sampling.top_logprobs_num
-        if n:
-            seq.tops.append([(float(v), int(t)) for v, t in zip(top_values[:n], top_ids[:n], strict=True)])
-        self.stats["generated_tokens"] += 1
-        self.tokens_by_version[version] += 1
-        sp = seq.req.sampling
-        if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in self.eos_token_ids):
-            self._finish(seq, {"type": "stop", "matched": token})
-        elif len(seq.out_ids) >= sp.max_new_tokens or seq.length >= self.max_seq_len:
-            self._finish(seq, {"type": "length", "length": len(seq.out_ids)})
-        return seq.finish_reason is not None
-
     # -- the lane loops --
 
     def _in_mesh(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -443,10 +340,6 @@ class EngineBase(WeightSwaps):
         for waiter in self._dead_waiters:
             if not waiter.done():
                 waiter.set_result(None)
-
-    def _notify(self, seq: _Seq) -> None:
-        if seq.updated is not None:
-            seq.updated.set()
 
     async def _timed(self, stat: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` in a worker thread, its seconds added to ``stats[stat]``."""

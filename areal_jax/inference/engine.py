@@ -29,7 +29,8 @@ from areal_jax.inference.config import EngineConfig
 from areal_jax.inference.requests import _Lane, _SamplingRows, _Seq, _tokens_key
 from areal_jax.inference.steps import DEVICE_STOP_IDS, SlotState, bucket, compile_steps, share_rows, step_shapes
 from areal_jax.inference.weight_swap import _placement
-from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.slot_cache import KVCache
 from sharding import activate, logical_to_sharding
 
 log = logging.getLogger(__name__)

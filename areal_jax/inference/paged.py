@@ -65,7 +65,7 @@ from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_ste
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
 from areal_jax.inference.schedule import Request, Scheduler, kv_pool_tokens
 from areal_jax.models.decoder import K_PAGE_AXES, V_PAGE_AXES, Decoder, PagedKVCache, kv_head_replicas
-from areal_jax.models.paged_kernels import set_attention_backend
+from areal_jax.models.paged_kernels import choose_attention_backend
 from sharding import activate, logical_to_sharding
 
 __all__ = ["PagedEngine", "pool_tokens"]
@@ -145,17 +145,18 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
                  mesh: Mesh | None = None, version: int = 0):
         self.pool_tokens = pool_tokens(cfg, model)
         self.allocator = PageAllocator(self.pool_tokens // cfg.page_size, cfg.page_size)
-        # before the engine splits the model: its compiled steps trace the backend it names
-        self.attention_backend = set_attention_backend(model, cfg.attention_backend, page_size=cfg.page_size,
-                                                       devices=1 if mesh is None else mesh.size)
+        self.attention_backend = choose_attention_backend(model.config, cfg.attention_backend, page_size=cfg.page_size,
+                                                          devices=1 if mesh is None else mesh.size)
+        """``native`` or ``fa``: what every compiled step is given as its static ``attention_backend``."""
         super().__init__(model, cfg, eos_token_ids=eos_token_ids, mesh=mesh, version=version)
         self.scheduler = self._new_scheduler()
         # the slot engine's names, so what wraps a step (a test's failing device) wraps these
-        self.prefill_fn = jax.jit(partial(prefill_step, self._graphdef), donate_argnums=(1,))
+        self.prefill_fn = jax.jit(partial(prefill_step, self._graphdef), donate_argnums=(1,),
+                                  static_argnames=("attention_backend",))
         self.decode_fn = jax.jit(partial(decode_step, self._graphdef), donate_argnums=(1,),
-                                 static_argnames=("num_steps", "max_top"))
+                                 static_argnames=("num_steps", "max_top", "attention_backend"))
         self.mixed_fn = jax.jit(partial(mixed_step, self._graphdef), donate_argnums=(1,),
-                                static_argnames=("num_steps", "max_top"))
+                                static_argnames=("num_steps", "max_top", "attention_backend"))
         self.compiled_shapes: set[tuple] = set()
         """Every (step, rows, width, work) shape called so far: the compilations it cost."""
         self.stats.update({"retractions": 0, "cached_prompt_tokens": 0, "mixed_calls": 0, "mixed_seconds": 0.0,
@@ -393,9 +394,9 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     async def _prefill_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         """The alternating path's prefill call: the next chunk of ``seqs`` (``_prefill_rows``)."""
         rows, (ids, pos, wp, wo, work) = self._prefill_rows(seqs)
-        self.compiled_shapes.add(("prefill", *ids.shape, len(work[0])))
-        lane.cache = await self._timed("prefill_seconds", self._run_paged, self.prefill_fn, self._state,
-                                       lane.cache, ids, pos, wp, wo, work)
+        lane.cache = await self._timed("prefill_seconds", self._run_step, self._prefill_shape(*ids.shape),
+                                       self.prefill_fn, self._state, lane.cache, ids, pos, wp, wo, work,
+                                       attention_backend=self.attention_backend)
         self.stats["prefill_calls"] += 1
         self._wrote(rows, [seq for seq, _, _ in rows])
         self._prefilled(rows)
@@ -403,12 +404,11 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     async def _decode_paged(self, lane: _Lane, seqs: list[_Seq]) -> None:
         n = self.cfg.decode_steps
         tokens, positions, step, count, wp, wo, p, work = self._decode_rows(seqs, n)
-        self.compiled_shapes.add(("decode", len(tokens), n, len(work[0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
         out = await self._timed(
-            "decode_seconds", self._run_decode, lane, tokens, positions, wp, wo, work, p.temperature, p.top_p,
-            p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids, early)
+            "decode_seconds", self._run_decode, lane, self._decode_shape(len(tokens)), tokens, positions, wp, wo,
+            work, p.temperature, p.top_p, p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids, early)
         self.stats["decode_calls"] += 1
         self._take_tokens(seqs, count, version, *out)
 
@@ -423,10 +423,10 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         # the fixed shapes ``warmup`` compiled (``_mixed_shape``): every running row, the chunk's
         # blocks padded to one of ``block_counts``, work lists at their fixed lengths
         tokens, positions, step, count, wp, wo, p, work = self._decode_rows(decode, n, num_rows=self.mixed_rows)
-        self.compiled_shapes.add(("mixed", len(tokens), *chunk[0].shape, len(work[0]), len(chunk[4][0])))
         early = np.bool_(bool(self.scheduler.waiting) and self.cfg.end_chunk_at_finish)
         version = self._version
-        out = await self._timed("mixed_seconds", self._run_mixed, lane, tokens, positions, wp, wo, work, *chunk,
+        out = await self._timed("mixed_seconds", self._run_mixed, lane, self._mixed_shape(*chunk[0].shape), tokens,
+                                positions, wp, wo, work, *chunk,
                                 p.temperature, p.top_p, p.top_k, p.seed, p.stream, step, p.top_n, count, p.stop_ids,
                                 early, live_rows=len(decode))
         self.stats["mixed_calls"] += 1
@@ -434,18 +434,18 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         self._prefilled(rows)
         self._take_tokens(decode, count, version, *out)
 
-    def _run_step(self, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+    def _run_step(self, shape: tuple[Any, ...], fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one compiled paged step on host arrays ``args`` (placed replicated on a mesh),
-        once no background compile of its shape is in hand (``PagedShapes._claim``)."""
-        self._claim(fn, args, kwargs)
+        once no background compile of its ``shape`` (the caller's, as ``PagedShapes`` spells it)
+        is in hand (``PagedShapes._claim``); ``shape`` joins ``compiled_shapes``."""
+        self._claim(shape)
+        self.compiled_shapes.add(shape)
         with activate(self.mesh):
             return fn(state, cache, *jax.tree.map(self._replicated, args), **kwargs)
 
-    def _run_paged(self, fn: Any, state: Any, cache: Any, *args: Any) -> Any:
-        return self._run_step(fn, state, cache, *args)
-
-    def _run_mixed(self, lane: _Lane, tokens: np.ndarray, positions: np.ndarray, wp: np.ndarray, wo: np.ndarray,
-                   work: tuple[np.ndarray, ...], ids: np.ndarray, prefill_positions: np.ndarray,
+    def _run_mixed(self, lane: _Lane, shape: tuple[Any, ...], tokens: np.ndarray, positions: np.ndarray,
+                   wp: np.ndarray, wo: np.ndarray, work: tuple[np.ndarray, ...], ids: np.ndarray,
+                   prefill_positions: np.ndarray,
                    prefill_pages: np.ndarray, prefill_offsets: np.ndarray, prefill_work: tuple[np.ndarray, ...],
                    temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray, seed: np.ndarray,
                    stream: np.ndarray, step: np.ndarray, top_n: np.ndarray, remaining: np.ndarray,
@@ -457,27 +457,28 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         two, compiled at warm-up), not every running row: while prompts keep arriving most rounds
         are mixed, and their decode steps then cost the answers live."""
         sampling = (temperature, top_p, top_k, seed, stream)
-        lane.cache, out = self._run_step(self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo, work, ids,
-                                         prefill_positions, prefill_pages, prefill_offsets, prefill_work, *sampling,
-                                         step, top_n, remaining, stop_ids, early, num_steps=self.cfg.decode_steps,
-                                         max_top=self.max_top)
+        lane.cache, out = self._run_step(shape, self.mixed_fn, self._state, lane.cache, tokens, positions, wp, wo,
+                                         work, ids, prefill_positions, prefill_pages, prefill_offsets, prefill_work,
+                                         *sampling, step, top_n, remaining, stop_ids, early,
+                                         num_steps=self.cfg.decode_steps, max_top=self.max_top,
+                                         attention_backend=self.attention_backend)
         main, values, top_ids, rest, ended = (np.asarray(x) for x in jax.device_get(out))
         if not rest.any() or (early and ended):
             return main, values, top_ids, 1
         # the decode call's arrays: the answers' rows (work entries are in row order, and each row
         # reads at most ``row_pages``), one token on, the write columns shifted (a sink column last)
         k = self.fit_rows(live_rows)
-        self.compiled_shapes.add(self._decode_shape(k))
         cut = lambda a: a[:k]
         shift = lambda a, v: np.concatenate([a[:k, 1:], np.full((k, 1), v, a.dtype)], axis=1)
         work = (*(w[:k * self.row_pages] for w in work[:3]), work[3])
-        more = self._run_decode(lane, main[0, 0, :k].astype(np.int32), cut(positions) + 1, shift(wp, SINK_PAGE),
-                                shift(wo, 0), work, *map(cut, sampling), cut(step) + 1, cut(top_n),
-                                cut(rest).astype(np.int32), cut(stop_ids), early)
+        more = self._run_decode(lane, self._decode_shape(k), main[0, 0, :k].astype(np.int32), cut(positions) + 1,
+                                shift(wp, SINK_PAGE), shift(wo, 0), work, *map(cut, sampling), cut(step) + 1,
+                                cut(top_n), cut(rest).astype(np.int32), cut(stop_ids), early)
         return (np.concatenate([main[:, :, :k], more[0]], axis=1), np.concatenate([values[:, :k], more[1]]),
                 np.concatenate([top_ids[:, :k], more[2]]), 1 + int(more[3]))
 
-    def _run_decode(self, lane: _Lane, *args: Any) -> tuple[np.ndarray, ...]:
-        lane.cache, out = self._run_step(self.decode_fn, self._state, lane.cache, *args,
-                                         num_steps=self.cfg.decode_steps, max_top=self.max_top)
+    def _run_decode(self, lane: _Lane, shape: tuple[Any, ...], *args: Any) -> tuple[np.ndarray, ...]:
+        lane.cache, out = self._run_step(shape, self.decode_fn, self._state, lane.cache, *args,
+                                         num_steps=self.cfg.decode_steps, max_top=self.max_top,
+                                         attention_backend=self.attention_backend)
         return tuple(np.asarray(x) for x in jax.device_get(out))

@@ -40,6 +40,7 @@ class PagedShapes:
     _lanes: list[Any]
     _state: Any
     mesh: Any
+    attention_backend: str
     _run_step: Any  # PagedEngine's: runs one jitted step on the pool
     _replicated: Any  # PagedEngine's: a host array placed as the steps want it
     background_compiles: BackgroundCompiles | None = None
@@ -99,6 +100,9 @@ class PagedShapes:
     def _decode_shape(self, rows: int) -> tuple[Any, ...]:
         return ("decode", rows, self.cfg.decode_steps, rows * self.row_pages)
 
+    def _prefill_shape(self, blocks: int, width: int) -> tuple[Any, ...]:
+        return ("prefill", blocks, width, blocks * self.row_pages)
+
     def step_shapes(self) -> list[tuple[Any, ...]]:
         """The shapes ``warmup`` compiles, every one a running engine calls: mixed steps
         ``("mixed", rows, prefill blocks, width, work, prefill work)``, one per
@@ -109,7 +113,7 @@ class PagedShapes:
         if self.mixed_chunk:
             first = [self._mixed_shape(n, w) for n, w in self.prefill_shapes()]
         else:
-            first = [("prefill", n, w, n * self.row_pages) for n, w in self.prefill_shapes()]
+            first = [self._prefill_shape(n, w) for n, w in self.prefill_shapes()]
         rows = [r for r in (self.min_decode_rows << k for k in range(64)) if r <= self.mixed_rows]
         return [*first, *(self._decode_shape(r) for r in rows)]
 
@@ -164,7 +168,7 @@ class PagedShapes:
         if self.mixed_chunk:
             shapes = [self._mixed_shape(n, width) for n in counts]
         else:
-            shapes = [("prefill", n, width, n * self.row_pages) for n in counts]
+            shapes = [self._prefill_shape(n, width) for n in counts]
         return counts[self._fitting(shapes)]
 
     def fit_rows(self, rows: int) -> int:
@@ -202,21 +206,11 @@ class PagedShapes:
         return BackgroundCompiles(sorted(shapes, key=lambda s: s not in widest), compile_one, threads,
                                   urgent=sum(s in widest for s in shapes))
 
-    def _claim(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Before a call of ``fn`` on ``args`` (``_run_step``'s): wait for its shape's compile in
-        the background, if one is running (``BackgroundCompiles.claim``)."""
-        compiles = self.background_compiles
-        if compiles is None:
-            return
-        if fn is self.mixed_fn:  # the shape as ``_mixed_shape`` spells it
-            shape: tuple[Any, ...] = ("mixed", len(args[0]), *np.shape(args[5]), len(args[4][0]), len(args[9][0]))
-        elif fn is self.decode_fn:
-            shape = ("decode", len(args[0]), kwargs.get("num_steps"), len(args[4][0]))
-        elif fn is self.prefill_fn:
-            shape = ("prefill", *np.shape(args[0]), len(args[4][0]))
-        else:
-            return
-        compiles.claim(shape)
+    def _claim(self, shape: tuple[Any, ...]) -> None:
+        """Before a call of ``shape`` (``_run_step``'s): wait for its compile in the background,
+        if one is running (``BackgroundCompiles.claim``)."""
+        if self.background_compiles is not None:
+            self.background_compiles.claim(shape)
 
     @staticmethod
     def default_compile_threads() -> int:
@@ -234,7 +228,8 @@ class PagedShapes:
             return np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.full((n,), NO_POSITION, np.int32), np.int32(0)
 
         kind, rows, width, size = shape[:4]
-        steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top}
+        backend = {"attention_backend": self.attention_backend}
+        steps = {"num_steps": self.cfg.decode_steps, "max_top": self.max_top, **backend}
         p, z, n = _SamplingRows(rows), np.zeros((rows,), np.int32), self.cfg.decode_steps
         sampling = (p.temperature, p.top_p, p.top_k, p.seed, p.stream, z, p.top_n, z, p.stop_ids, np.bool_(False))
         if kind == "mixed":  # (mixed, rows, prefill rows, width, work, prefill work)
@@ -244,7 +239,7 @@ class PagedShapes:
                                    *sampling), steps
         zeros, sink = np.zeros((rows, width), np.int32), np.full((rows, width), SINK_PAGE, np.int32)
         if kind == "prefill":  # (prefill, rows, width, work)
-            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size)), {}
+            return self.prefill_fn, (zeros, zeros - 1, sink, zeros, work(size)), backend
         return self.decode_fn, (z, z, sink, zeros, work(size), *sampling), steps  # (decode, rows, steps, work)
 
     def warmup(self, stop: Any = None) -> int:
@@ -260,7 +255,6 @@ class PagedShapes:
             if stop is not None and stop.is_set():
                 return done
             fn, args, static = self._warm_call(shape)
-            out = self._run_step(fn, self._state, lane.cache, *args, **static)
+            out = self._run_step(shape, fn, self._state, lane.cache, *args, **static)
             lane.cache = out if fn is self.prefill_fn else out[0]
-            self.compiled_shapes.add(shape)
         return len(shapes)

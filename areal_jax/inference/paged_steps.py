@@ -9,6 +9,10 @@
   the same rows then gives the answers their further tokens, so a prompt being prefilled never
   stalls the answers in flight (SGLang's mixed chunk).
 
+Each takes the paged attention as a static ``attention_backend`` (``native`` or ``fa``,
+``models.paged_kernels``): the engine passes its own choice at every call, so the choice is part
+of the compiled step's signature and one model can serve engines that choose differently.
+
 Sampling uses each request's own PRNG stream at the index of the token sampled
 (``sampling.row_keys``), so a token is the same whichever step samples it.
 """
@@ -30,12 +34,13 @@ __all__ = ["decode_step", "mixed_step", "prefill_step"]
 
 def prefill_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, ids: jax.Array,
                   positions: jax.Array, write_pages: jax.Array, write_offsets: jax.Array,
-                  work: tuple[jax.Array, ...]) -> PagedKVCache:
+                  work: tuple[jax.Array, ...], *, attention_backend: str = "native") -> PagedKVCache:
     """Write the keys and values of ``ids [rows, width]`` at ``positions`` (-1: padding) into the
     pool; nothing is sampled."""
     model = nnx.merge(graphdef, state)
     _, cache = model.decode_paged_layers(model.embed_tokens(ids), positions, cache, write_pages=write_pages,
-                                         write_offsets=write_offsets, work=PagedWork(*work))
+                                         write_offsets=write_offsets, work=PagedWork(*work),
+                                         backend=attention_backend)
     return cache
 
 
@@ -44,7 +49,8 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, t
                  work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
                  top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
                  remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
-                 max_top: int, ended: jax.Array | bool = False) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
+                 max_top: int, attention_backend: str = "native",
+                 ended: jax.Array | bool = False) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
     """Advance each row up to ``min(num_steps, remaining)`` tokens: step ``i`` feeds the row's
     last token at ``positions + i``, writes its keys and values at ``write_pages[:, i]``,
     ``write_offsets[:, i]`` and samples the next with PRNG step ``step + i``. Every step reads
@@ -65,7 +71,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, t
         wp = jax.lax.dynamic_slice_in_dim(write_pages, i, 1, axis=1)
         wo = jax.lax.dynamic_slice_in_dim(write_offsets, i, 1, axis=1)
         hidden, cache = model.decode_paged_layers(model.embed_tokens(tok[:, None]), pos, cache, write_pages=wp,
-                                                  write_offsets=wo, work=work)
+                                                  write_offsets=wo, work=work, backend=attention_backend)
         logits = model.logits_from_hidden(model.norm(hidden))[:, 0]
         new, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step + i))
         values, ids = top_logprobs(logits, temperature, top_n, max_top)
@@ -94,7 +100,7 @@ def mixed_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, to
                prefill_work: tuple[jax.Array, jax.Array, jax.Array], temperature: jax.Array, top_p: jax.Array,
                top_k: jax.Array, seed: jax.Array, stream: jax.Array, step: jax.Array, top_n: jax.Array,
                remaining: jax.Array, stop_ids: jax.Array, early: jax.Array, *, num_steps: int,
-               max_top: int) -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
+               max_top: int, attention_backend: str = "native") -> tuple[PagedKVCache, tuple[jax.Array, ...]]:
     """A prefill chunk ``ids [prefill rows, width]`` (a chunk of one request per row) computed
     in one flat batch with the first decode token of each of ``rows`` requests, in one call; the
     answers' further tokens are a ``decode_step`` call of the same rows after it (the engine
@@ -117,7 +123,8 @@ def mixed_step(graphdef: nnx.GraphDef, state: nnx.State, cache: PagedKVCache, to
     segments = (Segment(rows, 1, PagedWork(*work)), Segment(prefill_rows, width, PagedWork(*prefill_work)))
     hidden, cache = mixed_paged_layers(model, model.embed_tokens(flat(tokens, ids)), flat(positions, prefill_positions),
                                        cache, write_pages=flat(write_pages[:, 0], prefill_pages),
-                                       write_offsets=flat(write_offsets[:, 0], prefill_offsets), segments=segments)
+                                       write_offsets=flat(write_offsets[:, 0], prefill_offsets), segments=segments,
+                                       backend=attention_backend)
     logits = model.logits_from_hidden(model.norm(hidden[:, :rows]))[0]
     first, logprobs = sample(logits, temperature, top_p, top_k, row_keys(seed, stream, step))
     values, top_ids = top_logprobs(logits, temperature, top_n, max_top)

@@ -22,7 +22,8 @@ from flax import nnx
 
 from areal_jax.inference.config import EngineConfig, powers_of_two
 from areal_jax.inference.sampling import row_keys, sample
-from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.decoder import Decoder
+from areal_jax.models.slot_cache import KVCache
 from sharding import constrain
 
 DEVICE_STOP_IDS = 8

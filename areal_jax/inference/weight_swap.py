@@ -90,11 +90,15 @@ class WeightSwaps:
         arrays of a state in the serving layout (``self.state``'s) are used as they are, not
         copied: whoever made them must not delete them while they are served. A state with stacked
         layer parameters (``layer_stack.stacked_view(self.state)``'s tree, a trainer's) is split
-        into the serving layout first, a copy of those parameters. A tree, shape, dtype or sharding
-        that differs raises before any change."""
-        state = split_layers(state, like=self._state)
-        check_swappable(self._state, state)
+        into the serving layout between steps, each layer written into the buffer of the served
+        layer it replaces (donated, ``split_layers(reuse=True)``): the engine never holds its layer
+        parameters twice, and the stacked arrays stay the caller's. Weights prepared or staged
+        before (``prepare_weights``, ``stage_weights``) share the served arrays they leave as they
+        are, so after such a split they are refused: prepare them again. A tree, shape, dtype or
+        sharding that differs raises before any change."""
+        check_swappable(stacked_view(self._state), stacked_view(state))  # before any buffer is donated
         async with self._update_lock, self._all_lanes():
+            state = self._in_mesh(split_layers, state, like=self._state, reuse=True)
             nnx.update(self.model, state)
             self._state = state
             self._version = version

@@ -124,6 +124,10 @@ def check_swappable(served: Any, state: Any) -> None:
         raise ValueError("new weights: their parameter tree differs from the served model's; build them from "
                          "the same model class and config")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(served), jax.tree.leaves(state), strict=True):
+        if isinstance(b, jax.Array) and b.is_deleted():
+            raise ValueError(f"new weights: {jax.tree_util.keystr(path, simple=True, separator='.')} is a deleted "
+                             "array (weights prepared before a set_state, which reused the served buffers they "
+                             "shared); prepare them again")
         if a.shape != b.shape or a.dtype != b.dtype or not b.sharding.is_equivalent_to(a.sharding, a.ndim):
             raise ValueError(f"new weights: {jax.tree_util.keystr(path, simple=True, separator='.')} is {b.shape} "
                              f"{b.dtype} on {b.sharding}; the engine serves {a.shape} {a.dtype} on {a.sharding}")

@@ -4,7 +4,7 @@ tokenizer loading."""
 
 from areal_jax.models.config import FAMILIES, ModelConfig
 from areal_jax.models.critic import Critic
-from areal_jax.models.decoder import Decoder, KVCache
+from areal_jax.models.decoder import Decoder
 from areal_jax.models.fused import fuse_projections, fuse_state
 from areal_jax.models.hf_io import (
     CheckpointError,
@@ -16,6 +16,7 @@ from areal_jax.models.hf_io import (
 )
 from areal_jax.models.hf_write import save_pretrained
 from areal_jax.models.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from areal_jax.models.slot_cache import KVCache
 from areal_jax.models.tokenizer import encode_chat, load_tokenizer
 
 __all__ = [

@@ -4,9 +4,9 @@ One definition runs two ways:
 - packed, padding-free training input: ``model(input_ids, positions, segment_ids)``; attention
   never crosses a segment and segment 0 is padding;
 - batched decoding with a KV cache: ``model.decode(input_ids, positions, cache, kv_len=...)``
-  writes the new keys/values at ``positions`` and attends only to the first ``kv_len`` cache slots;
-  ``model.decode_paged(...)`` does the same against a pool of fixed-size pages, each row reading
-  only its own pages through a ragged work list.
+  writes the new keys/values at ``positions`` and attends only to the first ``kv_len`` cache slots
+  (``models.slot_cache``); ``model.decode_paged(...)`` does the same against a pool of fixed-size
+  pages, each row reading only its own pages through a ragged work list (``models.paged``).
 
 The decoder layers are one module with stacked parameters (a leading ``layers`` axis) run under
 a scan on both paths, so compile time does not grow with depth; in training each layer can be
@@ -17,16 +17,15 @@ Parameters and main activations carry logical axis names; mesh axes live in ``sh
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from areal_jax.models import paged
+from areal_jax.models import paged, slot_cache
 from areal_jax.models.attention import (
     PagedWork,
-    attend_cached,
     attend_packed,
     attend_packed_local,
     attend_packed_pairs,
@@ -34,46 +33,14 @@ from areal_jax.models.attention import (
     resolve_attention_impl,
     splash_attention_packed,
 )
-from areal_jax.models.config import ModelConfig, jnp_dtype
+from areal_jax.models.config import ModelConfig
 from areal_jax.models.fused import FusedLayout, mlp_shards, qkv_layout, qkv_shards
 from areal_jax.models.fused import layouts as fused_layouts
 from areal_jax.models.layer_stack import layer_modules
 from areal_jax.models.paged import K_PAGE_AXES, V_PAGE_AXES, PagedKVCache  # noqa: F401 (re-exported)
 from areal_jax.models.rope import ROPE_SCALINGS, apply_rope, rope_inv_freq  # noqa: F401 (re-exported)
+from areal_jax.models.slot_cache import KVCache
 from sharding import constrain, logical_axis_size, resharded
-
-
-class KVCache(NamedTuple):
-    """Every layer's cache, stacked on a leading ``layers`` axis: keys ``[layers, slots, kv_heads,
-    head_dim, max_len]``, values ``[layers, slots, kv_heads, max_len, head_dim]``.
-
-    One array per kind, so the decode path scans over layers carrying the cache (compile time does
-    not grow with depth) and each layer writes its own keys and values into it in place.
-    Head-major, so that a decode step's attention is two plain matmuls per (slot, kv head): about
-    3x faster on CPU than a sequence-major cache. Keys are stored transposed, so the score matmul
-    ``q [rows, d] x k [d, len]`` needs no transpose: measured alone on CPU, a decode step's
-    attention is 25-35% faster for it."""
-
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.v.shape[3]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[1]
-
-    @staticmethod
-    def axes() -> KVCache:
-        """Logical axis names of the cache's arrays, in the cache's own structure."""
-        return KVCache(K_CACHE_AXES, V_CACHE_AXES)
-
-
-K_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "head_dim", "cache_length")
-V_CACHE_AXES = ("layers", "cache_batch", "cache_kv_heads", "cache_length", "head_dim")
-
 
 # --- layers -----------------------------------------------------------------------------------
 
@@ -237,30 +204,6 @@ class Attention(nnx.Module):
             out = attend_packed_local(q, k, v, segment_ids, window, precision=self.precision)
         return self.o_proj(out.reshape(*x.shape[:2], -1))
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array,
-               slots: jax.Array | None, kv_len: int) -> tuple[jax.Array, KVCache]:
-        """Attention of ``x [b, t, hidden]`` at ``positions`` through layer ``layer`` (a scalar
-        index) of the stacked cache, after writing this layer's new keys and values there."""
-        q, k, v = self._qkv(x, positions)
-        # The cache holds the replicated heads when the mesh asked for them (see init_cache).
-        k, v = self._replicate_kv(k, v, cache.k.shape[2] // self.num_kv_heads)
-        rows = jnp.arange(x.shape[0]) if slots is None else slots
-        at = jnp.full_like(rows, layer)[:, None]
-        # Positions past the cache are dropped: they belong to bucket padding, never read back.
-        # Advanced indices apart (layer and slot, position) put the indexed dims first: the
-        # target is [b, t, kvh, d] in both caches. A scatter into the scan's carry is done in place.
-        k_all = cache.k.at[at, rows[:, None], :, :, positions].set(k.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[at, rows[:, None], :, positions].set(v.astype(cache.v.dtype), mode="drop")
-        if slots is None:
-            _, n, h, d, _ = k_all.shape
-            keys = jax.lax.dynamic_slice(k_all, (layer, 0, 0, 0, 0), (1, n, h, d, kv_len))[0]
-            values = jax.lax.dynamic_slice(v_all, (layer, 0, 0, 0, 0), (1, n, h, kv_len, d))[0]
-        else:
-            keys, values = k_all[at[:, 0], slots, ..., :kv_len], v_all[at[:, 0], slots, :, :kv_len]
-        # A slot holds one sequence, so a key is visible iff its index is at most the query's.
-        mask = jnp.arange(kv_len)[None, None, :] <= positions[:, :, None]
-        out = attend_cached(q, keys.astype(q.dtype), values.astype(q.dtype), mask, self.precision)
-        return self.o_proj(out.reshape(*x.shape[:2], -1)), KVCache(k_all, v_all)
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, fused_shards: int | None = None):
@@ -303,12 +246,6 @@ class DecoderLayer(nnx.Module):
         x = x + self.mlp(self.post_attention_layernorm(x))
         return constrain(x, ("batch", "length", "act_embed"))
 
-    def decode(self, x: jax.Array, positions: jax.Array, cache: KVCache, layer: jax.Array,
-               slots: jax.Array | None, kv_len: int) -> tuple[jax.Array, KVCache]:
-        attn, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache, layer, slots, kv_len)
-        x = x + attn
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
 
 REMAT_POLICIES: dict[str, Any] = {
     "full": None,  # jax.checkpoint's default: keep nothing but the layer's input
@@ -452,58 +389,22 @@ class Decoder(nnx.Module):
     # -- generation path --
 
     def init_cache(self, num_slots: int, max_len: int, dtype: Any = None) -> KVCache:
-        """A zero cache; ``dtype`` (a name or JAX/NumPy dtype) defaults to the compute dtype.
-
-        Called under a mesh whose tensor axis is wider than the KV heads, it holds each head once
-        per tensor shard that needs it (``kv_head_replicas``), so it shards without remainder and
-        every device keeps only its own heads."""
-        cfg = self.config
-        heads = cfg.num_key_value_heads * kv_head_replicas(cfg.num_key_value_heads)
-        layers = cfg.num_hidden_layers
-        dtype = cfg.jnp_dtype if dtype is None else jnp_dtype(dtype, "cache dtype")
-        return KVCache(k=jnp.zeros((layers, num_slots, heads, cfg.head_dim, max_len), dtype),
-                       v=jnp.zeros((layers, num_slots, heads, max_len, cfg.head_dim), dtype))
+        """A zero per-slot cache (``models.slot_cache.init_cache``); ``dtype`` (a name or JAX/NumPy
+        dtype) defaults to the compute dtype."""
+        return slot_cache.init_cache(self, num_slots, max_len, dtype)
 
     def decode(self, input_ids: jax.Array, positions: jax.Array, cache: KVCache, *, kv_len: int,
                slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        """Run ``input_ids [b, t]`` at absolute ``positions [b, t]`` against the cache.
-
-        Row i uses cache slot ``slots[i]`` (row i itself when ``slots`` is None). ``kv_len`` is a
-        static bound on the positions attended to; it should be a bucket >= max(positions) + 1,
-        which keeps attention cost proportional to the live length, not the cache size.
-        Returns float32 logits ``[b, t, vocab]`` and the updated cache.
-        """
-        x, cache = self.decode_layers(self.embed_tokens(input_ids), positions, cache, kv_len=kv_len, slots=slots)
-        return self.logits_from_hidden(self.norm(x)), cache
+        """Run ``input_ids [b, t]`` at absolute ``positions [b, t]`` against the cache, row i in
+        slot ``slots[i]`` (row i when None), attending to the first ``kv_len`` (static) positions
+        (``models.slot_cache.decode``): float32 logits ``[b, t, vocab]`` and the updated cache."""
+        return slot_cache.decode(self, input_ids, positions, cache, kv_len=kv_len, slots=slots)
 
     def decode_layers(self, x: jax.Array, positions: jax.Array, cache: KVCache, *, kv_len: int,
                       slots: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
-        """The decoder layers of ``decode`` on embeddings ``x [b, t, hidden]``: the last layer's
-        output (before the final norm) and the updated cache, constrained to its logical axes.
-
-        A scan over the stacked layer parameters carrying the stacked cache, so compile time does
-        not grow with depth; each layer scatters its keys and values into the carried cache in
-        place (with the cache donated, a step writes only its new positions).
-        ``ModelConfig.decode_unroll`` layers run per scan iteration. Layers held one array per
-        layer (``models.layer_stack``, an engine's layout) run in a loop that reads them in place."""
-        split = layer_modules(self.layers)
-        if split is not None:
-            for i, layer in enumerate(split):
-                x, cache = layer.decode(x, positions, cache, jnp.int32(i), slots, kv_len)
-                cache = KVCache(constrain(cache.k, K_CACHE_AXES), constrain(cache.v, V_CACHE_AXES))
-            return x, cache
-        graphdef, params = nnx.split(self.layers)
-        layers = self.config.num_hidden_layers
-
-        def body(carry: tuple[jax.Array, KVCache], xs: tuple[nnx.State, jax.Array]) -> tuple:
-            x, cache = carry
-            layer_params, index = xs
-            x, cache = nnx.merge(graphdef, layer_params).decode(x, positions, cache, index, slots, kv_len)
-            return (x, KVCache(constrain(cache.k, K_CACHE_AXES), constrain(cache.v, V_CACHE_AXES))), None
-
-        unroll = min(self.config.decode_unroll, layers)
-        (x, cache), _ = jax.lax.scan(body, (x, cache), (params, jnp.arange(layers)), unroll=unroll)
-        return x, cache
+        """The decoder layers of ``decode`` on embeddings ``x [b, t, hidden]``
+        (``models.slot_cache.decode_layers``)."""
+        return slot_cache.decode_layers(self, x, positions, cache, kv_len=kv_len, slots=slots)
 
     # -- generation path over a paged KV pool (models.paged) --
 
@@ -513,16 +414,16 @@ class Decoder(nnx.Module):
         return paged.init_paged_cache(self, num_pages, page_size, dtype)
 
     def decode_paged(self, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                     write_pages: jax.Array, write_offsets: jax.Array,
-                     work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
-        """``decode`` against a page pool (``models.paged.decode_paged``): float32 logits
-        ``[b, t, vocab]`` and the updated pool."""
+                     write_pages: jax.Array, write_offsets: jax.Array, work: PagedWork,
+                     backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
+        """``decode`` against a page pool (``models.paged.decode_paged``; ``backend``: the paged
+        attention, ``native`` or ``fa``): float32 logits ``[b, t, vocab]`` and the updated pool."""
         return paged.decode_paged(self, input_ids, positions, cache, write_pages=write_pages,
-                                  write_offsets=write_offsets, work=work)
+                                  write_offsets=write_offsets, work=work, backend=backend)
 
     def decode_paged_layers(self, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                            write_pages: jax.Array, write_offsets: jax.Array,
-                            work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+                            write_pages: jax.Array, write_offsets: jax.Array, work: PagedWork,
+                            backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
         """The decoder layers of ``decode_paged`` (``models.paged.decode_paged_layers``)."""
         return paged.decode_paged_layers(self, x, positions, cache, write_pages=write_pages,
-                                         write_offsets=write_offsets, work=work)
+                                         write_offsets=write_offsets, work=work, backend=backend)

@@ -109,8 +109,18 @@ def _split_fn(n: int, shardings: tuple[Sharding, ...]) -> Any:
     return jax.jit(lambda x: tuple(x[i] for i in range(n)), out_shardings=shardings)
 
 
-def _split(x: jax.Array, like: LayerStack | None) -> LayerStack:
+@functools.cache
+def _split_into_fn(n: int, shardings: tuple[Sharding, ...]) -> Any:
+    # The old layers are donated and, unused, kept as parameters (``keep_unused``): XLA then
+    # writes each new layer into the buffer of the old one of its shape, dtype and sharding.
+    return jax.jit(lambda old, x: tuple(x[i] for i in range(n)), out_shardings=shardings, donate_argnums=0,
+                   keep_unused=True)
+
+
+def _split(x: jax.Array, like: LayerStack | None, reuse: bool = False) -> LayerStack:
     n = x.shape[0]
+    if reuse and like is not None and x.sharding.device_set == like.layers[0].sharding.device_set:
+        return LayerStack(_split_into_fn(n, tuple(old.sharding for old in like.layers))(like.layers, x))
     own = _layer_sharding(x.sharding, x.ndim)
     layers = _split_fn(n, (own,) * n)(x)
     if like is not None:
@@ -122,14 +132,19 @@ def _is_stack(x: Any) -> bool:
     return isinstance(x, LayerStack)
 
 
-def split_layers(state: Any, like: Any = None, *, consume: bool = False) -> Any:
+def split_layers(state: Any, like: Any = None, *, consume: bool = False, reuse: bool = False) -> Any:
     """``state`` (an ``nnx.State`` of a ``Decoder``, or its ``layers`` part) with every stacked
     layer parameter held as a ``LayerStack``; parameters already split pass through.
 
     Which leaves split: with ``like`` (a split state of the same tree), those ``like`` holds as a
     ``LayerStack``, each layer placed on ``like``'s layer's sharding; without, every leaf under a
     ``layers`` key. ``consume``: the caller owns the stacked arrays, and each is deleted as soon as
-    it is split (so splitting a whole model holds one parameter twice at most, not the model)."""
+    it is split (so splitting a whole model holds one parameter twice at most, not the model).
+    ``reuse``: ``like``'s layer arrays are donated, each new layer written into the buffer of the
+    one it replaces (on the same devices; elsewhere a copy as without), so no second copy of the
+    layer parameters is ever held; those of ``like`` that are split into are deleted, and nothing
+    may read them after (an engine swapping its weights under its locks). Check the state first
+    (shapes, dtypes): a parameter split before a failing one has taken its old buffers."""
     paths_leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=_is_stack)
     if like is not None:
         olds = jax.tree.leaves(like, is_leaf=_is_stack)
@@ -143,7 +158,7 @@ def split_layers(state: Any, like: Any = None, *, consume: bool = False) -> Any:
     out = []
     for (_, x), split, old in zip(paths_leaves, targets, olds, strict=True):
         if split and not isinstance(x, LayerStack):
-            y = _split(x, old)
+            y = _split(x, old, reuse)
             if consume and isinstance(x, jax.Array):
                 x.delete()
             x = y

@@ -12,9 +12,11 @@ over stacked parameters as ``Decoder.decode``, carrying the pool.
 segment of decode rows one token wide, and a segment of prefill rows, a chunk each): projections and MLPs
 see the flat batch once, each segment attends through its own ragged list.
 
-A model's ``paged_attention_backend`` (set by the engine, ``paged_kernels.set_attention_backend``;
-``native`` when unset) picks what attends over the gathered pages: the XLA path or a maintained
-kernel (``models.paged_kernels``). The pool's layout is the same for both.
+A step's ``backend`` argument (``native`` by default; the paged engine passes its
+``attention_backend``, ``paged_kernels.choose_attention_backend``) picks what attends over the
+gathered pages: the XLA path or a maintained kernel (``models.paged_kernels``). It is a trace-time
+choice, never a property of the model: one model serves engines that choose differently. The
+pool's layout is the same for both.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def attention_paged(attn: Attention, x: jax.Array, positions: jax.Array, cache: 
     q, k, v = attn._qkv(x, positions)
     k, v = attn._replicate_kv(k, v, cache.k.shape[2] // attn.num_kv_heads)
     at = jnp.full_like(write_pages, layer)
-    # As in Attention.decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
+    # As in slot_cache.attention_decode: the advanced indices apart put [b, t] first, so the target is [b, t, kvh, d].
     k_all = cache.k.at[at, write_pages, :, :, write_offsets].set(k.astype(cache.k.dtype))
     v_all = cache.v.at[at, write_pages, :, write_offsets].set(v.astype(cache.v.dtype))
     out = attend_work(q, k_all, v_all, layer, positions, work, attn.precision, backend)
@@ -189,37 +191,38 @@ def layer_paged(layer: DecoderLayer, x: jax.Array, positions: jax.Array, cache: 
 
 
 def decode_paged(model: Decoder, input_ids: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                 write_pages: jax.Array, write_offsets: jax.Array,
-                 work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+                 write_pages: jax.Array, write_offsets: jax.Array, work: PagedWork,
+                 backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
     """``Decoder.decode`` against a page pool: ``input_ids [b, t]`` at ``positions [b, t]`` (-1
     for padding) write their keys and values at ``(write_pages, write_offsets) [b, t]`` (the sink
     page for padding) and attend through ``work``, the ragged list of the pages each row reads
     (``inference.pages.paged_work``; it must cover every row's tokens up to its last position).
-    Returns float32 logits ``[b, t, vocab]`` and the updated pool."""
+    ``backend``: ``native`` or ``fa`` (``attend_work``). Returns float32 logits ``[b, t, vocab]``
+    and the updated pool."""
     x, cache = decode_paged_layers(model, model.embed_tokens(input_ids), positions, cache,
-                                   write_pages=write_pages, write_offsets=write_offsets, work=work)
+                                   write_pages=write_pages, write_offsets=write_offsets, work=work, backend=backend)
     return model.logits_from_hidden(model.norm(x)), cache
 
 
 def decode_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                        write_pages: jax.Array, write_offsets: jax.Array,
-                        work: PagedWork) -> tuple[jax.Array, PagedKVCache]:
+                        write_pages: jax.Array, write_offsets: jax.Array, work: PagedWork,
+                        backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
     """The decoder layers of ``decode_paged`` on embeddings ``x [b, t, hidden]``: a scan over the
     stacked layer parameters carrying the pool, as ``Decoder.decode_layers`` carries the cache."""
-    return _scan_layers(model, x, positions, cache, write_pages, write_offsets, work)
+    return _scan_layers(model, x, positions, cache, write_pages, write_offsets, work, backend)
 
 
 def mixed_paged_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, *,
-                       write_pages: jax.Array, write_offsets: jax.Array,
-                       segments: tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
+                       write_pages: jax.Array, write_offsets: jax.Array, segments: tuple[Segment, ...],
+                       backend: str = "native") -> tuple[jax.Array, PagedKVCache]:
     """The decoder layers on a flat batch ``x [1, T, hidden]`` cut into ``segments``
     (``attention_segments``): one call computes decode rows and prefill chunks together."""
-    return _scan_layers(model, x, positions, cache, write_pages, write_offsets, tuple(segments))
+    return _scan_layers(model, x, positions, cache, write_pages, write_offsets, tuple(segments), backend)
 
 
 def _scan_layers(model: Decoder, x: jax.Array, positions: jax.Array, cache: PagedKVCache, write_pages: jax.Array,
-                 write_offsets: jax.Array, work: PagedWork | tuple[Segment, ...]) -> tuple[jax.Array, PagedKVCache]:
-    backend = getattr(model, "paged_attention_backend", "native")
+                 write_offsets: jax.Array, work: PagedWork | tuple[Segment, ...],
+                 backend: str) -> tuple[jax.Array, PagedKVCache]:
     split = layer_modules(model.layers)
     if split is not None:  # one array per layer (models.layer_stack): read in place, no slice copied
         for i, layer in enumerate(split):

@@ -211,12 +211,11 @@ def attend_kernel(q: jax.Array, keys: jax.Array, values: jax.Array, q_positions:
     return fallback()
 
 
-def set_attention_backend(model: Any, choice: str, *, page_size: int, devices: int = 1) -> str:
-    """Resolve ``choice`` for ``model`` (a ``Decoder``) on JAX's backend and set it as the model's
-    ``paged_attention_backend``, which ``models.paged`` reads when the model is traced (so set it
-    before the engine splits the model for its compiled steps). ``devices``: the engine's mesh
-    size; the kernels run on one device (no shard_map over them yet), so a mesh runs ``native``."""
-    cfg = model.config
+def choose_attention_backend(cfg: Any, choice: str, *, page_size: int, devices: int = 1) -> str:
+    """What ``choice`` runs as (``native`` or ``fa``) for a model of config ``cfg`` (a
+    ``ModelConfig``) on JAX's backend: the value a paged engine passes its compiled steps as their
+    static ``attention_backend`` (``inference.paged_steps``). ``devices``: the engine's mesh size;
+    the kernels run on one device (no shard_map over them yet), so a mesh runs ``native``."""
     if devices > 1:
         if choice == "fa":
             raise ValueError(f"--attention-backend fa runs on one device, not over a mesh of {devices}; "
@@ -228,5 +227,4 @@ def set_attention_backend(model: Any, choice: str, *, page_size: int, devices: i
         resolved = resolve_attention_backend(choice, dtype=cfg.dtype, head_dim=cfg.head_dim, page_size=page_size,
                                              num_heads=cfg.num_attention_heads,
                                              num_kv_heads=cfg.num_key_value_heads)
-    model.paged_attention_backend = resolved
     return resolved

@@ -169,3 +169,29 @@ def test_serve_flags_size_the_pool_and_server_info_reports_it(tmp_path: Path) ->
     assert small.allocator.max_total_tokens == 4 * 64  # the most 4 requests of 64 tokens can hold
     with pytest.raises(ValueError, match="max_total_tokens"):
         EngineConfig(kv_cache="paged", page_size=16, max_total_tokens=8)
+
+
+def test_two_engines_on_one_model_step_with_their_own_attention_backend(model: Decoder) -> None:
+    """The paged attention is a static argument of the compiled steps (``attention_backend``),
+    not a property of the model: two engines on one model object each trace their steps with
+    their own choice, the kernel (a ``pallas_call``) only in the one given ``fa``, and the model
+    carries no choice of either. (This CPU refuses ``fa`` at start, no kernel runs here for real,
+    so the second engine is given it after construction; Pallas traces the GPU decode kernel in
+    interpret mode. Before, the choice was an attribute set on the model when an engine was built.)"""
+    cfg = EngineConfig(num_slots=8, max_seq_len=64, decode_steps=2, seed=0, kv_cache="paged", page_size=16,
+                       max_total_tokens=512, attention_backend="native")
+    native, fa = Engine(model, cfg), Engine(model, cfg)
+    fa.attention_backend = "fa"
+
+    def traced(engine: PagedEngine) -> dict[str, str]:
+        out = {}
+        for shape in engine.step_shapes()[:1] + [engine._decode_shape(engine.min_decode_rows)]:  # noqa: SLF001
+            fn, args, static = engine._warm_call(shape)  # noqa: SLF001
+            assert static["attention_backend"] == engine.attention_backend
+            out[shape[0]] = str(fn.trace(engine.state, engine._lanes[0].cache, *args, **static).jaxpr)  # noqa: SLF001
+        return out
+
+    plain, kernel = traced(native), traced(fa)
+    assert not any("pallas_call" in j for j in plain.values())
+    assert "pallas_call" in kernel["decode"] and "pallas_call" in kernel["mixed"]  # the mixed step's decode rows
+    assert not hasattr(model, "paged_attention_backend") and native.attention_backend == "native"

@@ -185,6 +185,18 @@ def test_after_warmup_a_run_crossing_page_buckets_compiles_nothing_and_leaves_no
         return out
 
     engine._fixed_work = record  # noqa: SLF001
+    # every call's shape, as its caller names it (``PagedShapes``), beside the one its arrays have
+    named: list[tuple] = []
+    run_step = engine._run_step  # noqa: SLF001
+
+    def checked(shape: tuple, fn: Any, state: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is engine.mixed_fn:
+            named.append((shape, ("mixed", len(args[0]), *np.shape(args[5]), len(args[4][0]), len(args[9][0]))))
+        elif fn is engine.decode_fn:
+            named.append((shape, ("decode", len(args[0]), kwargs["num_steps"], len(args[4][0]))))
+        return run_step(shape, fn, state, cache, *args, **kwargs)
+
+    engine._run_step = checked  # noqa: SLF001
     waves = [[GenerateRequest(p, greedy(n)) for p, n in zip(prompts(lengths, seed=40 + i), news, strict=True)]
              for i, (lengths, news) in enumerate([([3, 21, 40], [90, 60, 30]), ([70, 9, 33, 50], [40, 20, 50, 10]),
                                                   ([5, 100], [20, 15])])]
@@ -207,7 +219,9 @@ def test_after_warmup_a_run_crossing_page_buckets_compiles_nothing_and_leaves_no
         before = dict(engine.stats)
         outs = run(go())
     finally:
-        del engine._fixed_work  # noqa: SLF001
+        del engine._fixed_work, engine._run_step  # noqa: SLF001
+    assert named and all(given == built for given, built in named), [n for n in named if n[0] != n[1]]
+    assert {s[0][0] for s in named} == {"mixed", "decode"}
     assert [len(o.output_ids) for o in outs] == [r.sampling.max_new_tokens for w in waves for r in w]
     assert engine.stats["mixed_calls"] > before["mixed_calls"] and engine.stats["decode_calls"] > before["decode_calls"]
     sizes = work_sizes(engine.mixed_rows * engine.row_pages)

@@ -119,6 +119,47 @@ def test_an_engine_serves_its_own_split_copy_and_leaves_the_callers_model_stacke
     assert placement == {"mesh": None}
 
 
+def _served_layers(engine: Engine) -> list[jax.Array]:
+    return [x for p in jax.tree.leaves(engine.state, is_leaf=_is_stack) if _is_stack(p) for x in p.layers]
+
+
+def test_set_state_splits_a_stacked_state_into_the_served_layer_buffers(served) -> None:
+    """A trainer's stacked state is split into the engine's own per-layer buffers, donated: after
+    ``set_state`` every served layer array sits in the buffer of the one it replaced (same
+    address), the replaced arrays are deleted, and the trainer's arrays are untouched, so the
+    engine never holds its layer parameters twice. Before, the split made new buffers beside the
+    served ones. A state that does not fit (another dtype) is refused before anything is donated,
+    and weights prepared before the split, which share the replaced arrays, are refused by
+    ``swap_weights`` naming the fix."""
+    model, engine = served
+    _, state = nnx.split(model)
+    old = _served_layers(engine)
+    addresses = [x.unsafe_buffer_pointer() for x in old]
+    trainer = jax.tree.map(lambda x: x * 3, state)
+
+    async def go() -> None:
+        await engine.start()
+        try:
+            with pytest.raises(ValueError, match="bfloat16"):
+                await engine.set_state(jax.tree.map(lambda x: x.astype(jnp.bfloat16), state), version=5)
+            assert not any(x.is_deleted() for x in old) and engine.version == 0
+            prepared = await engine.prepare_weights({"model.norm.weight": np.ones(32, np.float32)})
+            await engine.set_state(trainer, version=1)
+            with pytest.raises(ValueError, match="deleted array.*prepare them again"):
+                await engine.swap_weights(prepared, version=2)
+        finally:
+            await engine.stop()
+
+    asyncio.run(go())
+    new = _served_layers(engine)
+    assert engine.version == 1 and len(new) == len(old) > 0
+    assert all(x.is_deleted() for x in old) and not any(x.is_deleted() for x in new)
+    assert [x.unsafe_buffer_pointer() for x in new] == addresses
+    assert not any(x.is_deleted() for x in jax.tree.leaves(trainer))
+    for a, b in zip(jax.tree.leaves(join_layers(engine.state)), jax.tree.leaves(trainer), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_stacked_states_and_one_layers_update_reach_the_split_layout(served) -> None:
     """A trainer's stacked state is split on ``set_state``; an HF update of one layer's tensor
     changes that layer's array only, the other layers keep theirs."""

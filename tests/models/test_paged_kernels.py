@@ -190,9 +190,8 @@ def test_the_paged_decoder_with_the_kernel_matches_the_xla_path() -> None:
     ids = rng.integers(0, 96, (2, max(lens) + steps)).astype(np.int32)
 
     def run(backend: str) -> list[np.ndarray]:
-        model.paged_attention_backend = backend
         step = jax.jit(lambda m, *a: m.decode_paged(a[0], a[1], a[2], write_pages=a[3], write_offsets=a[4],
-                                                     work=PagedWork(*a[5])))
+                                                     work=PagedWork(*a[5]), backend=backend))
         pool = PageAllocator(num_pages=8, page_size=SIZE)
         cache = model.init_paged_cache(pool.num_pages, SIZE)
         tables = [PageTable(pool) for _ in lens]
@@ -213,10 +212,7 @@ def test_the_paged_decoder_with_the_kernel_matches_the_xla_path() -> None:
             outs.append(np.asarray(logits)[np.asarray(pos) >= 0])
         return outs
 
-    try:
-        native, fa = run("native"), run("fa")
-    finally:
-        model.paged_attention_backend = "native"
+    native, fa = run("native"), run("fa")
     for s, (a, b) in enumerate(zip(native, fa, strict=True)):
         np.testing.assert_allclose(b, a, atol=1e-4, err_msg=f"step {s}")
 
