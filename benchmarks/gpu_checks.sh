@@ -5,7 +5,9 @@
 #      far the kernel's greedy answers agree with the XLA path's);
 #   2. 7B decode with the layer weights stacked (sliced out each step) against split, at 1 and 64;
 #   (with RUN_1_5B=1, the first part again at Qwen2.5-1.5B's shapes;)
-#   3. the quick-start demo with the rollout engine in the trainer's process (rollout.backend=local).
+#   3. the kernel's bfloat16 numerics against float32 beside the XLA path's (kernel_numerics.py), on
+#      the bench's trained tiny model and at Qwen2.5-1.5B's shapes;
+#   4. the quick-start demo with the rollout engine in the trainer's process (rollout.backend=local).
 # Each part has its own time limit so one slow part cannot lose the others' figures.
 #
 #   bash benchmarks/gpu_checks.sh OUT_DIR [DEMO_STEPS]
@@ -26,7 +28,7 @@ run() {  # run LIMIT_S NAME CMD...: CMD's output to OUT/NAME.log, cut at LIMIT_S
   local t0=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   echo "== $name: exit $? after $((SECONDS - t0)) s"
-  grep -E '^(decode|train|bf16|NVIDIA|packed)|Error' "$out/$name.log" | tail -20
+  grep -E '^(decode|train|bf16|NVIDIA|packed|\{"seed)|Error' "$out/$name.log" | tail -20
 }
 
 run "${LIMIT_7B:-270}" decode_7b python3 benchmarks/accelerator.py --model qwen2.5-7b --parts ceilings,decode \
@@ -38,6 +40,9 @@ if [ -n "${RUN_1_5B:-}" ]; then
   run "${LIMIT_1_5B:-130}" decode_1_5b python3 benchmarks/accelerator.py --model qwen2.5-1.5b --parts ceilings,decode \
     --concurrency 1 64 256 --new-tokens 128 --attention-backend native fa --out "$out/decode_1_5b.json"
 fi
+run "${LIMIT_NUMERICS:-120}" kernel_numerics sh -c "python3 benchmarks/kernel_numerics.py --model long_tail \
+  --out $out/kernel_numerics_long_tail.json && python3 benchmarks/kernel_numerics.py --shape qwen2.5-1.5b --steps 100 \
+  --out $out/kernel_numerics_1_5b.json"
 run "${LIMIT_DEMO:-180}" demo python3 -c 'from areal_jax.cli import main; main()' train --config configs/demo.yaml \
   rollout.backend=local "steps=$demo_steps" eval.every=20 "run_dir=$out/demo_run"
 tail -5 "$out/demo.log"
