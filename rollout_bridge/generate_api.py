@@ -88,7 +88,7 @@ def _reply(st: ServerState, out: GenerateOutput, req: P.GenerateReqInput, t0: fl
     tok = _token_text(st, req)
     meta = P.MetaInfo(
         id=out.rid, finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
-        completion_tokens=len(ids), weight_version=st.label_of(out.weight_version),
+        completion_tokens=len(ids), cached_tokens=out.cached_tokens, weight_version=st.label_of(out.weight_version),
         weight_versions=P.version_spans([st.label_of(v) for v in versions]) if len(versions) == len(ids) else [],
         output_token_logprobs=(
             [(float(lp), int(t), tok(t)) for lp, t in zip(out.output_logprobs, ids, strict=False)]

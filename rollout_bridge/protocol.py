@@ -150,7 +150,8 @@ class MetaInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish_reason: dict[str, Any] | None
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0
+    cached_tokens: int
+    """Always sent, as SGLang does (0 included): prompt tokens read from another request's KV."""
     weight_version: str | None = None
     weight_versions: list[WeightVersionSpan] = msgspec.field(default_factory=list)
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None

@@ -86,7 +86,7 @@ class RequestBookkeeping:
         part = slice(start, end)
         return GenerateOutput(seq.req.rid, len(seq.req.input_ids), seq.out_ids[part], seq.logprobs[part],
                               seq.versions[part], seq.finish_reason, self._version,
-                              seq.tops[part] if seq.req.sampling.top_logprobs_num else None)
+                              seq.tops[part] if seq.req.sampling.top_logprobs_num else None, seq.cached)
 
     def _release(self, seq: _Seq) -> None:
         if seq.lane is not None:

@@ -275,6 +275,7 @@ class Engine(EngineBase):
         placed = []
         for (seq, leader), slot in zip(followers, free, strict=True):
             seq.lane, seq.slot = lane, slot
+            seq.cached = seq.cached or seq.length
             lane.slots[slot] = seq
             placed.append((seq, int(slots[leader]), slot))
         shared = sum(seq.length for seq, _ in followers)

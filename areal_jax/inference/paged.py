@@ -298,6 +298,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         for adm in self.scheduler.admit():
             seq = adm.request.seq
             seq.computed = seq.shared = adm.shared_tokens
+            if adm.request.retractions == 0:  # its first admission
+                seq.cached = adm.shared_tokens
             seq.source = adm.source if adm.shared_tokens else None
             seat = lane.slots.index(None)
             lane.slots[seat], seq.lane, seq.slot = seq, lane, seat

@@ -39,6 +39,8 @@ class _Seq:
     """The paged engine's scheduler request (``inference.paged``); None on the slot path."""
     computed: int = 0
     """Paged engine: tokens of ``prompt + output`` whose keys and values are in its pages."""
+    cached: int = 0
+    """Prompt tokens read from another request's keys and values at its first admission."""
     shared: int = 0
     """Paged engine: tokens of those in pages another request writes (a shared prompt)."""
     source: Any = None

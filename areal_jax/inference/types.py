@@ -77,6 +77,10 @@ class GenerateOutput:
     """Engine version when this output was made."""
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     """With ``top_logprobs_num``: the likeliest (logprob, token id) at each output token."""
+    cached_tokens: int = 0
+    """Prompt tokens not prefilled at the request's first admission: their keys and values were
+    read from another request's (the prefix cache's, or a running request with the same prefix;
+    SGLang's ``meta_info.cached_tokens``)."""
 
     @property
     def finished(self) -> bool:

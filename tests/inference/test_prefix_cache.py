@@ -57,6 +57,7 @@ def test_a_next_turn_reads_the_previous_turns_pages_and_equals_the_reference(pag
     (second,) = generate_all(paged, [GenerateRequest(turn2, greedy(8))])
     assert _gained(paged, before, "cached_prompt_tokens", "prefill_tokens") == {
         "cached_prompt_tokens": 40, "prefill_tokens": len(turn2) - 1 - 40}
+    assert (first.cached_tokens, second.cached_tokens) == (0, 40)  # SGLang's meta_info.cached_tokens
     assert second.output_ids == reference_greedy(model, turn2, 8)
     np.testing.assert_allclose(second.output_logprobs, reference_logprobs(model, turn2, second.output_ids, 0),
                                atol=1e-4)

@@ -87,10 +87,21 @@ def test_labels_duplicate_rid_and_metrics(tiny_dir: Path) -> None:
                        for k in ("prefill", "mixed", "decode")}
             assert seconds["prefill"] + seconds["mixed"] > 0 and seconds["decode"] > 0, seconds
             assert sum(seconds.values()) <= t_done - t_resume, seconds
-            # the finished answer's written pages stay in the prefix cache until /flush_cache
+            # a prompt sent again reads the whole pages its first answer wrote (meta_info.cached_tokens)
+            page, prompt = engine.cfg.page_size, list(range(5, 45))
+            cached = []
+            for _ in range(2):
+                body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0,
+                                                                 "ignore_eos": True}}
+                async with s.post(url + "/generate", json=body) as r:
+                    cached.append((await r.json())["meta_info"]["cached_tokens"])
+            assert cached == [0, (len(prompt) - 1) // page * page] and cached[1] > 0
+            async with s.get(url + "/metrics") as r:
+                text = await r.text()
+            # the finished answers' written pages stay in the prefix cache until /flush_cache
             gauge = lambda text: float(next(line.split()[-1] for line in text.splitlines()  # noqa: E731
                                             if line.startswith("areal_jax:prefix_cache_tokens{")))
-            assert gauge(text) == (3 + 24 - 1) // engine.cfg.page_size * engine.cfg.page_size > 0
+            assert gauge(text) == ((3 + 24 - 1) // page + (40 + 4 - 1) // page) * page > 0
             async with s.post(url + "/flush_cache") as r:
                 assert r.status == 200, await r.text()
             async with s.get(url + "/metrics") as r:
