@@ -65,13 +65,16 @@ class RolloutClient(abc.ABC):
 
     @abc.abstractmethod
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
-                       rid: str | None = None) -> GenerateResult: ...
+                       rid: str | None = None, session: str | None = None) -> GenerateResult:
+        """One answer. ``session``: requests that continue one conversation (an agent run's
+        turns) name the same session, and a client over several servers sends them to one, where
+        the prefix cache holds the turns before."""
 
     async def generate_many(self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *,
-                            rids: list[str] | None = None) -> list[GenerateResult]:
+                            rids: list[str] | None = None, session: str | None = None) -> list[GenerateResult]:
         """One answer to each prompt (a group: the same prompt n times); here one ``generate``
         each, concurrently. The HTTP client sends them as one batch request."""
-        return list(await asyncio.gather(*(self.generate(p, sampling_params, rid=rid)
+        return list(await asyncio.gather(*(self.generate(p, sampling_params, rid=rid, session=session)
                                            for p, rid in zip(prompts, rids_for(prompts, rids), strict=True))))
 
     @abc.abstractmethod
@@ -144,26 +147,29 @@ class HttpRolloutClient(RolloutClient):
         await self.pool.flush_cache()
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
-                       rid: str | None = None) -> GenerateResult:
-        """Generate until stop or length, re-sending after aborts and dead servers.
+                       rid: str | None = None, session: str | None = None) -> GenerateResult:
+        """Generate until stop or length, re-sending after aborts and dead servers; ``session``
+        (an agent run's turns): to the server that took the session's last request, while it is
+        healthy and holds the current weights (its prefix cache holds the turns before).
 
         ``sampling_params`` uses SGLang's names (``max_new_tokens``, ``temperature``, ...).
         A 400 from a server is the caller's error and raises ``RolloutError`` without retrying.
         """
-        return (await self._answer([Answer(input_ids, sampling_params, rid)], batch=False))[0]
+        return (await self._answer([Answer(input_ids, sampling_params, rid)], batch=False, session=session))[0]
 
     async def generate_many(self, prompts: list[list[int]], sampling_params: dict[str, Any] | None = None, *,
-                            rids: list[str] | None = None) -> list[GenerateResult]:
+                            rids: list[str] | None = None, session: str | None = None) -> list[GenerateResult]:
         """One answer to each prompt, asked of one server in one /generate (SGLang's batch form:
         ``input_ids`` a list of lists), as ``generate`` would give them one by one. After an
         abort, the unfinished answers are re-sent together; with ``ClientConfig.batch_requests``
         off, each answer is its own request."""
         if not self.cfg.batch_requests or len(prompts) < 2:
-            return await super().generate_many(prompts, sampling_params, rids=rids)
+            return await super().generate_many(prompts, sampling_params, rids=rids, session=session)
         return await self._answer([Answer(p, sampling_params, rid)
-                                   for p, rid in zip(prompts, rids_for(prompts, rids), strict=True)], batch=True)
+                                   for p, rid in zip(prompts, rids_for(prompts, rids), strict=True)], batch=True,
+                                  session=session)
 
-    async def _answer(self, answers: list[Answer], *, batch: bool) -> list[GenerateResult]:
+    async def _answer(self, answers: list[Answer], *, batch: bool, session: str | None = None) -> list[GenerateResult]:
         """Run ``answers`` to the end, all sent to one server in each attempt (one request in
         SGLang's batch form when ``batch``, else the single form for the one answer)."""
         key = answers[0].rid
@@ -188,7 +194,7 @@ class HttpRolloutClient(RolloutClient):
                     if not self.pool.continued.is_set():
                         await first_of(self.pool.continued, wake)
                     else:
-                        server = await self.pool.pick(key)
+                        server = await self.pool.pick(key, session)
                         if not self.pool.continued.is_set():
                             server = None
                     # aborted while paused or routing? From here to the send there is no await, so an

@@ -272,8 +272,9 @@ class LocalRolloutClient(RolloutClient):
         return sp
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
-                       rid: str | None = None) -> GenerateResult:
-        """Generate until stop or length, re-submitting after aborts (see the module docstring)."""
+                       rid: str | None = None, session: str | None = None) -> GenerateResult:
+        """Generate until stop or length, re-submitting after aborts (see the module docstring);
+        ``session`` changes nothing here (one engine holds every turn's pages)."""
         prompt = list(input_ids)
         sp = self._sampling(prompt, sampling_params)
         budget = sp.max_new_tokens

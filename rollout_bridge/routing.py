@@ -1,5 +1,6 @@
-"""Where a request goes: its rid's server while that one stays in rotation, else the next
-healthy server holding the current version, round-robin (any healthy one if none holds it)."""
+"""Where a request goes: its rid's server while that one stays in rotation, else its session's
+(the server an agent run's last turn went to, whose prefix cache holds the turns before), else
+the next healthy server holding the current version, round-robin (any healthy one if none holds it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import time
 from rollout_bridge.fleet import FleetState
 from rollout_bridge.records import AllServersDownError, ClientConfig, ServerRecord
 
+MAX_SESSIONS = 10_000
+"""Sessions remembered (least recently used forgotten first): a forgotten one goes round-robin."""
+
 
 class Routing(FleetState):
     """``pick``: the server for a request (see the module docstring)."""
@@ -18,13 +22,28 @@ class Routing(FleetState):
         super().__init__(addresses, api_key=api_key, config=config)
         self._rr = itertools.cycle(range(len(self.servers)))
 
-    async def pick(self, rid: str) -> ServerRecord:
-        """The rid's sticky server while in rotation, else the next one round-robin that is healthy
-        and holds the current version; if no healthy server holds it, any healthy one (its tokens
-        carry its older version), so a fleet that lost its weights still answers."""
+    async def pick(self, rid: str, session: str | None = None) -> ServerRecord:
+        """The rid's sticky server while in rotation, else the session's, else the next one
+        round-robin that is healthy and holds the current version; if no healthy server holds it,
+        any healthy one (its tokens carry its older version), so a fleet that lost its weights
+        still answers. The server picked becomes the session's."""
         s = self.sticky.get(rid)
         if s is not None and self._usable(s) and s.version >= self._current:
             return s
+        s = self.sessions.get(session) if session is not None else None
+        if s is not None and self._usable(s) and s.version >= self._current:
+            self.sticky[rid] = s
+            self.sessions.move_to_end(session)
+            return s
+        s = await self._round_robin(rid)
+        if session is not None:
+            self.sessions[session] = s
+            self.sessions.move_to_end(session)
+            while len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
+        return s
+
+    async def _round_robin(self, rid: str) -> ServerRecord:
         deadline = time.monotonic() + self.cfg.all_down_wait_s
         while True:
             for fresh_only in (True, False):

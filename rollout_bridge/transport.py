@@ -5,6 +5,7 @@ cannot reach it."""
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -31,6 +32,9 @@ class Transport:
         self._gen_session: aiohttp.ClientSession | None = None
         self.sticky: dict[str, ServerRecord] = {}
         """Rids (and groups) by the server they went to; a server marked down loses its own."""
+        self.sessions: OrderedDict[str, ServerRecord] = OrderedDict()
+        """Sessions (an agent run's turns) by the server their last request went to, least recently
+        used first; a server marked down loses its own."""
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -90,6 +94,8 @@ class Transport:
         server.last_error = str(err) or type(err).__name__
         for rid in [r for r, s in self.sticky.items() if s is server]:
             self.sticky.pop(rid, None)
+        for session in [k for k, s in self.sessions.items() if s is server]:
+            self.sessions.pop(session, None)
 
     def _server(self, url: str) -> ServerRecord:
         return next(s for s in self.servers if s.url == url)

@@ -169,6 +169,7 @@ class RecordingChat:
         if self.tool_parser == "auto":
             self.tool_parser = detect_tool_parser(getattr(self.client.tokenizer, "chat_template", None))
         self._calls = 0
+        self._session = f"chat-{uuid.uuid4().hex}"  # its turns go to one server, which caches the ones before
 
     @property
     def chat(self) -> RecordingChat:
@@ -215,8 +216,8 @@ class RecordingChat:
         n = 1 if n is None else int(n)
         if n < 1:
             raise ValueError(f"chat.completions.create: n must be >= 1, got {n}")
-        results = ([await self.client.generate(prompt_ids, **overrides)] if n == 1 else
-                   await self.client.generate_group(prompt_ids, n, **overrides))
+        results = ([await self.client.generate(prompt_ids, session=self._session, **overrides)] if n == 1 else
+                   await self.client.generate_group(prompt_ids, n, session=self._session, **overrides))
         call, self._calls = self._calls, self._calls + 1
         choices, records = [], []
         for i, result in enumerate(results):

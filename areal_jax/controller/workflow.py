@@ -18,6 +18,7 @@ assigns group ids; a workflow's trajectories are one group.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,19 +54,36 @@ class EpisodeClient:
     """``generate_group`` asks the rollout client for the group at once (``generate_many``: one
     HTTP request per group); False: one ``generate`` per answer."""
 
-    async def generate(self, input_ids: list[int], **overrides: Any) -> Any:
-        """One answer (a ``GenerateResult``): tokens, logprobs, per-token policy versions."""
-        return await self.rollout.generate(list(input_ids), {**self.sampling, **overrides})
+    async def generate(self, input_ids: list[int], *, session: str | None = None, **overrides: Any) -> Any:
+        """One answer (a ``GenerateResult``): tokens, logprobs, per-token policy versions.
+        ``session``: the requests of one conversation (an agent run's turns) name the same one, so
+        that a client over several servers sends them where the turns before are cached."""
+        return await self.rollout.generate(list(input_ids), {**self.sampling, **overrides},
+                                           **self._session_kw(self.rollout.generate, session))
 
-    async def generate_group(self, input_ids: list[int], n: int | None = None, **overrides: Any) -> list[Any]:
+    async def generate_group(self, input_ids: list[int], n: int | None = None, *, session: str | None = None,
+                             **overrides: Any) -> list[Any]:
         """``n`` answers (default ``group_size``) to one prompt, asked together: the HTTP client
         sends them as one batch request, to one server."""
         n = self.group_size if n is None else n
         sp = {**self.sampling, **overrides}
         many = getattr(self.rollout, "generate_many", None) if self.batch_groups else None
         if many is None:  # off, or a user's client with generate only
-            return list(await asyncio.gather(*(self.rollout.generate(list(input_ids), sp) for _ in range(n))))
-        return list(await many([list(input_ids) for _ in range(n)], sp))
+            kw = self._session_kw(self.rollout.generate, session)
+            return list(await asyncio.gather(*(self.rollout.generate(list(input_ids), sp, **kw) for _ in range(n))))
+        return list(await many([list(input_ids) for _ in range(n)], sp, **self._session_kw(many, session)))
+
+    @staticmethod
+    def _session_kw(fn: Any, session: str | None) -> dict[str, Any]:
+        """``{"session": session}`` where ``fn`` (a rollout client's method) takes one: a user's
+        client without it still works, routing each request on its own."""
+        if session is None:
+            return {}
+        try:
+            takes = "session" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            takes = False
+        return {"session": session} if takes else {}
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -200,3 +200,29 @@ def test_the_parser_follows_the_chat_template() -> None:
     assert detect_tool_parser(llama) == "llama3_json"
     assert detect_tool_parser(TOOLS_TEMPLATE.replace("<tools>", "<tool_call>")) == "hermes"
     assert detect_tool_parser(None) == "hermes"
+
+
+def test_an_agent_runs_turns_name_one_session_and_two_runs_two() -> None:
+    """Each ``RecordingChat`` (one agent run) names its own session on every request, so a
+    client over several servers keeps a run's turns on one (tests/rollout_bridge/test_sessions.py);
+    a rollout client whose ``generate`` takes no ``session`` is called without one (the other
+    tests here)."""
+    tok = build_char_tokenizer()
+    seen: list[str | None] = []
+
+    class SessionRollout(ScriptedRollout):
+        async def generate(self, input_ids, sampling_params=None, *, rid=None, session=None):  # noqa: ANN001, ANN202
+            seen.append(session)
+            return await super().generate(input_ids, sampling_params, rid=rid)
+
+    rollout = SessionRollout(tok, [Answer("a", [-0.5, -0.5], [1, 1])] * 4)
+    runs = [RecordingChat(episode_client(tok, rollout)) for _ in range(2)]
+
+    async def two_turns(chat: RecordingChat) -> None:
+        for _ in range(2):
+            await chat.completions.create(messages=[{"role": "user", "content": "hi"}])
+
+    asyncio.run(two_turns(runs[0]))
+    asyncio.run(two_turns(runs[1]))
+    s = seen
+    assert len(s) == 4 and s[0] == s[1] and s[2] == s[3] and s[0] != s[2] and all(s)
