@@ -4,9 +4,12 @@
 version stamps) over a different core. The KV cache is one pool of ``page_size``-token pages
 (``models.decoder.PagedKVCache``); each running request holds a page table
 (``inference.pages``) and the scheduler (``inference.schedule``) admits waiting requests by free
-pages under ``max_running_requests``, lets a group's answers share their prompt's pages and
-retracts the requests with the fewest output tokens when a decode call needs pages the pool does
-not have (they go back to the queue's front with every token, and prefill again when pages free).
+pages under ``max_running_requests``, lets a group's answers share their prompt's pages, keeps
+the written pages of requests that left in a prefix cache for later requests with the same
+prefix (``inference.prefix_cache``; dropped whenever the served weights change, see ``_state``)
+and retracts the requests with the fewest output tokens when a decode call needs pages the pool
+does not have (they go back to the queue's front with every token, and prefill again when pages
+free).
 
 One loop steps the pool. Each round admits what fits, then makes one device call:
 
