@@ -127,6 +127,8 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
     for quick in (True, False):
         task = tasks.task_config(quick, tasks.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
+        # a quick run's server compiles only the shapes its requests meet, not the rest in the background
+        assert ("--compile-threads" in task["rollout"]["server_args"]) is quick
         loaded = {}
         on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po", "async_eta4_push_inline",
                                    "async_eta4_pause_first", "async_eta4_per_answer"])[1:]
