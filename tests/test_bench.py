@@ -127,6 +127,8 @@ def test_async_modes_are_valid_run_configs_and_only_full_runs_warm_the_server(tm
     for quick in (True, False):
         task = tasks.task_config(quick, tasks.LONG_TAIL_TASK)
         assert ("--server-warmup" in task["rollout"]["server_args"]) is not quick
+        # a quick run's server compiles only the shapes its requests meet, not the rest in the background
+        assert ("--compile-threads" in task["rollout"]["server_args"]) is quick
         loaded = {}
         on_request = modes(quick, ["async_eta4_naive", "async_eta4_m2po", "async_eta4_push_inline",
                                    "async_eta4_pause_first", "async_eta4_per_answer"])[1:]
@@ -407,6 +409,18 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
         k: v for k, v in a["modes"][1].items() if k in RUN_FIELDS}
     assert all("same_run_as" not in r for r in (i["runs"][0], i["runs"][2], *a["modes"]))
     assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0 and i["in_place_throughput_ratio"] > 0
+    # --quick's runs alike share a server (same checkpoint, arguments, seed and cores): async_eta4's
+    # serves the interrupt part's other two runs, naive's the decoupled run, each reset first to
+    # the warm start read from disk as version "default"; the synchronous run (every core) has its own
+    runs_dir = tmp_path / "runs"
+    for first, later in (("async_eta4_seed0", ("update_wait", "update_in_place")),
+                         ("naive_eta4_seed0", ("decoupled_eta4_seed0",))):
+        log = (runs_dir / first / "logs" / "server-0.log").read_text()
+        assert log.count("serving weights 'default' (update") == len(later), log[-3000:]
+        assert log.count("read and swapped") == len(later)
+        for name in later:
+            assert f"used the server of {runs_dir / first} " in (runs_dir / name / "logs" / "server-0.log").read_text()
+    assert "areal_jax.cli serve" in (runs_dir / "sync_seed0" / "logs" / "server-0.log").read_text()
 
     c = load("components")
     assert all(r["tokens_per_s"] > 0 for r in c["decode"])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from areal_jax.bench import PARTS, report, tasks
+from areal_jax.bench import PARTS, report, runs, tasks
 from areal_jax.trainer.startup import use_compile_cache
 
 
@@ -18,7 +19,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "component benchmarks; each part writes <out>/<part>.json and PNG plots."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
-    p.add_argument("--quick", action="store_true", help="small settings: every part in a few minutes")
+    p.add_argument("--quick", action="store_true",
+                   help="small settings: every part in a few minutes, a smoke test (runs on the same checkpoint, "
+                        "server arguments, seed and cores share one rollout server, reset to the warm start)")
     p.add_argument("--long-tail", action="store_true",
                    help="async and interrupt parts on tasks.LONG_TAIL_TASK: answers up to "
                         f"{tasks.LONG_TAIL_TASK['rollout']['max_new_tokens']} tokens with a long tail, "
@@ -99,29 +102,31 @@ def main(argv: list[str]) -> dict[str, Any]:
             print(f"warm start of the demo task ({demo_task['warm_start']['steps']} supervised steps) ...", flush=True)
             demo_checkpoint = tasks.warm_checkpoint({**demo_task, "seed": args.warm_start_seed},
                                                     out / "checkpoint_demo", scratch=None)
-    for part in args.parts:
-        t = time.perf_counter()
-        print(f"[{part}]", flush=True)
-        if part == "async":
-            from areal_jax.bench import async_sync
+    # --quick is a smoke test: its runs alike share one rollout server (runs.SharedServers)
+    with runs.shared_servers() if args.quick else contextlib.nullcontext():
+        for part in args.parts:
+            t = time.perf_counter()
+            print(f"[{part}]", flush=True)
+            if part == "async":
+                from areal_jax.bench import async_sync
 
-            results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps,
-                                           only=args.modes, n_seeds=args.seeds, done=done)
-        elif part == "staleness":
-            from areal_jax.bench import staleness
+                results[part] = async_sync.run(out, checkpoint, task, quick=args.quick, seed=args.seed,
+                                               steps=args.steps, only=args.modes, n_seeds=args.seeds, done=done)
+            elif part == "staleness":
+                from areal_jax.bench import staleness
 
-            results[part] = staleness.run(out, demo_checkpoint, demo_task, quick=args.quick, seed=args.seed)
-        elif part == "interrupt":
-            from areal_jax.bench import interrupt
+                results[part] = staleness.run(out, demo_checkpoint, demo_task, quick=args.quick, seed=args.seed)
+            elif part == "interrupt":
+                from areal_jax.bench import interrupt
 
-            results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps,
-                                          done=done)
-        elif part == "components":
-            from areal_jax.bench import components
+                results[part] = interrupt.run(out, checkpoint, task, quick=args.quick, seed=args.seed, steps=args.steps,
+                                              done=done)
+            elif part == "components":
+                from areal_jax.bench import components
 
-            results[part] = components.run(out, quick=args.quick)
-        results[part]["seconds"] = time.perf_counter() - t
-        report.write_json(out, part, results[part])
+                results[part] = components.run(out, quick=args.quick)
+            results[part]["seconds"] = time.perf_counter() - t
+            report.write_json(out, part, results[part])
     summary = {"parts": args.parts, "quick": args.quick, "seconds": time.perf_counter() - t0,
                "conditions": report.conditions(), "files": sorted(str(p) for p in out.glob("*.json"))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

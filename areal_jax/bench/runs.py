@@ -12,6 +12,7 @@ the run's training clock at each evaluation.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import http.client
@@ -197,10 +198,14 @@ def _measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, train
     run_dir = Path(cfg["run_dir"])
     rollout = cfg.setdefault("rollout", {})
     everything = all_cores()
-    with thread_affinity(rollout_cores or everything):
-        fleet = ServerFleet(cfg["model"]["path"], 1, run_dir / "logs", extra_args=rollout.get("server_args", []),
-                            seed=cfg.get("seed", 0))
-        addresses = fleet.start()
+    shared, fleet = _SHARED.get(), None
+    if shared is not None:
+        addresses = [shared.address(cfg, rollout_cores or everything)]
+    else:
+        with thread_affinity(rollout_cores or everything):
+            fleet = ServerFleet(cfg["model"]["path"], 1, run_dir / "logs", extra_args=rollout.get("server_args", []),
+                                seed=cfg.get("seed", 0))
+            addresses = fleet.start()
     ends: list[float] = []
     offset: list[float] = []
 
@@ -216,9 +221,90 @@ def _measured_run(cfg: dict[str, Any], *, rollout_cores: list[int] | None, train
                            on_step=on_step)
     finally:
         pin_process(everything)
-        fleet.stop()
+        if fleet is not None:
+            fleet.stop()
     return summarize(result.metrics, ends, poller, warmup_steps, result.eval_before, result.eval_after,
                      rollout_cores=rollout_cores, trainer_cores=trainer_cores)
+
+
+class SharedServers:
+    """Rollout servers kept across the measured runs of one invocation (``--quick``, whose figures
+    are a smoke test): a run whose server would start on the same checkpoint, server arguments,
+    seed and cores as an earlier run's takes that server, its weights first loaded again from the
+    checkpoint (``/update_weights_from_disk``, as version ``default``, the label a new server
+    starts with) and any pause lifted. Starting a server (a process importing JAX, loading the
+    model and its compiled programs) cost more CPU time than a quick run's three steps
+    (2026-11-28: about 6.5 CPU-seconds of each quick run's 10). What a reused server does not
+    start afresh is its sampling random stream (requests without a ``sampling_seed`` draw from
+    it) and the programs it compiled: a full run never reuses one, so its figures are of a
+    server started for it alone."""
+
+    def __init__(self) -> None:
+        self._fleets: dict[str, tuple[Any, Path]] = {}
+
+    def address(self, cfg: dict[str, Any], cores: list[int]) -> str:
+        """The address of the server for ``cfg``'s run on ``cores``: one started now (its log in
+        the run's ``logs/``), or an earlier run's, reset (the run's ``logs/server-0.log`` then
+        names that run's log)."""
+        from rollout_bridge.launcher import ServerFleet
+
+        model, run_dir = Path(cfg["model"]["path"]), Path(cfg["run_dir"])
+        server_args, seed = list(cfg["rollout"].get("server_args", [])), cfg.get("seed", 0)
+        key = json.dumps([str(model.absolute()), server_args, seed, sorted(cores)])
+        if key not in self._fleets:
+            with thread_affinity(cores):
+                # weights pushed through the disk go under any run's folder, not only this one's
+                fleet = ServerFleet(model, 1, run_dir / "logs", extra_args=server_args, seed=seed,
+                                    weight_roots=[model.absolute().parent, run_dir.absolute().parent])
+                fleet.start()
+            self._fleets[key] = (fleet, run_dir)
+            return fleet.addresses[0]
+        fleet, first = self._fleets[key]
+        fleet.check(restart=False)  # one that died is an error, not a new server
+        address = fleet.addresses[0]
+        _post_json(address, "/update_weights_from_disk", {"model_path": str(model.absolute()),
+                                                          "weight_version": "default", "flush_cache": True})
+        _post_json(address, "/continue_generation", {})
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs" / "server-0.log").write_text(
+            f"this run used the server of {first} (same checkpoint, arguments, seed and cores), its weights "
+            f"loaded again from {model}: {first / 'logs' / 'server-0.log'}\n")
+        return address
+
+    def close(self) -> None:
+        for fleet, _ in self._fleets.values():
+            fleet.stop()
+        self._fleets.clear()
+
+
+_SHARED: contextvars.ContextVar[SharedServers | None] = contextvars.ContextVar("bench_shared_servers", default=None)
+
+
+@contextlib.contextmanager
+def shared_servers() -> Iterator[SharedServers]:
+    """Inside the block, ``measured_run`` takes its servers from one ``SharedServers`` (stopped
+    at the end of the block)."""
+    servers = SharedServers()
+    token = _SHARED.set(servers)
+    try:
+        yield servers
+    finally:
+        _SHARED.reset(token)
+        servers.close()
+
+
+def _post_json(address: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        reply = json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+    if resp.status != 200 or reply.get("success") is False:
+        raise RuntimeError(f"{address}{path} answered {resp.status}: {reply}")
+    return reply
 
 
 def summarize(metrics: list[dict[str, Any]], ends: list[float], poller: ServerPoller, warmup_steps: int,
