@@ -20,9 +20,11 @@ from areal_jax import CACHE_ROOT
 def load_tokenizer(model_dir: str | os.PathLike) -> Any:
     """The ``transformers`` tokenizer saved in ``model_dir`` (tokenizer.json and its config):
     what ``AutoTokenizer`` loads. Where ``AutoTokenizer`` resolved the same files (under the same
-    ``transformers``) to its generic backend before, that class loads them directly: the same
-    tokenizer without ``AutoTokenizer`` reading the model's config, which imports torch (1.5-3 s
-    of a run's start, in the trainer and again in each server, on a loaded 2-core CPU)."""
+    ``transformers``) before, the class it chose loads them directly, as ``AutoTokenizer`` itself
+    then does: the same tokenizer without ``AutoTokenizer`` reading the model's config, which
+    imports torch (1.5-3 s of a run's start, in the trainer and again in each server, on a loaded
+    2-core CPU; a model-specific class such as ``Qwen2Tokenizer`` loaded 1.81 CPU-s through
+    ``AutoTokenizer`` against 0.68 directly)."""
     model_dir = Path(model_dir)
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
         raise FileNotFoundError(
@@ -30,16 +32,39 @@ def load_tokenizer(model_dir: str | os.PathLike) -> Any:
             "of the base model into this directory"
         )
     key = _files_key(model_dir)
-    if key is not None and _known_classes().get(key) in GENERIC_CLASSES:
-        from transformers import TokenizersBackend
-
-        return TokenizersBackend.from_pretrained(str(model_dir))
+    cls = _recorded_class(_known_classes().get(key)) if key is not None else None
+    if cls is not None:
+        return cls.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if key is not None:
-        _remember_class(key, type(tokenizer).__name__)
+        _remember_class(key, f"{type(tokenizer).__module__}:{type(tokenizer).__qualname__}")
     return tokenizer
+
+
+def _recorded_class(record: str | None) -> Any:
+    """The tokenizer class a record names (``module:qualname``, or a generic class's bare name as
+    older records have it), or None: no record, or one naming anything outside ``transformers``
+    (the record file is not trusted to choose what gets imported)."""
+    if record is None:
+        return None
+    if ":" not in record:
+        if record not in GENERIC_CLASSES:
+            return None
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend
+    module, _, name = record.partition(":")
+    if module != "transformers" and not module.startswith("transformers."):
+        return None
+    try:
+        import importlib
+
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) and hasattr(cls, "from_pretrained") else None
 
 
 GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
