@@ -30,6 +30,11 @@ from tests import xla_flags
 os.environ.setdefault("XLA_FLAGS", xla_flags.devices(8))  # compiled fast: see tests/xla_flags.py
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The servers and runs tests start meet a step shape or two each: compiling every other one in
+# the background was most of an idle test server's CPU (test_rl_loop's two-server and sync runs:
+# 64.2 and 60.4 CPU-s -> 53.1 and 52.8, interleaved, 2026-11-28). Tests of background compiles
+# give their own thread count.
+os.environ.setdefault("AREAL_JAX_COMPILE_THREADS", "0")
 # Child processes (servers, `areal-jax train` runs) inherit these through the environment.
 CACHE = Path(os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                                    str(Path(__file__).resolve().parents[1] / ".cache" / "jax-tests")))

@@ -24,6 +24,10 @@ from sharding import activate
 __all__ = ["PagedShapes"]
 
 
+COMPILE_THREADS_ENV = "AREAL_JAX_COMPILE_THREADS"
+"""The default of ``areal-jax serve --compile-threads`` (and of a run's in-process engine) where set."""
+
+
 class PagedShapes:
     """The compile-ahead half of ``PagedEngine`` (shapes and warm-up)."""
 
@@ -214,10 +218,21 @@ class PagedShapes:
 
     @staticmethod
     def default_compile_threads() -> int:
-        """Worker threads of ``compile_in_background`` when none are given: one per two usable
+        """Worker threads of ``compile_in_background`` when none are given: ``$AREAL_JAX_COMPILE_THREADS``
+        where set (the test suite sets 0: its servers meet a shape or two each), else one per two usable
         cores, at most 8. (On a busy 2-core CPU two compiles at once took longer than the same
         two one after another, and a demo's evaluation before RL took 25 s with 2 threads against
         14 s with 1: the serving and the trainer need the other core.)"""
+        given = os.environ.get(COMPILE_THREADS_ENV)
+        if given is not None and given.strip():
+            try:
+                threads = int(given)
+            except ValueError:
+                threads = -1
+            if threads < 0:
+                raise ValueError(f"{COMPILE_THREADS_ENV}={given!r}: give a whole number of threads, 0 or more "
+                                 "(0: each step shape compiles at its first call)")
+            return threads
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(8, cores // 2))
 

@@ -120,3 +120,15 @@ def test_a_cold_engine_answers_while_its_other_shapes_still_compile(cold: PagedE
     assert all(compiles.compiled(s) for s in order[:3])
     if not compiles.pending:  # every shape compiled (stop cancels the queued ones): calls take their own
         assert engine.fit_rows(1) == engine.min_decode_rows and engine.fit_blocks(1, 16) == 8
+
+
+def test_the_default_thread_count_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from areal_jax.inference.paged_shapes import COMPILE_THREADS_ENV, PagedShapes
+
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "3")
+    assert PagedShapes.default_compile_threads() == 3
+    monkeypatch.setenv(COMPILE_THREADS_ENV, "many")
+    with pytest.raises(ValueError, match=COMPILE_THREADS_ENV):
+        PagedShapes.default_compile_threads()
+    monkeypatch.delenv(COMPILE_THREADS_ENV)
+    assert 1 <= PagedShapes.default_compile_threads() <= 8
