@@ -119,8 +119,8 @@ class Scheduler:
 
     @property
     def cached_pages(self) -> int:
-        """Pages only the prefix cache keeps (free for the taking when the pool runs short) and
-        pages it shares with running requests."""
+        """Pages the prefix cache holds: those no running request reads are free for the taking
+        when the pool runs short."""
         return 0 if self.cache is None else self.cache.pages
 
     def weights_changed(self) -> None:
