@@ -99,9 +99,17 @@ async def _generate_under_pushes(client: Any, engine: Engine, trainer: Trainer, 
             r = await client.generate(prompt, {"max_new_tokens": BUDGET, "ignore_eos": True, "temperature": 1.0})
             done.append(Served(prompt, r.output_ids, r.output_logprobs, r.output_versions))
 
-    async def tokens_of(version: int) -> None:
-        """Until an answer in the engine has a token of ``version`` and is still running."""
-        while not any(version in seq.versions and seq.finish_reason is None for seq in engine._live.values()):
+    async def tokens_of(version: int, room: int = 0) -> None:
+        """Until an answer in the engine has a token of ``version`` and is still running, with more
+        than ``room`` tokens of its budget left. The answers run in lockstep (one budget, started
+        together), so without room a pause could wait out the device call that ends every one of
+        them, and land between answers (a CI run on a loaded machine found no answer spanning a
+        push)."""
+        def running(seq: Any) -> bool:
+            left = seq.req.sampling.max_new_tokens - len(seq.out_ids)
+            return version in seq.versions and seq.finish_reason is None and left > room
+
+        while not any(running(seq) for seq in engine._live.values()):
             await asyncio.sleep(0.002)
 
     workers = [asyncio.create_task(answers(i)) for i in range(IN_FLIGHT)]
@@ -111,7 +119,9 @@ async def _generate_under_pushes(client: Any, engine: Engine, trainer: Trainer, 
             batch = random_trajectories(np.random.default_rng(version), 2, 4, version=version - 1)
             await asyncio.to_thread(trainer.train_batch, batch, version - 1)
             kept[version] = _host_copy(trainer.policy.params)
-            await push(trainer, version, functools.partial(tokens_of, version - 1))  # it lands inside answers
+            # it lands inside answers: one the device call in flight cannot end (a paged round is at
+            # most a mixed step and a decode call: decode_steps tokens)
+            await push(trainer, version, functools.partial(tokens_of, version - 1, room=2 * engine.cfg.decode_steps))
         await tokens_of(VERSIONS)
         stop.set()
         await asyncio.gather(*workers)
