@@ -42,6 +42,7 @@ def _wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 120) -> No
 def test_readme_python_blocks_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = _blocks("python")
     assert len(blocks) >= 5
+    monkeypatch.delenv("AREAL_JAX_COMPILE_THREADS", raising=False)  # as a user runs them: the servers' default
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(ROOT))

@@ -272,7 +272,8 @@ def _demo(run_dir: Path, *overrides: str) -> tuple[float, list[dict[str, Any]]]:
     """Held-out accuracy before RL and the metrics of a 20-step demo run, as a user starts it on a
     one-device machine (a subprocess: this one has 8 fake devices)."""
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # as a user starts it: not the suite's fake devices, nor its servers' compile threads (0)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AREAL_JAX_COMPILE_THREADS")}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "areal_jax.cli", "train", "--config", str(DEMO), f"run_dir={run_dir}", "seed=0",
            "steps=20", "eval.every=20", "log.progress=false", "export=false", *overrides]
