@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -66,68 +65,15 @@ from areal_jax.inference.paged_batches import PagedBatches
 from areal_jax.inference.paged_shapes import PagedShapes
 from areal_jax.inference.paged_steps import decode_step, mixed_step, prefill_step
 from areal_jax.inference.pages import SINK_PAGE, PageAllocator
-from areal_jax.inference.schedule import Request, Scheduler, kv_pool_tokens
-from areal_jax.models.decoder import K_PAGE_AXES, V_PAGE_AXES, Decoder, PagedKVCache, kv_head_replicas
+from areal_jax.inference.pool_size import pool_tokens
+from areal_jax.inference.schedule import Request, Scheduler
+from areal_jax.models.decoder import K_PAGE_AXES, V_PAGE_AXES, Decoder, PagedKVCache
 from areal_jax.models.paged_kernels import choose_attention_backend
 from sharding import activate, logical_to_sharding
 
-__all__ = ["PagedEngine", "pool_tokens"]
+__all__ = ["PagedEngine"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_DEVICE_FRACTION = 0.85
-DEFAULT_HOST_FRACTION = 0.25
-
-
-def kv_bytes_per_token(model: Decoder, dtype: Any = None) -> int:
-    """Bytes one token's keys and values take in every layer of the pool."""
-    cfg = model.config
-    heads = cfg.num_key_value_heads * kv_head_replicas(cfg.num_key_value_heads)
-    itemsize = np.dtype(dtype if dtype is not None else cfg.jnp_dtype).itemsize
-    return 2 * cfg.num_hidden_layers * heads * cfg.head_dim * itemsize
-
-
-def _host_memory() -> tuple[int, int]:
-    """(total, available) bytes of host memory (``/proc/meminfo``; sysconf where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-        return info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-    except (OSError, KeyError, ValueError):
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return total, total // 2
-
-
-def pool_tokens(cfg: EngineConfig, model: Decoder) -> int:
-    """The KV pool's size in tokens (SGLang's ``max_total_num_tokens``) for ``cfg``.
-
-    ``max_total_tokens`` alone sets it. Otherwise it comes from memory (``schedule.kv_pool_tokens``):
-    on a device that reports its memory, weights and pool may take ``mem_fraction_static``
-    (default 0.85) of it; on a CPU, which reports none, the pool may take that share (default
-    0.25) of the host's available memory. Either way it never exceeds ``num_slots * max_seq_len``
-    (every running request at full context: more could never be used) nor ``max_total_tokens``."""
-    page = cfg.page_size
-    per_token = kv_bytes_per_token(model, cfg.cache_dtype)
-    most = -(-cfg.num_slots * cfg.max_seq_len // page) * page
-    if cfg.max_total_tokens is not None and cfg.mem_fraction_static is None:
-        return kv_pool_tokens(page_size=page, bytes_per_token=per_token, max_total_tokens=cfg.max_total_tokens)
-    stats = None
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - a backend without memory stats (CPU) says so in several ways
-        stats = None
-    cap = most if cfg.max_total_tokens is None else min(most, cfg.max_total_tokens)
-    if stats and "bytes_limit" in stats:
-        fraction = cfg.mem_fraction_static or DEFAULT_DEVICE_FRACTION
-        total = int(stats["bytes_limit"])
-        free = total - int(stats.get("bytes_in_use", 0))
-        return kv_pool_tokens(page_size=page, bytes_per_token=per_token, max_total_tokens=cap,
-                              mem_fraction_static=fraction, device_bytes=total, free_bytes=free)
-    fraction = cfg.mem_fraction_static or DEFAULT_HOST_FRACTION
-    _, available = _host_memory()
-    tokens = min(cap, int(available * fraction) // per_token)
-    return kv_pool_tokens(page_size=page, bytes_per_token=per_token, max_total_tokens=max(tokens, page))
-
 
 @dataclass(eq=False)
 class _Request(Request):

@@ -46,10 +46,10 @@ __all__ = ["ReplicaEngine", "ReplicaStage", "replica_pool_tokens"]
 
 def replica_pool_tokens(cfg: EngineConfig, model: Decoder, dp_size: int, platform: str) -> int:
     """The KV pool of one replica, in tokens, as SGLang sizes one data-parallel rank's: the pool
-    one engine would get on the replica's devices (``paged.pool_tokens``: ``max_total_tokens``,
+    one engine would get on the replica's devices (``pool_size.pool_tokens``: ``max_total_tokens``,
     or sized from memory). On a CPU the replicas share one host's memory, so a pool sized from
     memory is that share divided by ``dp_size``; a given ``max_total_tokens`` is per replica."""
-    from areal_jax.inference.paged import pool_tokens
+    from areal_jax.inference.pool_size import pool_tokens
 
     tokens = pool_tokens(cfg, model)
     from_memory = cfg.max_total_tokens is None or cfg.mem_fraction_static is not None

@@ -184,7 +184,7 @@ def engine_memory(model: Any, engine: Any, mesh: Any, *, dtype: Any = None, devi
         most = min(most, engine.max_total_tokens)
         if engine.mem_fraction_static is None:
             return EngineMemory("paged", token_bytes, most, weight_bytes)
-    from areal_jax.inference.paged import DEFAULT_DEVICE_FRACTION
+    from areal_jax.inference.pool_size import DEFAULT_DEVICE_FRACTION
 
     if device_limit is None:  # a CPU: the engine sizes from host memory, not from the device
         return EngineMemory("paged", token_bytes, 0, weight_bytes)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from areal_jax.algo import AlgoConfig
 from areal_jax.inference.config import EngineConfig
-from areal_jax.inference.paged import kv_bytes_per_token
+from areal_jax.inference.pool_size import kv_bytes_per_token
 from areal_jax.models import Decoder
 from areal_jax.models.config import ModelConfig
 from areal_jax.trainer import TrainConfig, Trainer
