@@ -19,6 +19,7 @@ weights with a real model's shapes (``benchmarks/accelerator.py``'s ``MODELS``),
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -58,10 +59,16 @@ def _models(args: argparse.Namespace) -> tuple[Any, Any, int]:
     return ref, load_pretrained(path, dtype=args.dtype), ref.config.vocab_size
 
 
+@functools.cache
+def _step(backend: str) -> Any:
+    """One jitted paged call per backend, shared by every seed's decode (compiled once a shape)."""
+    return jax.jit(lambda m, ids, pos, cache, wp, wo, work: m.decode_paged(
+        ids, pos, cache, write_pages=wp, write_offsets=wo, work=PagedWork(*work), backend=backend))
+
+
 def _decode(model: Any, backend: str, prompt: np.ndarray, steps: int, forced: list[int] | None) -> tuple:
     """Logprobs ``[steps, vocab]`` of each next token after ``prompt``, greedy or ``forced``."""
-    step = jax.jit(lambda m, ids, pos, cache, wp, wo, work: m.decode_paged(
-        ids, pos, cache, write_pages=wp, write_offsets=wo, work=PagedWork(*work), backend=backend))
+    step = _step(backend)
     pages = -(-(len(prompt) + steps) // PAGE) + 1
     pool = PageAllocator(num_pages=pages, page_size=PAGE)
     cache = model.init_paged_cache(pool.num_pages, PAGE)

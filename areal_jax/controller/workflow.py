@@ -18,6 +18,7 @@ assigns group ids; a workflow's trajectories are one group.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,16 @@ Workflow = Callable[[Any, Any], Awaitable[list[Trajectory]]]
 
 class WorkflowError(ValueError):
     """A workflow name that cannot be resolved, or a workflow that returned the wrong thing."""
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_session(fn: Any) -> bool:
+    """Whether a rollout client's ``generate`` (or ``generate_many``) function takes ``session``;
+    looked up once per function, not at every request."""
+    try:
+        return "session" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass
@@ -79,11 +90,7 @@ class EpisodeClient:
         client without it still works, routing each request on its own."""
         if session is None:
             return {}
-        try:
-            takes = "session" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            takes = False
-        return {"session": session} if takes else {}
+        return {"session": session} if _takes_session(getattr(fn, "__func__", fn)) else {}
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

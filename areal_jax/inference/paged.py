@@ -81,6 +81,12 @@ class _Request(Request):
 
     seq: _Seq | None = None
 
+    def written_tokens(self) -> int:
+        """``seq.computed``: what it may leave in the prefix cache; none while pages it shares are
+        still to be written by another request."""
+        seq = self.seq
+        return seq.computed if seq is not None and seq.source is None else 0
+
 
 class PagedEngine(PagedShapes, PagedBatches, Engine):
     """``Engine`` over a paged KV pool (see the module docstring)."""
@@ -179,17 +185,8 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     def _release(self, seq: _Seq) -> None:
         req = seq.sched
         if req is not None and (req.table is not None or req in self.scheduler.waiting):
-            self._sync_written([req])
             self.scheduler.finish(req)
         self._unseat(seq)
-
-    def _sync_written(self, reqs: list[_Request] | None = None) -> None:
-        """Tell the scheduler how many tokens each running request (or each of ``reqs``) has
-        written, what it may leave in the prefix cache when it leaves the pool: none while pages it
-        shares are still to be written by another request."""
-        for req in self.scheduler.running if reqs is None else reqs:
-            seq = req.seq
-            req.written = seq.computed if seq is not None and seq.source is None else 0
 
     def _unseat(self, seq: _Seq) -> None:
         """``seq`` holds no seat and no KV any more (finished, or back in the queue). The
@@ -213,7 +210,6 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
             self._paused_at = time.perf_counter()
         self._paused = mode
         async with self._all_lanes():
-            self._sync_written()
             for req in self.scheduler.retract_all():
                 self._unseat(req.seq)
 
@@ -287,7 +283,6 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
         live = []  # ready, or waiting for pages another request writes (``_prefill_rows`` decides)
         for req in list(self.scheduler.running):
             if self._ready(req.seq) is None:  # its shared pages will never be written: start it over
-                self._sync_written([req])
                 self.scheduler.retract(req)
                 self._unseat(req.seq)
             else:
@@ -334,7 +329,6 @@ class PagedEngine(PagedShapes, PagedBatches, Engine):
     def _grow(self, tokens: int) -> None:
         """Pages for ``tokens`` more tokens of every running request, retracting (or, alone,
         cutting) what the pool cannot hold."""
-        self._sync_written()
         growth = self.scheduler.grow(tokens)
         for req in growth.retracted:
             self.stats["retractions"] += 1

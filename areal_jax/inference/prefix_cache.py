@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from areal_jax.inference.pages import PageAllocator
@@ -117,12 +117,9 @@ class PrefixCache:
 
     def clear(self) -> int:
         """Drop every page (the weights changed, or the pool was reset). Returns the pages dropped."""
-        dropped, stack = 0, list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            stack += node.children.values()
-            self.allocator.release([node.page])
-            dropped += 1
+        pages = [node.page for node in self._nodes()]
+        self.allocator.release(pages)
+        dropped = len(pages)
         self._root.children.clear()
         self._leaves.clear()
         self.pages = 0
@@ -131,27 +128,26 @@ class PrefixCache:
 
     def held(self) -> set[int]:
         """The pages the cache holds."""
-        out, stack = set(), list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            stack += node.children.values()
-            out.add(node.page)
-        return out
+        return {node.page for node in self._nodes()}
 
     def check(self) -> None:
         """Raise if the tree, its leaf set, its page count and the pool's reference counts
         disagree (a test and debugging aid)."""
-        nodes, stack = [], list(self._root.children.values())
-        while stack:
-            node = stack.pop()
-            stack += node.children.values()
-            nodes.append(node)
+        nodes = list(self._nodes())
         if len(nodes) != self.pages or len({n.page for n in nodes}) != self.pages:
             raise AssertionError(f"{len(nodes)} nodes on {len({n.page for n in nodes})} pages, counted {self.pages}")
         if {n for n in nodes if not n.children} != self._leaves:
             raise AssertionError("the leaf set is not the nodes without children")
         if any(self.allocator.refcount(n.page) < 1 for n in nodes):
             raise AssertionError("the cache names a page nobody holds")
+
+    def _nodes(self) -> Iterator[_Node]:
+        """Every node but the root."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            stack += node.children.values()
+            yield node
 
     def _remove(self, node: _Node) -> None:
         del node.parent.children[node.key]

@@ -53,8 +53,9 @@ class Request:
     """The weight version it was admitted under: only requests of the same version share pages
     (None once the weights changed while it ran: its pages mix two versions' keys and values)."""
     written: int = 0
-    """Tokens of ``tokens`` whose keys and values are written in its pages (the engine keeps it):
-    the whole pages among them go to the prefix cache when it leaves the pool."""
+    """Tokens of ``tokens`` whose keys and values are written in its pages, where nothing derives
+    it (``written_tokens``; the engine's requests do): the whole pages among them go to the prefix
+    cache when it leaves the pool."""
 
     @property
     def length(self) -> int:
@@ -67,6 +68,10 @@ class Request:
     @property
     def done(self) -> bool:
         return len(self.output) >= self.max_new_tokens
+
+    def written_tokens(self) -> int:
+        """Tokens whose keys and values are in its pages now (``written``)."""
+        return self.written
 
 
 @dataclass(frozen=True)
@@ -270,7 +275,7 @@ class Scheduler:
         readers.remove(req)
         if not readers:
             del self._readers[req.key]
-        whole = min(req.written, req.table.num_tokens) // self.allocator.page_size
+        whole = min(req.written_tokens(), req.table.num_tokens) // self.allocator.page_size
         if self.cache is not None and whole and req.version == self.version:
             self.cache.insert(req.tokens, req.table.pages[:whole])
         req.table.release()
