@@ -1,6 +1,7 @@
 """Test-wide set-up: eight fake CPU devices, so mesh tests run on any machine; a compilation
-cache shared by every test process; compiled programs released after each test module; and
-`serial` tests run alone when the suite runs on several workers (pytest-xdist).
+cache shared by every test process; compiled programs released after a test module once a
+worker holds many memory mappings or much memory; and `serial` tests run alone when the suite
+runs on several workers (pytest-xdist).
 
 XLA reads the flag when the backend starts, so it must be set before anything imports jax.
 
@@ -50,14 +51,38 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 CACHE_BYTES = 2 << 30
 
 
+MAX_MAPPINGS = 20_000
+"""A worker drops its compiled programs after a test module once it holds more memory mappings
+than this (a third of the kernel's default limit; a module adds a few thousand at most) ..."""
+MAX_RESIDENT = 4 << 30
+"""... or more resident memory than this (three workers and the processes they start share the
+machine)."""
+
+
+def _too_big() -> bool:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            mappings = sum(1 for _ in f)
+        with open("/proc/self/statm") as f:
+            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: no per-process limit to keep under
+        return False
+    return mappings > MAX_MAPPINGS or resident > MAX_RESIDENT
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs() -> Iterator[None]:
-    """After each test module, drop JAX's compiled programs (and with them their mappings)."""
+    """After a test module, drop JAX's compiled programs (and with them their mappings) once the
+    process holds more than ``MAX_MAPPINGS`` mappings or ``MAX_RESIDENT`` bytes. Not after every
+    module: that release (a full garbage collection of a heap full of traced programs) took 136
+    CPU-s of a 22 CPU-minute suite (sampled with py-spy, 2026-11-28), and the modules after it
+    traced again the programs they shared."""
     yield
-    import jax
+    if _too_big():
+        import jax
 
-    jax.clear_caches()
-    gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 def _lock_dir() -> Path:

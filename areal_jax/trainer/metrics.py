@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from areal_jax.trainer.tensorboard import EventWriter
 
 
 @dataclass
@@ -44,9 +45,8 @@ class MetricsLogger:
         self.cfg = cfg or LogConfig()
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        self.writer = self._file = self._wandb = self._bar = None
-        self._opening: threading.Thread | None = None
-        self._open_error: BaseException | None = None
+        self.writer: EventWriter | None = None
+        self._file = self._wandb = self._bar = None
         self.history: list[dict[str, Any]] = []
         self.enabled = jax.process_index() == 0
         if not self.enabled:
@@ -58,16 +58,14 @@ class MetricsLogger:
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(json.dumps(m) + "\n" for m in self.history))
             tmp.replace(self.path)
-        self._file = self.path.open("a" if start_step else "w")
         if self.cfg.tensorboard:
             if not start_step:
                 for old in (self.run_dir / "tensorboard").glob("events.out.tfevents.*"):
                     old.unlink()
-            # tensorboardX imports torch (2.3 s of a run's start on a loaded 2-core CPU): the writer
-            # opens in a thread, beside the run's start, and the first scalars wait for it.
-            self._opening = threading.Thread(target=self._open_writer, args=(start_step,),
-                                             name="open-tensorboard-writer", daemon=True)
-            self._opening.start()
+            # Events of steps >= purge_step written before this writer started are hidden.
+            self.writer = EventWriter(self.run_dir / "tensorboard", purge_step=start_step + 1 if start_step else None,
+                                      filename_suffix=f".resumed-{start_step}" if start_step else "")
+        self._file = self.path.open("a" if start_step else "w")
         if self.cfg.wandb_project and self.cfg.wandb_mode != "disabled":
             import wandb
 
@@ -77,26 +75,6 @@ class MetricsLogger:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="RL", unit="step", dynamic_ncols=True)
-
-    def _open_writer(self, start_step: int) -> None:
-        try:
-            from tensorboardX import SummaryWriter
-
-            # Events of steps >= purge_step written before this writer started are hidden. A file
-            # name of its own: event files are named by the second, and "wb" would wipe a twin.
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"),
-                                        purge_step=start_step + 1 if start_step else None,
-                                        filename_suffix=f".resumed-{start_step}" if start_step else "")
-        except BaseException as e:  # raised where the writer is first needed
-            self._open_error = e
-
-    def _writer_opened(self) -> None:
-        """Wait for the TensorBoard writer (``_open_writer``); its failure is raised here."""
-        if self._opening is not None:
-            self._opening.join()
-            self._opening = None
-            if self._open_error is not None:
-                raise self._open_error
 
     def log(self, metrics: dict[str, Any]) -> None:
         """One step's metrics; ``metrics['step']`` is the x axis everywhere."""
@@ -108,11 +86,8 @@ class MetricsLogger:
         step = int(metrics["step"])
         scalars = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
-        self._writer_opened()
         if self.writer is not None:
-            for k, v in scalars.items():
-                if k != "step":
-                    self.writer.add_scalar(k, v, step)
+            self.writer.add_scalars({k: v for k, v in scalars.items() if k != "step"}, step)
             self.writer.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
@@ -137,9 +112,6 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._opening is not None:
-            self._opening.join()
-            self._opening = None
         if self.writer is not None:
             self.writer.close()
         if self._wandb is not None:

@@ -26,19 +26,30 @@ def test_jsonl_and_tensorboard(tmp_path: Path) -> None:
     assert [m["step"] for m in lines] == [1, 2, 3, 4]
     assert lines[1]["eval_accuracy"] == pytest.approx(0.4) and lines[0]["note"] == "text stays in JSONL"
 
+    from tensorboardX.crc32c import crc32c  # an independent CRC-32C
     from tensorboardX.event_file_writer import event_pb2  # the protobuf TensorBoard reads
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1
-    scalars = {}
+    scalars, versions = {}, []
     data = events[0].read_bytes()
     pos = 0
     while pos < len(data):  # TFRecord framing: length(8) crc(4) payload crc(4)
         n = int.from_bytes(data[pos:pos + 8], "little")
-        ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+        assert int.from_bytes(data[pos + 8:pos + 12], "little") == masked(data[pos:pos + 8])
+        payload = data[pos + 12:pos + 12 + n]
+        assert int.from_bytes(data[pos + 12 + n:pos + 16 + n], "little") == masked(payload)
+        ev = event_pb2.Event.FromString(payload)
+        assert ev.wall_time > 1.7e9
+        versions += [ev.file_version] if ev.HasField("file_version") else []
         pos += 16 + n
         for v in ev.summary.value:
             scalars.setdefault(v.tag, []).append((ev.step, v.simple_value))
+    assert versions == ["brain.Event:2"]  # the first event, as TensorBoard expects
     assert scalars["reward_mean"] == [(s, pytest.approx(0.1 * s)) for s in range(1, 5)]
     assert scalars["eval_accuracy"] == [(2, pytest.approx(0.4)), (4, pytest.approx(0.8))]
     assert "note" not in scalars
@@ -152,17 +163,30 @@ def test_a_resumed_run_continues_without_duplicate_steps(tmp_path: Path) -> None
     assert [s for s, _ in shown["resumed"]] == [4, 5, 6, 7]
 
 
-def test_the_tensorboard_writer_opens_beside_the_start_and_its_failure_surfaces_at_the_first_log(
-        tmp_path: Path) -> None:
-    """The writer (tensorboardX imports torch) opens in a thread; the first ``log`` waits for it,
-    and a writer that cannot open fails that ``log`` with its own error, not silently."""
-    ok = MetricsLogger(tmp_path / "ok", LogConfig(progress=False))
-    ok.log({"step": 1, "reward_mean": 0.5})
-    ok.close()
-    assert list((tmp_path / "ok" / "tensorboard").glob("events.out.tfevents.*"))
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "tensorboard").write_text("a file where the events folder goes")
-    bad = MetricsLogger(tmp_path / "bad", LogConfig(progress=False))
-    with pytest.raises(OSError):
-        bad.log({"step": 1, "reward_mean": 0.5})
-    bad.close()
+def test_crc32c_and_int64_steps_as_tensorboard_reads_them(tmp_path: Path) -> None:
+    """The checksum is CRC-32C (its published check value), and a step past 2**31 survives."""
+    from tensorboardX.event_file_writer import event_pb2
+
+    from areal_jax.trainer.tensorboard import EventWriter, crc32c
+
+    assert crc32c(b"123456789") == 0xE3069283
+    writer = EventWriter(tmp_path)
+    writer.add_scalars({"loss": -1.5, "a/b": 3.0}, step=2**40)
+    writer.close()
+    data = writer.path.read_bytes()
+    first = int.from_bytes(data[:8], "little")
+    pos = 16 + first
+    n = int.from_bytes(data[pos:pos + 8], "little")
+    ev = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+    assert ev.step == 2**40 and [(v.tag, v.simple_value) for v in ev.summary.value] == [("loss", -1.5), ("a/b", 3.0)]
+    # TensorBoard reads a folder's files in name order: the order they were made, a resumed run's last
+    made = [EventWriter(tmp_path / "many", filename_suffix=".resumed-3" if i % 2 else "") for i in range(12)]
+    for w in made:
+        w.close()
+    assert sorted(w.path.name for w in made) == [w.path.name for w in made]
+
+
+def test_a_tensorboard_folder_that_cannot_be_made_fails_at_the_start(tmp_path: Path) -> None:
+    (tmp_path / "tensorboard").write_text("a file where the events folder goes")
+    with pytest.raises(OSError, match="tensorboard"):
+        MetricsLogger(tmp_path, LogConfig(progress=False))
