@@ -28,20 +28,24 @@ class Routing(FleetState):
         any healthy one (its tokens carry its older version), so a fleet that lost its weights
         still answers. The server picked becomes the session's."""
         s = self.sticky.get(rid)
-        if s is not None and self._usable(s) and s.version >= self._current:
+        if self._fresh(s):
             return s
-        s = self.sessions.get(session) if session is not None else None
-        if s is not None and self._usable(s) and s.version >= self._current:
+        if session is None:
+            return await self._round_robin(rid)
+        s = self.sessions.get(session)
+        if self._fresh(s):
             self.sticky[rid] = s
-            self.sessions.move_to_end(session)
-            return s
-        s = await self._round_robin(rid)
-        if session is not None:
-            self.sessions[session] = s
-            self.sessions.move_to_end(session)
-            while len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
+        else:
+            s = await self._round_robin(rid)
+        self.sessions[session] = s
+        self.sessions.move_to_end(session)
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
         return s
+
+    def _fresh(self, s: ServerRecord | None) -> bool:
+        """A server in rotation that holds the current version."""
+        return s is not None and self._usable(s) and s.version >= self._current
 
     async def _round_robin(self, rid: str) -> ServerRecord:
         deadline = time.monotonic() + self.cfg.all_down_wait_s

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import xla_flags
+from tests import procmem, xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags.devices(8))  # compiled fast: see tests/xla_flags.py
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -61,13 +61,9 @@ machine)."""
 
 def _too_big() -> bool:
     try:
-        with open("/proc/self/maps", "rb") as f:
-            mappings = sum(1 for _ in f)
-        with open("/proc/self/statm") as f:
-            resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return procmem.mappings() > MAX_MAPPINGS or procmem.resident_bytes() > MAX_RESIDENT
     except OSError:  # not Linux: no per-process limit to keep under
         return False
-    return mappings > MAX_MAPPINGS or resident > MAX_RESIDENT
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -19,6 +19,7 @@ import pytest
 from areal_jax.models.tiny import make_tiny_checkpoint
 from tests import xla_flags
 from tests.ports import free_port
+from tests.procmem import resident_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,14 +28,6 @@ def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
-
-
-def _rss_bytes(pid: int, field: str = "VmHWM") -> int:
-    """Peak (``VmHWM``) or current (``VmRSS``) resident memory of process ``pid``."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 @pytest.mark.slow
@@ -69,7 +62,7 @@ def test_a_long_answer_beside_a_hundred_short_ones_in_a_small_pool(tmp_path: Pat
             time.sleep(0.2)
         else:
             raise AssertionError(f"never healthy:\n{log.read_text()[-3000:]}")
-        started = _rss_bytes(proc.pid)
+        started = resident_bytes(proc.pid, "VmHWM")
         with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
             info = json.loads(r.read())
         assert (info["max_total_num_tokens"], info["page_size"], info["max_running_requests"],
@@ -85,7 +78,7 @@ def test_a_long_answer_beside_a_hundred_short_ones_in_a_small_pool(tmp_path: Pat
         assert len(reply["output_ids"]) == 48 and reply["meta_info"]["finish_reason"]["type"] == "length"
         assert reply["meta_info"]["prompt_tokens"] == 5952
         assert all(len(r["output_ids"]) == 16 for r in replies)
-        peak = _rss_bytes(proc.pid)
+        peak = resident_bytes(proc.pid, "VmHWM")
     finally:
         proc.terminate()
         proc.wait(timeout=60)

@@ -17,6 +17,7 @@ import pytest
 
 from areal_jax.rewards import asserts, isolation, sandbox
 from areal_jax.rewards.sandbox import run_program, run_tests
+from tests.procmem import resident_mib
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_sandbox = pytest.mark.skipif(isolation.detect().kind != "bwrap",
@@ -419,7 +420,7 @@ def _status(pid: int) -> str:
 @needs_sandbox
 def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside) -> None:
     before_tmp = set(Path(tempfile.gettempdir()).glob("areal-sandbox-*"))
-    rss0 = _rss_mib()
+    rss0 = resident_mib()
     t0 = time.monotonic()
     name = f"areal-bomb{os.getpid() % 100000}"
     bomb = run_program("import ctypes, os\nctypes.CDLL(None).prctl(15, " + repr(name.encode()) + ", 0, 0, 0)\n"
@@ -446,13 +447,8 @@ def test_fork_bomb_memory_sleep_and_flood_are_bounded_and_leave_nothing(outside)
     passed, _, detail = run_tests(flood, [{"input": "", "output": "x"}], timeout_s=10)
     assert passed == 0 and "MiB of output" in detail["error"]
     assert run_tests(flood, "assert f() == 1", timeout_s=1)[0] == 0  # a flood to the harness's own stdout
-    assert _rss_mib() - rss0 < 64  # the output was never held whole here
+    assert resident_mib() - rss0 < 64  # the output was never held whole here
     assert set(Path(tempfile.gettempdir()).glob("areal-sandbox-*")) == before_tmp
-
-
-def _rss_mib() -> float:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
 
 
 @needs_sandbox

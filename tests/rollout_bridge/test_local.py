@@ -33,7 +33,8 @@ from rollout_bridge.local import LocalRolloutClient, build_engine, handover, spl
 from sharding import MeshConfig, make_mesh
 from tests.trainer.helpers import assert_every_version_served, random_trajectories, tiny_model
 
-DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo.yaml"
 TRAIN = TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2)
 
 
@@ -271,19 +272,17 @@ def test_config_chooses_the_local_backend_and_its_placement() -> None:
 def _user_env() -> dict[str, str]:
     """The environment a user starts ``areal-jax`` in on a one-device machine: not the suite's
     fake devices, nor its servers' compile threads (0)."""
-    root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AREAL_JAX_COMPILE_THREADS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return env
 
 
 def _demo(run_dir: Path, *overrides: str) -> tuple[float, list[dict[str, Any]]]:
     """Held-out accuracy before RL and the metrics of a 20-step demo run, as a user starts it on a
     one-device machine (a subprocess: this one has 8 fake devices)."""
-    root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "areal_jax.cli", "train", "--config", str(DEMO), f"run_dir={run_dir}", "seed=0",
            "steps=20", "eval.every=20", "log.progress=false", "export=false", *overrides]
-    proc = subprocess.run(cmd, env=_user_env(), capture_output=True, text=True, timeout=900, cwd=root)
+    proc = subprocess.run(cmd, env=_user_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = float(re.search(r"accuracy before RL: ([\d.]+)%", proc.stdout + proc.stderr).group(1)) / 100
     return before, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -307,10 +306,9 @@ def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None
     asynchronous loop over HTTP is run end to end by tests/trainer/test_rl_loop.py."""
     run_dir = tmp_path / "local"
     before, metrics = _demo(run_dir, "rollout.backend=local")
-    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-m", "areal_jax.cli", "eval", "--config", str(DEMO), "--model-path",
                            str(run_dir / "warm_start"), f"run_dir={tmp_path / 'eval'}", "seed=0"],
-                          env=_user_env(), capture_output=True, text=True, timeout=600, cwd=root)
+                          env=_user_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     over_http = float(re.search(r"held-out accuracy ([\d.]+)%", proc.stdout).group(1)) / 100
     assert over_http == before  # the same warm start, served alike

@@ -22,6 +22,7 @@ import pytest
 
 from tests import xla_flags
 from tests.ports import free_port
+from tests.procmem import resident_mib
 from tests.rollout_bridge.test_failover import _wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,13 +33,6 @@ WARMUP_S = 10.0
 answered /health: on the paged default a 64-token context makes that six, a mixed step per prefill
 width and a decode call per power of two of rows), through its first weight update."""
 TIMEOUT = aiohttp.ClientTimeout(total=120)
-
-
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 @dataclass
@@ -143,7 +137,7 @@ def test_server_soak(tiny_dir: Path) -> None:
 
     async def sample_rss(stop: asyncio.Event) -> None:
         while not stop.is_set():
-            tally.rss.append((time.monotonic() - t_start, _rss_mib(proc.pid)))
+            tally.rss.append((time.monotonic() - t_start, resident_mib(proc.pid)))
             await asyncio.sleep(1.0)
 
     async def main() -> dict:
