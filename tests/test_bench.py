@@ -12,6 +12,7 @@ import pytest
 
 from areal_jax.bench import runs, tasks
 from areal_jax.bench.cli import parse_args
+from areal_jax.rewards import isolation
 from tests import xla_flags
 
 RUN_FIELDS = ("wall_s_per_step", "generated_tokens_per_s", "trained_tokens_per_s", "trainer_idle_fraction",
@@ -428,6 +429,8 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     assert all(r["disk_s"] > 0 and r["http_s"] > 0 and r["raw_write_read_s"] > 0 for r in c["weight_update"])
     assert all(r[f"{k}_over_bound"] > 0 for r in c["weight_update"] for k in ("disk", "http", "http_hf"))
     assert all(r["inline_per_s"] > 0 and r["pool_per_s"] > 0 for r in c["rewards"])
+    # code rewards are timed where they can run: in the sandbox
+    assert [r["reward"] for r in c["rewards"]] == ["math", "code"][:1 + (isolation.detect().kind != "none")]
 
     for data in (a, s, i, c):
         assert data["conditions"]["cpu_cores"] >= 2
