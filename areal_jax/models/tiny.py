@@ -12,6 +12,8 @@ import string
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
@@ -58,6 +60,36 @@ def build_char_tokenizer() -> Any:
     return tok
 
 
+INIT_STD = 0.02
+"""The standard deviation of the decoder's initializer for matrices and embeddings."""
+
+
+def random_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:
+    """A ``Decoder`` of ``cfg`` with its initializers' distributions (matrices and embeddings
+    normal with std ``INIT_STD``, biases zero, norm scales one), drawn by NumPy from ``seed``.
+
+    The same distributions as ``Decoder(cfg, rngs=nnx.Rngs(seed))``, not the same numbers: that
+    runs every initializer as its own small XLA program, a few seconds of compiling in every
+    process that writes a tiny model (each run of the quick start, each test run and server),
+    where this compiles nothing."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    values = []
+    for path, var in nnx.to_flat_state(abstract):
+        spec = var.get_value()
+        kind = path[-1]
+        if kind in ("kernel", "embedding"):
+            value = rng.normal(0.0, INIT_STD, spec.shape)
+        elif kind == "bias":
+            value = np.zeros(spec.shape)
+        elif kind == "weight":  # an RMSNorm scale
+            value = np.ones(spec.shape)
+        else:
+            raise ValueError(f"random_decoder: no initializer for parameter {'.'.join(map(str, path))}")
+        values.append((tuple(path), jnp.asarray(value.astype(np.float32), dtype=spec.dtype)))
+    return nnx.merge(graphdef, nnx.from_flat_state(values))
+
+
 def make_tiny_checkpoint(
     out_dir: str | os.PathLike,
     *,
@@ -79,7 +111,7 @@ def make_tiny_checkpoint(
         pad_token_id=tok.convert_tokens_to_ids("<|pad|>"),
         **{**TINY_SIZES[size], **overrides},
     )
-    model = Decoder(cfg, rngs=nnx.Rngs(seed))
+    model = random_decoder(cfg, seed)
     save_pretrained(model, out_dir)
     tok.save_pretrained(str(out_dir))
     return out_dir

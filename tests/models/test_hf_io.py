@@ -96,6 +96,38 @@ def test_tiny_checkpoint_has_tokenizer_and_template(tmp_path: Path) -> None:
     assert (tmp_path / "copy" / "tokenizer.json").exists()  # tokenizer files travel with the weights
 
 
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "llama"])
+def test_a_tiny_model_draws_what_the_decoders_initializers_draw(model_type: str) -> None:
+    """``random_decoder`` (NumPy, nothing compiled) against ``Decoder(cfg, rngs)``: every
+    parameter, its shape, dtype and sharding names, drawn from the same distribution; another
+    seed, other numbers."""
+    import jax
+    from flax import nnx
+
+    from areal_jax.models.config import ModelConfig
+    from areal_jax.models.decoder import Decoder
+    from areal_jax.models.tiny import TINY_SIZES, random_decoder
+
+    cfg = ModelConfig(model_type=model_type, vocab_size=128, tie_word_embeddings=False, **TINY_SIZES["tiny"])
+    ours = nnx.to_flat_state(nnx.state(random_decoder(cfg, seed=1)))
+    theirs = dict(nnx.to_flat_state(nnx.state(Decoder(cfg, rngs=nnx.Rngs(1)))))
+    assert [p for p, _ in ours] == sorted(theirs) and len(ours) >= 10
+    for path, var in ours:
+        a, b = np.asarray(var.get_value()), np.asarray(theirs[path].get_value())
+        assert a.shape == b.shape and a.dtype == b.dtype, path
+        assert var.get_metadata().get("out_sharding") == theirs[path].get_metadata().get("out_sharding"), path
+        if path[-1] in ("bias", "weight"):  # zeros and ones
+            np.testing.assert_array_equal(a, b, err_msg=str(path))
+        else:  # N(0, 0.02): both stds within 5 standard errors of 0.02, means near 0
+            for x in (a, b):
+                se = 0.02 / np.sqrt(x.size)
+                assert abs(x.std() - 0.02) < 5 * se / np.sqrt(2) and abs(x.mean()) < 5 * se, path
+    other = nnx.to_flat_state(nnx.state(random_decoder(cfg, seed=2)))
+    assert not np.array_equal(np.asarray(ours[0][1].get_value()), np.asarray(other[0][1].get_value()))
+    x = jax.numpy.arange(8)[None]
+    assert np.isfinite(np.asarray(random_decoder(cfg, seed=1)(x))).all()
+
+
 # --- bad input: errors name the file, the tensor and the expected shape ----------------------
 
 def _copy(tmp_path: Path, family: str = "qwen2") -> Path:
