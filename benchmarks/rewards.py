@@ -60,8 +60,9 @@ def main() -> None:
     args = p.parse_args()
     rows = {}
     parts = [("math", MATH, args.calls), ("code", CODE, max(20, args.calls // 4))]
-    if isolation.detect().kind == "none":  # code rewards refuse to run unsandboxed, and are not timed so
-        print(f"code rewards not measured: {isolation.detect().problem} (see BUILD.md, 'Code rewards')")
+    iso = isolation.detect()
+    if iso.kind == "none":  # code rewards refuse to run unsandboxed, and are not timed so
+        print(f"code rewards not measured: {iso.problem} (see BUILD.md, 'Code rewards')")
         parts.pop()
     for name, cases, calls in parts:
         inline_rate, inline_lat = _inline(name, cases, calls)

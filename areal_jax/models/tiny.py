@@ -80,13 +80,11 @@ def random_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:
         kind = path[-1]
         if kind in ("kernel", "embedding"):
             value = rng.normal(0.0, INIT_STD, spec.shape)
-        elif kind == "bias":
-            value = np.zeros(spec.shape)
-        elif kind == "weight":  # an RMSNorm scale
-            value = np.ones(spec.shape)
+        elif kind in ("bias", "weight"):  # zeros; an RMSNorm scale, ones
+            value = np.full(spec.shape, float(kind == "weight"))
         else:
             raise ValueError(f"random_decoder: no initializer for parameter {'.'.join(map(str, path))}")
-        values.append((tuple(path), jnp.asarray(value.astype(np.float32), dtype=spec.dtype)))
+        values.append((tuple(path), jnp.asarray(value, dtype=spec.dtype)))
     return nnx.merge(graphdef, nnx.from_flat_state(values))
 
 
