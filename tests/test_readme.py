@@ -53,8 +53,11 @@ def test_readme_python_blocks_run_as_written(tmp_path: Path, monkeypatch: pytest
             if "HttpRolloutClient" in block and server is None:
                 cmd = _serve_command()
                 port = int(cmd[cmd.index("--port") + 1])
+                # The command as written; only the shapes its requests meet compile (threads 0, as
+                # in the rest of the suite): compiling the others in the background cost the suite
+                # CPU, and SIGTERM waits for a compile in flight (10 s of this test, warm cache).
                 server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                          env={**os.environ, "PYTHONPATH": str(ROOT), "AREAL_JAX_COMPILE_THREADS": "0"})
                 _wait_healthy(port, server)
             try:
                 exec(compile(block, f"README.md python block {i + 1}", "exec"), namespace)
@@ -64,7 +67,8 @@ def test_readme_python_blocks_run_as_written(tmp_path: Path, monkeypatch: pytest
         if server is not None:
             server.terminate()
             # It stops once a compile in flight ends (XLA cannot be interrupted): 20 s was too
-            # little on a loaded 2-core machine (a fresh-clone CI run, 2026-11-28).
+            # little on a loaded 2-core machine (a fresh-clone CI run, 2026-11-28, with the
+            # server's background compiles on).
             try:
                 server.wait(120)
             except subprocess.TimeoutExpired:
