@@ -79,9 +79,14 @@ class Linear(nnx.Linear):
         return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
 
 
+INIT_STD = 0.02
+"""The standard deviation of the normal initializer of every matrix and embedding (biases start at
+zero, norm scales at one); ``models.tiny.random_decoder`` draws the same distributions."""
+
+
 def _dense(cfg: ModelConfig, d_in: int, d_out: int, axes: tuple[str, str], *, bias: bool,
            rngs: nnx.Rngs) -> nnx.Linear:
-    init = nnx.initializers.normal(0.02)
+    init = nnx.initializers.normal(INIT_STD)
     return Linear(
         d_in, d_out, use_bias=bias, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
         kernel_init=nnx.with_partitioning(init, axes),
@@ -283,7 +288,7 @@ class Decoder(nnx.Module):
         self.config = cfg
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, param_dtype=cfg.jnp_param_dtype,
-            embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
+            embedding_init=nnx.with_partitioning(nnx.initializers.normal(INIT_STD), ("vocab", "embed")),
             rngs=rngs,
         )
         self.layers = stacked_layers(cfg, rngs, fused_shards)

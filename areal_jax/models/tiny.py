@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from areal_jax.models.config import ModelConfig
-from areal_jax.models.decoder import Decoder
+from areal_jax.models.decoder import INIT_STD, Decoder
 from areal_jax.models.hf_write import save_pretrained
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
@@ -58,10 +58,6 @@ def build_char_tokenizer() -> Any:
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|pad|>", bos_token=None)
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-INIT_STD = 0.02
-"""The standard deviation of the decoder's initializer for matrices and embeddings."""
 
 
 def random_decoder(cfg: ModelConfig, seed: int = 0) -> Decoder:

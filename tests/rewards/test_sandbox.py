@@ -144,8 +144,9 @@ _AS_NOBODY = """
 import json, sys
 sys.path.insert(0, {root!r})
 from areal_jax.rewards import isolation, sandbox
-if isolation.detect().kind != "bwrap":  # nothing to escape from: the caller skips
-    print(json.dumps({{"iso": isolation.detect().kind, "problem": isolation.detect().problem}}))
+iso = isolation.detect()
+if iso.kind != "bwrap":  # nothing to escape from: the caller skips
+    print(json.dumps({{"iso": iso.kind, "problem": iso.problem}}))
     sys.exit(0)
 sandbox.run_program({killer!r})
 print(json.dumps({{"iso": "bwrap", "r": sandbox.run_program({prog!r}, timeout_s=20)}}))
