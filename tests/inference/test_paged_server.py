@@ -40,8 +40,8 @@ def test_a_long_answer_beside_a_hundred_short_ones_in_a_small_pool(tmp_path: Pat
     # loaded, measured 2026-11-28), so a second run in place would measure the cache, not the
     # engine; a fresh start (CI's, a new user's) compiles. --skip-server-warmup: the server compiles
     # the shapes these requests meet as they meet them (compile threads 0, the suite's), not all
-    # ten of its start-up ladder (129 s of this test's 174-354 s on a 2-core CPU); what is measured
-    # is the pool, which is allocated at start either way.
+    # ten of its start-up ladder (the test alone on a 2-core CPU, alternating: 151-154 s with the
+    # warm-up, 98-100 s without); what is measured is the pool, allocated at start either way.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags.FAST_COMPILE,
            "JAX_ENABLE_COMPILATION_CACHE": "false"}
     log = tmp_path / "serve.log"
