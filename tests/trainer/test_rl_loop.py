@@ -20,6 +20,10 @@ DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 QUICK = ["warm_start=null", "data.size=300", "data.eval_size=16", "batch_size=2", "rollout.group_size=4",
          "rollout.filter_uniform_reward=false",
          "rollout.max_new_tokens=4", "log.progress=false", "reward.num_workers=1"]
+NO_EVAL = ["data.eval_size=0"]
+"""For runs whose test reads nothing of the held-out evaluation: its calls of a prompt or a few
+meet engine shapes that no training step does, each compiled (traced, at least) for the
+evaluations alone."""
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -102,7 +106,7 @@ def test_async_run_two_servers_stays_within_the_staleness_bound(tmp_path: Path) 
 def test_sync_mode_trains_only_on_current_policy(tmp_path: Path) -> None:
     """Also: weights over disk into a directory outside the run (a shared filesystem's)."""
     shared = tmp_path / "shared" / "weights"
-    cfg = load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path / 'run'}", "steps=4", "rollout.mode=sync",
+    cfg = load_run_config(DEMO, [*QUICK, *NO_EVAL, f"run_dir={tmp_path / 'run'}", "steps=4", "rollout.mode=sync",
                                  "export=false", "rollout.workflow=multi_turn",
                                  "rollout.workflow_options={max_turns: 2}", "rollout.weight_sync=disk",
                                  f"rollout.weights_dir={shared}"])
@@ -116,12 +120,12 @@ def test_sync_mode_trains_only_on_current_policy(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_custom_workflow_and_openai_style_agent(tmp_path: Path) -> None:
-    train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path / 'custom'}", "steps=2", "export=false",
+    train(load_run_config(DEMO, [*QUICK, *NO_EVAL, f"run_dir={tmp_path / 'custom'}", "steps=2", "export=false",
                                  "rollout.workflow=tests.trainer.flows:tagged_episode"]))
     m = _metrics(tmp_path / "custom")
     assert len(m) == 2 and m[0]["reward_mean"] >= 1.0  # the workflow's own reward: answer lengths
 
-    train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path / 'agent'}", "steps=2", "export=false",
+    train(load_run_config(DEMO, [*QUICK, *NO_EVAL, f"run_dir={tmp_path / 'agent'}", "steps=2", "export=false",
                                  "rollout.workflow=agentic",
                                  "rollout.workflow_options={agent: 'tests.trainer.flows:calculator_agent'}"]))
     m = _metrics(tmp_path / "agent")
