@@ -319,7 +319,7 @@ def test_each_micro_batch_goes_to_the_device_once(estimator: str) -> None:
 def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: int) -> None:
     """``Trainer.warmup`` compiles the gradient (and, where batches recompute proximal logprobs,
     the forward) for each length bucket and each attention pair budget a micro-batch can take,
-    and applies nothing. Six batches of growing lengths afterwards compile no new gradient or
+    and applies nothing. Twelve batches of growing lengths afterwards compile no new gradient or
     forward shape, while the same batches on a trainer without the warm-up meet several shapes
     one by one, so the check can tell. With one minibatch (the default) real micro-batches carry
     no proximal logprobs, and the warm-up's must not either, or every shape compiles again."""
@@ -342,8 +342,8 @@ def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: 
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True)) and warm.policy.step == 0
 
     rng = np.random.default_rng(7)
-    for step in range(6):  # answers growing longer, as under RL: more block pairs, new budgets
-        trajs = random_trajectories(rng, 4, 4, prompt_len=(2, 12), answer_len=(1, 4 + 11 * step))
+    for step in range(12):  # answers growing longer, as under RL: more block pairs, new budgets
+        trajs = random_trajectories(rng, 4, 4, prompt_len=(2, 12), answer_len=(1, 4 + 5 * step))
         for t in (warm, cold):
             assert np.isfinite(t.train_batch(trajs, step)["loss"])
     assert warm.policy.grad_fn._cache_size() == stats["shapes"] and warm.policy.forward_fn._cache_size() == forwards
