@@ -117,14 +117,14 @@ def _tiny_model(out: Path) -> Path:
 @pytest.mark.slow
 def test_gsm8k_configs_train_two_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """All seven runs in one process, each through the CLI, with only sizes overridden: the
-    model, the rows, the batch, the lengths and the in-process engine. No held-out evaluation:
-    its one-prompt calls compiled engine shapes that no training step meets (4.4 s of a 12 s run,
-    twice a run; the evaluation itself is tested in tests/trainer/test_evaluate.py)."""
+    model, the rows, the batch, the lengths and the in-process engine. No held-out evaluation
+    (``NO_EVAL``; the one before RL took 4.4 s of a 15 s run); tests/trainer/test_evaluate.py
+    tests it."""
     from areal_jax.cli import main
+    from tests.trainer.helpers import NO_EVAL
 
     model = _tiny_model(tmp_path / "model")
-    small = [f"model.path={model}", f"data.path={ROWS}", "data.eval_path=null", "data.eval_size=0", "steps=2",
-             "batch_size=2",
+    small = [f"model.path={model}", f"data.path={ROWS}", "data.eval_path=null", *NO_EVAL, "steps=2", "batch_size=2",
              "rollout.backend=local", "rollout.max_new_tokens=16", "rollout.max_concurrent_rollouts=null",
              'rollout.server_args=["--max-running-requests", "8", "--context-length", "256"]',
              "reward.num_workers=1", "train.micro_batch_tokens=512", "train.length_buckets=[256,512]",

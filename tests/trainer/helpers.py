@@ -78,6 +78,12 @@ def make_sampler(graphdef: nnx.GraphDef, prompt_len: int, answer_len: int,
     return sample
 
 
+NO_EVAL = ["data.eval_size=0"]
+"""Overrides for a run whose test reads nothing of the held-out evaluation: its calls of a prompt
+or a few meet engine shapes that no training step does, each traced and compiled for the
+evaluations alone."""
+
+
 def assert_every_version_served(metrics: list[dict], servers: int = 1) -> None:
     """Each step made a new version and every server took it. In async mode a version's push
     overlaps the next batch, so a step's record may still show the version before on a server;

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from tests import xla_flags
 from tests.ports import free_port
+from tests.trainer.helpers import NO_EVAL
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -184,7 +185,7 @@ def test_a_step_that_fails_everywhere_ends_both_processes_with_the_error(tmp_pat
     the error. The batch comes from an engine on each host sharing its devices with the trainer
     (``rollout.backend: local``, shared placement): each process stops its engine on the way out."""
     codes, logs = _run_two(tmp_path, ["steps=2", "warm_start=null", "train.max_seq_len=8", "rollout.backend=local",
-                                      "data.eval_size=0"], timeout=240)  # no evaluation: nothing reads it
+                                      *NO_EVAL], timeout=240)
     assert codes[0] != 0 and codes[1] != 0, logs
     assert "rollout: an engine on each of 2 hosts (shared placement" in logs[0]
     assert "more than TrainConfig.max_seq_len=8" in logs[0]

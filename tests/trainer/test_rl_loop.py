@@ -14,16 +14,12 @@ import pytest
 
 from areal_jax.trainer.rl import train
 from areal_jax.trainer.run_config import load_run_config
-from tests.trainer.helpers import assert_every_version_served
+from tests.trainer.helpers import NO_EVAL, assert_every_version_served
 
 DEMO = Path(__file__).parents[2] / "configs" / "demo.yaml"
 QUICK = ["warm_start=null", "data.size=300", "data.eval_size=16", "batch_size=2", "rollout.group_size=4",
          "rollout.filter_uniform_reward=false",
          "rollout.max_new_tokens=4", "log.progress=false", "reward.num_workers=1"]
-NO_EVAL = ["data.eval_size=0"]
-"""For runs whose test reads nothing of the held-out evaluation: its calls of a prompt or a few
-meet engine shapes that no training step does, each compiled (traced, at least) for the
-evaluations alone."""
 
 
 def _metrics(run_dir: Path) -> list[dict]:

@@ -13,6 +13,7 @@ import pytest
 
 from areal_jax.trainer.run_dir import RunDir, local_run_dir
 from tests import xla_flags
+from tests.trainer.helpers import NO_EVAL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,10 +62,9 @@ def test_a_run_on_gs_with_no_shared_filesystem_resumes_on_a_fresh_host(tmp_path:
     buckets, cwd = tmp_path / "buckets", tmp_path / "cwd"
     cwd.mkdir()
     bucket = buckets / "bkt" / "runs" / "r1"
-    # No held-out evaluation (data.eval_size=0): nothing here reads it.
     common = ["--config", str(ROOT / "configs" / "demo.yaml"), "run_dir=gs://bkt/runs/r1",
               f"local_dir={tmp_path / 'host'}", f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every_steps=1",
-              "warm_start.steps=2", "data.size=300", "data.eval_size=0", "eval.every=0", "batch_size=2",
+              "warm_start.steps=2", "data.size=300", *NO_EVAL, "eval.every=0", "batch_size=2",
               "rollout.group_size=2", "rollout.max_new_tokens=4", "rollout.filter_uniform_reward=false",
               "rollout.backend=local", "rollout.mode=sync", "reward.num_workers=1", "log.progress=false",
               "train.micro_batch_tokens=128", "train.length_buckets=[128]"]
