@@ -278,7 +278,8 @@ def _user_env() -> dict[str, str]:
 
 
 DEMO_WARM_START = ROOT / "tests" / "fixtures" / "demo_warm_start"
-"""The demo's warm start as ``configs/demo.yaml`` trains it (its README says how it was made)."""
+"""The demo's warm start as ``configs/demo.yaml`` trained it at de185ed. It does not follow later changes
+of the demo's model or warm start: its README gives the command that makes it again."""
 
 
 def _demo(run_dir: Path, *overrides: str) -> tuple[float, list[dict[str, Any]]]:
