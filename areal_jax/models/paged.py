@@ -78,21 +78,41 @@ MIN_WORK_SIZE = 32
 """The shortest work list a step attends through: below it a call costs about the same."""
 
 
-def work_sizes(n: int, least: int = MIN_WORK_SIZE) -> tuple[int, ...]:
-    """The lengths a work list of at most ``n`` entries is attended at: ``2**k`` and the half
-    steps ``3 * 2**(k - 1)`` between them from ``least``, then ``n`` itself. Attention costs the
-    length chosen, so the half steps keep the padding under a third of the live entries."""
+def work_sizes(n: int, least: int = MIN_WORK_SIZE, half_steps: bool | None = None) -> tuple[int, ...]:
+    """The lengths a work list of at most ``n`` entries is attended at: ``2**k`` from ``least``,
+    with ``half_steps`` also ``3 * 2**(k - 1)`` between them, then ``n`` itself. Attention costs
+    the length chosen: powers of two alone leave up to half of it padding, the half steps up to a
+    third.
+
+    Each length is one more copy of the attention in every layer of every compiled step
+    (``attend_work``'s ``lax.switch``), so the half steps double what a step costs to trace and
+    compile. ``half_steps=None``: on every backend but the CPU, where compiling dominates
+    (``default_half_steps``)."""
+    half = default_half_steps() if half_steps is None else half_steps
     sizes, p = [], least
     while p < n:
         sizes.append(p)
-        if p >= 2 * least and p * 3 // 2 < n:
+        if half and p >= 2 * least and p * 3 // 2 < n:
             sizes.append(p * 3 // 2)
         p *= 2
     return (*sizes, n)
 
 
+def default_half_steps() -> bool:
+    """Whether ``work_sizes`` takes the half steps by default: not on the CPU. Measured on a 2-core
+    CPU (2026-11-29, side by side, alternating rounds): the quick-start demo's RL from its warm
+    start with an empty compile cache took 154.0 and 154.0 s with the half steps, 141.4 and
+    142.2 s without; a server answering one 6,000-token prompt beside 100 short ones took 90 and
+    84 CPU-s against 57 and 55 (its steps' XLA compile 55 and 50 s against 28 and 26). The price:
+    ``benchmarks/paged_decode.py --size small``'s engine-shaped step of 64 answers with one at
+    4,000 tokens took 26.7 ms against 20.8 (1.46x its all-short step against 1.28x). Accelerators
+    keep the half steps until a side-by-side measurement there says otherwise."""
+    return jax.default_backend() != "cpu"
+
+
 def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax.Array, positions: jax.Array,
-                work: PagedWork, precision: jax.lax.Precision | None = None, backend: str = "native") -> jax.Array:
+                work: PagedWork, precision: jax.lax.Precision | None = None, backend: str = "native",
+                half_steps: bool | None = None) -> jax.Array:
     """``attend_ragged`` of ``q`` over the pages ``work`` names in layer ``layer`` of the pool
     (``[layers, pages, ...]``), gathering exactly those pages (the layer and page indices
     together, so no copy of the layer's whole pool is made first).
@@ -103,7 +123,8 @@ def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax
     shape, and its cost still follows them. Entries past ``live`` are padding (masked).
 
     ``backend`` (``paged_kernels.resolve_attention_backend``): ``native``, the XLA path;
-    ``fa``, the maintained kernel (``paged_kernels.attend_kernel``) over the same gathered pages."""
+    ``fa``, the maintained kernel (``paged_kernels.attend_kernel``) over the same gathered pages.
+    ``half_steps``: ``work_sizes``' (the engine's steps take the backend's default)."""
     def attend(rows: jax.Array, pages: jax.Array, first: jax.Array) -> jax.Array:
         at = jnp.full_like(pages, layer)
         keys, values = k_pages[at, pages].astype(q.dtype), v_pages[at, pages].astype(q.dtype)
@@ -118,7 +139,7 @@ def attend_work(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, layer: jax
 
     if work.live is None:
         return attend(work.rows, work.pages, work.first)
-    sizes = work_sizes(work.pages.shape[0])
+    sizes = work_sizes(work.pages.shape[0], half_steps=half_steps)
     if len(sizes) == 1:
         return attend(work.rows, work.pages, work.first)
     branches = [lambda r, p, f, n=n: attend(r[:n], p[:n], f[:n]) for n in sizes]

@@ -215,20 +215,23 @@ def test_group_answers_read_one_prefill_of_their_prompt() -> None:
     assert pool.used_pages == 0
 
 
-def test_a_fixed_length_work_list_reads_its_live_entries_in_one_compiled_step() -> None:
+@pytest.mark.parametrize("half_steps", [True, False])
+def test_a_fixed_length_work_list_reads_its_live_entries_in_one_compiled_step(half_steps: bool) -> None:
     """A work list with a live count (the engine's, at a fixed length per call shape) is read on
     device up to the smallest ``work_sizes`` length that holds it: rows whose pages add up to 3,
-    40, 70 and 100 entries (under, at and past the sizes 32, 64, 96, 128) each equal the NumPy
-    reference, all through one compiled function (its cache holds one entry)."""
-    from areal_jax.models.paged import attend_work, work_sizes
+    40, 70 and 100 entries (under, at and past the sizes 32, 64, 96, 128; without the half steps
+    32, 64, 128) each equal the NumPy reference, all through one compiled function (its cache
+    holds one entry). Both ladders: the CPU's default has no half steps, an accelerator's has."""
+    from areal_jax.models.paged import attend_work, default_half_steps, work_sizes
 
     rng = np.random.default_rng(5)
     size, nh, kvh, d, rows, cap = 4, 4, 2, 8, 8, 128
-    assert work_sizes(cap) == (32, 64, 96, 128)
+    assert work_sizes(cap, half_steps=half_steps) == ((32, 64, 96, 128) if half_steps else (32, 64, 128))
+    assert work_sizes(cap) == work_sizes(cap, half_steps=default_half_steps())
     k_pages = rng.normal(size=(1, 129, kvh, d, size)).astype(np.float32)  # one layer of 128 pages + the sink
     v_pages = rng.normal(size=(1, 129, kvh, size, d)).astype(np.float32)
     step = jax.jit(lambda q, pos, work: attend_work(q, jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.int32(0),
-                                                    pos, work))
+                                                    pos, work, half_steps=half_steps))
     for total in (3, 40, 70, 100):
         per_row = [total // rows + (i < total % rows) for i in range(rows)]
         lens = [max(n, 0) * size - int(rng.integers(0, size)) if n else 0 for n in per_row]
