@@ -282,6 +282,22 @@ DEMO_WARM_START = ROOT / "tests" / "fixtures" / "demo_warm_start"
 of the demo's model or warm start: its README gives the command that makes it again."""
 
 
+def test_the_demo_warm_start_fixture_is_the_demo_configs_model(tmp_path: Path) -> None:
+    """``DEMO_WARM_START`` has the shapes, dtype and tokenizer of the model ``configs/demo.yaml``
+    builds today: a change to the demo's model fails here, naming the fixture's README, rather
+    than leaving the demo test to run another model than the demo's."""
+    from areal_jax.trainer.model_dirs import prepare_model_dir
+    from areal_jax.trainer.run_config import load_run_config
+
+    base = prepare_model_dir(load_run_config(DEMO, ["seed=0"]), tmp_path)  # the demo's base model, as its run makes it
+    want, got = (json.loads((d / "config.json").read_text()) for d in (base, DEMO_WARM_START))
+    hint = f"configs/demo.yaml's model changed: make {DEMO_WARM_START} again ({DEMO_WARM_START / 'README.md'})"
+    assert {k: v for k, v in got.items() if k != "transformers_version"} == {
+        k: v for k, v in want.items() if k != "transformers_version"}, hint
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (DEMO_WARM_START / name).read_text() == (base / name).read_text(), f"{name}: {hint}"
+
+
 def _demo(run_dir: Path, *overrides: str) -> tuple[float, list[dict[str, Any]]]:
     """Held-out accuracy before RL and the metrics of a 20-step demo run from the demo's warm
     start (``DEMO_WARM_START``), as a user starts it on a one-device machine (a subprocess: this
