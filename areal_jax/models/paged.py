@@ -103,9 +103,10 @@ def default_half_steps() -> bool:
     CPU (2026-11-29, side by side, alternating rounds): the quick-start demo's RL from its warm
     start with an empty compile cache took 154.0 and 154.0 s with the half steps, 141.4 and
     142.2 s without; a server answering one 6,000-token prompt beside 100 short ones took 90 and
-    84 CPU-s against 57 and 55 (its steps' XLA compile 55 and 50 s against 28 and 26). The price:
-    ``benchmarks/paged_decode.py --size small``'s engine-shaped step of 64 answers with one at
-    4,000 tokens took 26.7 ms against 20.8 (1.46x its all-short step against 1.28x). Accelerators
+    84 CPU-s against 57 and 55 (its steps' XLA compile 55 and 50 s against 28 and 26). The price
+    (one run of each, one after the other): ``benchmarks/paged_decode.py --size small``'s
+    engine-shaped step of 64 answers with one at 4,000 tokens took 26.7 ms against 20.8 (1.46x
+    its all-short step against 1.28x). Accelerators
     keep the half steps until a side-by-side measurement there says otherwise."""
     return jax.default_backend() != "cpu"
 
