@@ -106,8 +106,10 @@ def default_half_steps() -> bool:
     84 CPU-s against 57 and 55 (its steps' XLA compile 55 and 50 s against 28 and 26). The price
     (one run of each, one after the other): ``benchmarks/paged_decode.py --size small``'s
     engine-shaped step of 64 answers with one at 4,000 tokens took 26.7 ms against 20.8 (1.46x
-    its all-short step against 1.28x). Accelerators
-    keep the half steps until a side-by-side measurement there says otherwise."""
+    its all-short step against 1.28x; the issue's goal is 1.5x), while through the engine
+    (``benchmarks/long_tail_engine.py``, alternating) the long tail took 0.89-1.12x its all-short
+    step with either ladder. Accelerators keep the half steps until a side-by-side measurement there says
+    otherwise (there padding entries read the one sink page, which may stay in cache)."""
     return jax.default_backend() != "cpu"
 
 
