@@ -150,6 +150,19 @@ def test_restored_iterator_gives_the_next_50_prompts(tok) -> None:
     assert len(set(expected)) > 30 and epoch1
 
 
+def test_the_iterator_reads_in_the_callers_thread(tok) -> None:
+    """No prefetch threads: the rows are in memory, and grain's default 16 readers took 3 CPU-s
+    to start an iterator over 8 rows (``PromptData.train_iter``)."""
+    import threading
+
+    data = load_prompts(DatasetConfig(task="chain_sum", size=12, seed=1), tok)
+    before = set(threading.enumerate())
+    it = data.train_iter()
+    ids = [next(it).id for _ in range(30)]
+    assert set(threading.enumerate()) == before
+    assert sorted(ids[:12]) == sorted(r.id for r in data.train_rows)
+
+
 def test_epochs_reshuffle_and_end(tok) -> None:
     data = load_prompts(DatasetConfig(task="chain_sum", size=12, seed=1, num_epochs=2), tok)
     ids = [r.id for r in data.train_iter()]
