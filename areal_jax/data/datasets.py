@@ -138,9 +138,9 @@ class PromptData:
         """An iterator over training rows with ``get_state()`` / ``set_state()`` (JSON-serialisable).
 
         Read in the caller's thread, with no prefetch: the rows are in memory, tokenised, so a
-        read is an index shuffle and a list lookup. Grain's default (16 threads filling a
-        500-row buffer) took 3 CPU-seconds to start an iterator over 8 rows, 30 times the
-        synchronous read's, and its threads contend for the GIL with the run's own."""
+        read is an index shuffle and a list lookup. Grain's default readers (16 threads filling
+        a 500-row buffer) cost CPU-seconds at every start and contend for the GIL with the run's
+        own threads (figures: CHANGELOG, 2026-11-29)."""
         import grain
 
         return iter(self.pipeline().to_iter_dataset(grain.ReadOptions(num_threads=0)))

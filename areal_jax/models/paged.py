@@ -99,17 +99,12 @@ def work_sizes(n: int, least: int = MIN_WORK_SIZE, half_steps: bool | None = Non
 
 
 def default_half_steps() -> bool:
-    """Whether ``work_sizes`` takes the half steps by default: not on the CPU. Measured on a 2-core
-    CPU (2026-11-29, side by side, alternating rounds): the quick-start demo's RL from its warm
-    start with an empty compile cache took 154.0 and 154.0 s with the half steps, 141.4 and
-    142.2 s without; a server answering one 6,000-token prompt beside 100 short ones took 90 and
-    84 CPU-s against 57 and 55 (its steps' XLA compile 55 and 50 s against 28 and 26). The price
-    (one run of each, one after the other): ``benchmarks/paged_decode.py --size small``'s
-    engine-shaped step of 64 answers with one at 4,000 tokens took 26.7 ms against 20.8 (1.46x
-    its all-short step against 1.28x; the issue's goal is 1.5x), while through the engine
-    (``benchmarks/long_tail_engine.py``, alternating) the long tail took 0.89-1.12x its all-short
-    step with either ladder. Accelerators keep the half steps until a side-by-side measurement there says
-    otherwise (there padding entries read the one sink page, which may stay in cache)."""
+    """Whether ``work_sizes`` takes the half steps by default: not on the CPU. There each length
+    of the ladder is one more copy of the attention in every layer of a compiled step, so the
+    half steps cost more compile time than their tighter padding saves at run time (the
+    side-by-side figures: CHANGELOG, 2026-11-29). Accelerators keep them until a side-by-side
+    measurement there says otherwise (there padding entries read the one sink page, which may
+    stay in cache)."""
     return jax.default_backend() != "cpu"
 
 

@@ -3,6 +3,7 @@ and line, errors before work starts, the held-out split, process shards, and gra
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -151,10 +152,7 @@ def test_restored_iterator_gives_the_next_50_prompts(tok) -> None:
 
 
 def test_the_iterator_reads_in_the_callers_thread(tok) -> None:
-    """No prefetch threads: the rows are in memory, and grain's default 16 readers took 3 CPU-s
-    to start an iterator over 8 rows (``PromptData.train_iter``)."""
-    import threading
-
+    """No prefetch threads (``PromptData.train_iter``): grain's default starts 16 readers."""
     data = load_prompts(DatasetConfig(task="chain_sum", size=12, seed=1), tok)
     before = set(threading.enumerate())
     it = data.train_iter()
