@@ -1,7 +1,7 @@
 """Test-wide set-up: eight fake CPU devices, so mesh tests run on any machine; a compilation
 cache shared by every test process; compiled programs released after a test module once a
-worker holds many memory mappings or much memory; and `serial` tests run alone when the suite
-runs on several workers (pytest-xdist).
+worker holds many memory mappings or much memory; and the files in order, longest first, for
+the workers of pytest-xdist.
 
 XLA reads the flag when the backend starts, so it must be set before anything imports jax.
 
@@ -16,11 +16,9 @@ child processes) compile again cheap to load.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gc
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,52 +79,10 @@ def _release_compiled_programs() -> Iterator[None]:
         gc.collect()
 
 
-def _lock_dir() -> Path:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "local")
-    path = Path(tempfile.gettempdir()) / f"areal-jax-tests-{run}"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-@contextlib.contextmanager
-def _flock(path: Path, mode: int) -> Iterator[None]:
-    with open(path, "a") as fh:
-        fcntl.flock(fh, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _is_worker(config: pytest.Config) -> bool:
     """True in a pytest-xdist worker process (not in a pytest it starts, which inherits its
     environment variables but not this attribute)."""
     return hasattr(config, "workerinput")
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Under pytest-xdist a test marked ``serial`` (it asserts on timing or on two things running
-    at once) waits until no other worker is inside a test and keeps the others out while it runs
-    (set-up and tear-down included). A turnstile lock lets a waiting serial test in before new
-    tests of the other workers start.
-
-    Only a worker itself takes the locks: a pytest that a test starts as a child process inherits
-    the worker's environment, and taking them there deadlocked a whole CI run (the parent test
-    held the room shared while a serial test on another worker held the turnstile and waited for
-    the room, and the child waited for the turnstile)."""
-    if not _is_worker(item.config):
-        yield
-        return
-    d = _lock_dir()
-    if item.get_closest_marker("serial"):
-        with _flock(d / "turnstile", fcntl.LOCK_EX), _flock(d / "room", fcntl.LOCK_EX):
-            yield
-        return
-    with _flock(d / "turnstile", fcntl.LOCK_EX):
-        pass
-    with _flock(d / "room", fcntl.LOCK_SH):
-        yield
 
 
 DURATIONS = Path(__file__).with_name("durations.json")

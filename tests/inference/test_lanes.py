@@ -55,7 +55,6 @@ def test_two_lanes_equal_one_lane(slot_engine: Engine, ckpt: Path) -> None:
         np.testing.assert_allclose(a.output_logprobs, b.output_logprobs, atol=1e-5)
 
 
-@pytest.mark.serial
 def test_lanes_fill_and_step_concurrently(slot_engine: Engine) -> None:
     # The first two step calls meet at a barrier: they get past it only if both are in flight at
     # once (two lanes stepping concurrently); calls made one after another would break it.

@@ -117,7 +117,6 @@ def cancel_queued_visits(engine: Engine, n: int) -> int:
     return run(go())
 
 
-@pytest.mark.serial
 def test_cancelling_queued_requests_costs_constant_time_each(slot_engine: Engine) -> None:
     """Each cancel used to scan and rebuild the queue (10,000 took about 11 s of blocked event
     loop): quadratic. Now a cancel removes its own entry and visits no other: counted, not timed
@@ -279,7 +278,6 @@ def test_query_block_reference_is_the_full_forward(model: Decoder) -> None:
     np.testing.assert_allclose(rows[np.arange(3), out], full, rtol=0, atol=tol)
 
 
-@pytest.mark.serial
 def test_pause_does_not_wait_for_a_whole_chunked_prefill(ckpt: Path, model: Decoder) -> None:
     cfg = EngineConfig(num_slots=2, max_seq_len=64, max_prefill_batch=1, decode_steps=4, lanes=1,
                        chunked_prefill_size=16, kv_cache="slots")  # the slot engine's chunk calls

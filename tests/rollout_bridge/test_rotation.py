@@ -21,7 +21,6 @@ async def _server_state(addr: str) -> dict:
         return (await r.json())["internal_states"][0]
 
 
-@pytest.mark.serial
 def test_server_that_missed_continue_and_push_is_updated_before_readmission(tiny_dir: Path) -> None:
     async def main() -> None:
         async with running_server(tiny_dir) as (a, _), running_server(tiny_dir) as (b, _), \
@@ -45,7 +44,6 @@ def test_server_that_missed_continue_and_push_is_updated_before_readmission(tiny
     asyncio.run(main())
 
 
-@pytest.mark.serial
 def test_paused_server_without_current_weights_stays_out(tiny_dir: Path) -> None:
     async def main() -> None:
         async with running_server(tiny_dir) as (a, _), running_server(tiny_dir) as (b, _), \
