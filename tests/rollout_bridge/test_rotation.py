@@ -7,7 +7,6 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from rollout_bridge.client import ClientConfig, HttpRolloutClient
 from tests.rollout_bridge.bridge_helpers import running_server
