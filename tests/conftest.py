@@ -80,8 +80,7 @@ def _release_compiled_programs() -> Iterator[None]:
 
 
 def _is_worker(config: pytest.Config) -> bool:
-    """True in a pytest-xdist worker process (not in a pytest it starts, which inherits its
-    environment variables but not this attribute)."""
+    """True in a pytest-xdist worker process, False in the process that starts the workers."""
     return hasattr(config, "workerinput")
 
 

@@ -325,9 +325,9 @@ def test_demo_learns_with_the_local_backend_as_over_http(tmp_path: Path) -> None
     tests/trainer/test_run_dir.py, tests/trainer/test_multihost_run.py; the local engine serving
     the warm start rather than the base model: tests/trainer/test_evaluate.py.
 
-    Accuracy at the end is not compared with a run over HTTP: 20 asynchronous steps from the
-    demo's warm start are a coin toss (from an earlier warm start at 66%, on another CPU, single
-    runs ended at 50.5-80.5% on either backend). A backend whose engine served
+    Accuracy at the end is not compared with a run over HTTP: a few asynchronous steps from the
+    demo's warm start are a coin toss (20-step runs from an earlier warm start at 66%, on another
+    CPU, ended at 50.5-80.5% on either backend). A backend whose engine served
     wrong or stale weights is caught token by token by tests/rollout_bridge/test_version_invariant.py,
     on every backend; the floor here catches an engine whose weights were broken in the handover
     (a random model scores near 0%). The asynchronous loop over HTTP is run end to end by
