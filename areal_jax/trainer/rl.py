@@ -265,8 +265,12 @@ async def _train(cfg: RunConfig, resume: bool = False,
         with timeline.span("trainer built"):
             trainer = Trainer(model, cfg.algo, cfg.train, mesh=mesh, **engine_beside_trainer(cfg, mesh))
         hub.row_owners = trainer.preparer.row_owners  # each follower gets its own share of a batch
+        # No step left to take (``steps: 0``, or resumed from the last step's checkpoint): nothing
+        # of a step is compiled ahead, and rollout generates nothing for one.
+        steps_left = cfg.steps > start
         t_lent = time.perf_counter()
-        trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
+        if steps_left:
+            trainer.policy.compile_lent_update()  # weight pushes lend the params; compiled meanwhile
         if trainer.policy._keep_compiled is not None:
             trainer.policy._keep_compiled.add_done_callback(
                 lambda _: timeline.add("lent-params update compiled (background)", t_lent))
@@ -277,12 +281,12 @@ async def _train(cfg: RunConfig, resume: bool = False,
         logger.write(f"train.micro_batch_tokens: {trainer.train.micro_batch_tokens}{auto}")
         if trainer.memory is not None:
             logger.write(trainer.memory.describe())
-        if cfg.train.compile_warmup:
+        if steps_left and cfg.train.compile_warmup:
             with timeline.span("trainer warm-up (train.compile_warmup)"):
                 warm = await asyncio.to_thread(trainer.warmup)
             logger.write(f"trainer warm-up: {warm['shapes']:.0f} step shapes in {warm['seconds']:.1f}s "
                          f"({warm['compile_seconds']:.1f}s compiling)")
-        elif (lengths := first_batch_lengths(cfg, data.train_rows)) is not None and hub.processes == 1:
+        elif steps_left and (lengths := first_batch_lengths(cfg, data.train_rows)) is not None and hub.processes == 1:
             # While rollout generates the first batch: step 1 then finds its shapes compiled.
             t_ahead = time.perf_counter()
             trainer.compile_first_step(lengths, cfg.rollout.group_size).add_done_callback(
@@ -396,6 +400,8 @@ async def _lead(run: Run, serve_dir: Path, rewards: Any, early: Any = None, host
                 # (0.13-0.37 s of wait on a loaded 2-core CPU); beside the batch's rollout, the mixed
                 # traffic compiled more shapes (step 1 ended at a median 96 s after launch against 79 s).
                 await eval_before_rl(run)
+            if run.start >= cfg.steps:  # no step left: nothing to generate
+                return
             run.controller = run.weights.controller = RolloutController(
                 run.episodes, get_workflow(rollout.workflow), run.data.train_iter(), batch_size=cfg.batch_size,
                 max_staleness=rollout.effective_max_staleness, max_concurrent=rollout.max_concurrent_rollouts,

@@ -123,7 +123,8 @@ class RunConfig:
     weight pushes, the files uploaded to ``run_dir``); None: ``~/.cache/areal-jax/runs/<name>``.
     Ignored for a local ``run_dir``."""
     steps: int = 100
-    """Training steps (policy versions) of RL."""
+    """Training steps (policy versions) of RL. 0: the warm start and the held-out evaluation before
+    RL only; nothing of a step is compiled or generated."""
     seed: int = 0
     """Seed of the tiny model's weights and of the host-side random draws."""
     model: ModelSource = field(default_factory=lambda: ModelSource(tiny="tiny"))

@@ -42,16 +42,18 @@ def test_eval_bad_input_is_one_line(checkpoint: Path, tmp_path: Path) -> None:
 def test_a_local_run_evaluates_its_warm_start_not_the_base_model(tmp_path: Path) -> None:
     """``rollout.backend=local`` with a warm start serves the warm start from the first request:
     the evaluation before RL scores the warm start's greedy answers (the same as evaluating its
-    directory alone), not the base model's."""
+    directory alone), not the base model's. ``steps=0``: the warm start and that evaluation, and
+    the run ends there without a step."""
     from areal_jax import train
     from areal_jax.trainer.evaluate import evaluate_checkpoint
     from areal_jax.trainer.model_dirs import base_dir
     from areal_jax.trainer.run_config import load_run_config
 
-    args = [*QUICK[1:], "warm_start.steps=6", "reward.name=tests.rewards.fns:fingerprint", "steps=1",
+    args = [*QUICK[1:], "warm_start.steps=6", "reward.name=tests.rewards.fns:fingerprint", "steps=0",
             "eval.every=0", "export=false", "log.progress=false", f"run_dir={tmp_path}"]
     result = train(str(DEMO), args)
     cfg = load_run_config(DEMO, args)
     warm = evaluate_checkpoint(cfg, tmp_path / "warm_start")["eval_reward"]
     base = evaluate_checkpoint(cfg, base_dir(cfg, tmp_path))["eval_reward"]
     assert result.eval_before["eval_reward"] == warm != base
+    assert result.metrics == [] and (tmp_path / "warm_start" / "config.json").exists()
