@@ -411,11 +411,13 @@ def test_bench_quick_writes_every_field(tmp_path: Path) -> None:
     assert all("same_run_as" not in r for r in (i["runs"][0], i["runs"][2], *a["modes"]))
     assert i["throughput_ratio"] > 0 and i["wall_ratio"] > 0 and i["in_place_throughput_ratio"] > 0
     # --quick's runs alike share a server (same checkpoint, arguments, seed and cores): async_eta4's
-    # serves the interrupt part's other two runs, naive's the decoupled run, each reset first to
-    # the warm start read from disk as version "default"; the synchronous run (every core) has its own
+    # serves the interrupt part's other two runs, the synchronous run's (every core) the staleness
+    # part's two (on the async part's task and warm start), each reset first to the warm start
+    # read from disk as version "default"
     runs_dir = tmp_path / "runs"
+    assert not (tmp_path / "checkpoint_demo").exists()
     for first, later in (("async_eta4_seed0", ("update_wait", "update_in_place")),
-                         ("naive_eta4_seed0", ("decoupled_eta4_seed0",))):
+                         ("sync_seed0", ("naive_eta4_seed0", "decoupled_eta4_seed0"))):
         log = (runs_dir / first / "logs" / "server-0.log").read_text()
         assert log.count("serving weights 'default' (update") == len(later), log[-3000:]
         assert log.count("read and swapped") == len(later)

@@ -21,7 +21,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     p.add_argument("--quick", action="store_true",
                    help="small settings: every part in a few minutes, a smoke test (runs on the same checkpoint, "
-                        "server arguments, seed and cores share one rollout server, reset to the warm start)")
+                        "server arguments, seed and cores share one rollout server, reset to the warm start; the "
+                        "staleness part runs on the async part's task and warm start, not the demo's)")
     p.add_argument("--long-tail", action="store_true",
                    help="async and interrupt parts on tasks.LONG_TAIL_TASK: answers up to "
                         f"{tasks.LONG_TAIL_TASK['rollout']['max_new_tokens']} tokens with a long tail, "
@@ -97,7 +98,12 @@ def main(argv: list[str]) -> dict[str, Any]:
                       f"({task['warm_start']['steps']} supervised steps) ...", flush=True)
                 checkpoint = tasks.warm_checkpoint({**task, "seed": args.warm_start_seed}, folder,
                                                    scratch=tasks.LONG_TAIL_SCRATCH if args.long_tail else tasks.SCRATCH)
-        if "staleness" in rl_parts:
+        if "staleness" in rl_parts and args.quick and ("async" in rl_parts or "interrupt" in rl_parts):
+            # --quick is a smoke test of each part's code, its figures meaningless: the staleness
+            # runs take the task and warm start made above, and with them a server already started
+            # (runs.SharedServers), rather than a warm start and a server of the demo's task
+            demo_task, demo_checkpoint = task, checkpoint
+        elif "staleness" in rl_parts:
             demo_task = tasks.task_config(args.quick, tasks.DEMO_TASK)
             print(f"warm start of the demo task ({demo_task['warm_start']['steps']} supervised steps) ...", flush=True)
             demo_checkpoint = tasks.warm_checkpoint({**demo_task, "seed": args.warm_start_seed},

@@ -91,7 +91,8 @@ DEMO_TASK: dict[str, Any] = {
     "eval": {"every": 0},
     "export": False,
 }
-"""The staleness ablation's run config: ``configs/demo.yaml``'s task (one-digit sums answered at
+"""The staleness ablation's run config (``--quick`` runs the ablation on ``TASK`` instead, with
+the async part's warm start and server): ``configs/demo.yaml``'s task (one-digit sums answered at
 once, greedy held-out accuracy), which RL moves from about 40% to 80% in 100 steps: enough
 learning in a short run for staleness to show in it."""
 
