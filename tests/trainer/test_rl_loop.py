@@ -180,7 +180,7 @@ def test_nonfinite_steps_are_skipped_and_never_pushed(tmp_path: Path) -> None:
     serving version 0 (nothing pushed); the exported policy is the initial one."""
     from safetensors.numpy import load_file
 
-    train(load_run_config(DEMO, [*QUICK, f"run_dir={tmp_path}", "steps=2",
+    train(load_run_config(DEMO, [*QUICK, *NO_EVAL, f"run_dir={tmp_path}", "steps=2",
                                  "rollout.workflow=tests.trainer.flows:nan_reward_episode"]))
     m = _metrics(tmp_path)
     assert [x["skipped_steps"] for x in m] == [1, 1] and m[-1]["skipped_steps_total"] == 2
