@@ -47,6 +47,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # session instead (_bound_cache).
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 CACHE_BYTES = 2 << 30
+# Python's full garbage collections walk every tracked object, and a worker's heap grows past
+# 800,000 of them (JAX's caches of traced and compiled programs): its 50-60 full collections took
+# 17-47 s of each worker's 710 (three workers, timed with gc.callbacks, 2026-11-29). None runs on
+# its own now (a full collection comes after 1,000 younger ones, more than a module makes); each
+# module ends with one instead, over what that module left (_release_compiled_programs).
+gc.set_threshold(700, 10, 1000)
 
 
 MAX_MAPPINGS = 20_000
@@ -70,13 +76,21 @@ def _release_compiled_programs() -> Iterator[None]:
     process holds more than ``MAX_MAPPINGS`` mappings or ``MAX_RESIDENT`` bytes. Not after every
     module: that release (a full garbage collection of a heap full of traced programs) took 136
     CPU-s of a 22 CPU-minute suite (sampled with py-spy, 2026-11-28), and the modules after it
-    traced again the programs they shared."""
+    traced again the programs they shared.
+
+    Then the module's garbage is collected, and whatever it left alive is frozen out of the
+    collector's view (``gc.freeze``): a later collection walks only what later modules make. With
+    this (and no full collection within a module, above) the three workers spent 72 s in full
+    collections against 103-125 s before (whole suites, 2026-11-29). Cycles among frozen objects
+    that die later are freed at the next release, which unfreezes first."""
     yield
     if _too_big():
         import jax
 
+        gc.unfreeze()
         jax.clear_caches()
-        gc.collect()
+    gc.collect()
+    gc.freeze()
 
 
 def _is_worker(config: pytest.Config) -> bool:
