@@ -19,6 +19,10 @@ caller's arrays, which an engine may be serving, are never donated), and params 
 ``lend()`` (to an in-process engine, with no copy) are not donated by the next update, which
 writes new buffers instead; the reader frees the old ones when it lets go of them.
 
+Learners of one model graph, loss, optimizer configuration, mesh and shardings share these
+functions (``shared_steps``), and with them every shape one of them compiled: the memory plan's
+abstract learner and the trainer's real one, or a test's many trainers, trace a step once.
+
 A learner can be abstract (``jax.ShapeDtypeStruct`` params and optimizer state, nothing
 allocated) to lower and compile its steps for the memory plan (``trainer/memory.py``); its
 ``use_remat`` rebuilds the steps under another remat policy. A frozen copy (``copy_params``,
@@ -171,6 +175,95 @@ def _abstract_graphdef(cls: type[nnx.Module], cfg: Any, mesh: Mesh, rules: Rules
     return graphdef
 
 
+def _grad_step(graphdef: nnx.GraphDef, loss: LossFn, params: nnx.State, acc: nnx.State, batch: dict,
+               scalars: dict) -> tuple[nnx.State, dict]:
+    def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
+        return loss(nnx.merge(graphdef, p), batch, scalars)
+
+    (scaled, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    aux["scaled_loss"] = scaled
+    ok = jnp.isfinite(scaled)
+    return jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.nan), acc, grads), aux
+
+
+def _forward_step(graphdef: nnx.GraphDef, forward: ForwardFn, params: nnx.State, batch: dict) -> jax.Array:
+    return forward(nnx.merge(graphdef, params), batch)
+
+
+def _apply_step(tx: optax.GradientTransformation, schedule: optax.Schedule, params: nnx.State,
+                opt_state: Any, grads: nnx.State, step: jax.Array) -> tuple[nnx.State, Any, dict]:
+    grad_norm = optax.tree.norm(grads)
+    updates, new_state = tx.update(grads, opt_state, params)
+    finite = jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return (keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state),
+            {"grad_norm": grad_norm, "skipped": jnp.logical_not(finite).astype(jnp.int32),
+             "lr": jnp.asarray(schedule(step), jnp.float32)})
+
+
+def _zeros(params: nnx.State) -> nnx.State:
+    return jax.tree.map(jnp.zeros_like, params)
+
+
+def _by_value(fn: Any) -> Any:
+    """A loss or forward function as a key that compares by value: a ``functools.partial`` by
+    its function and arguments (the trainer makes a new one per learner), anything else as it is."""
+    if isinstance(fn, partial):
+        keywords = tuple(sorted((k, _by_value(v)) for k, v in fn.keywords.items()))
+        return fn.func, tuple(map(_by_value, fn.args)), keywords
+    return fn
+
+
+def _flat(tree: Any) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(leaves)
+
+
+_STEPS: dict[Any, tuple] = {}
+"""``shared_steps``' jitted functions by what they are traced from; the oldest go past ``_MAX_STEPS``."""
+_MAX_STEPS = 64
+
+
+def shared_steps(graphdef: nnx.GraphDef, loss: LossFn, forward: ForwardFn, tx: optax.GradientTransformation,
+                 schedule: optax.Schedule, train: TrainConfig, mesh: Mesh, rules: Rules, shardings: nnx.State,
+                 opt_shardings: Any, data_sharding: NamedSharding) -> tuple:
+    """A learner's jitted steps (grad, forward, apply, apply keeping lent params, zeros), shared by
+    every learner of the same model graph, loss, forward, optimizer (``train``, whose peak ``lr``
+    the optimizer ``tx`` and ``schedule`` were built from), mesh, rules and shardings: such a
+    learner traces and lowers exactly what another already did, so it takes that one's functions
+    and the shapes they compiled (a tiny model's gradient step took 0.25 CPU-s to trace and 0.13
+    to lower, per shape, before XLA saw it). Nothing of a learner's own state is held: the
+    functions close over the graph, the loss, forward and optimizer only (the first learner's,
+    equal by value to every later one's). A key that does not hash (a list inside a config)
+    builds the learner its own."""
+    ps, os_, ds = shardings, opt_shardings, data_sharding
+    rep = NamedSharding(mesh, PartitionSpec())
+
+    def build() -> tuple:
+        apply = partial(_apply_step, tx, schedule)
+        return (
+            jax.jit(partial(_grad_step, graphdef, loss), in_shardings=(ps, ps, ds, rep), out_shardings=(ps, rep),
+                    donate_argnums=(1,)),
+            jax.jit(partial(_forward_step, graphdef, forward), in_shardings=(ps, ds), out_shardings=ds),
+            jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep), donate_argnums=(0, 1)),
+            # The same step for lent params: they stay alive (and unchanged) for whoever reads them.
+            jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep), donate_argnums=(1,)),
+            jax.jit(_zeros, out_shardings=ps),
+        )
+
+    try:
+        key = (graphdef, _by_value(loss), _by_value(forward), train, mesh, rules, _flat(ps), _flat(os_), ds)
+        hash(key)
+    except TypeError:
+        return build()
+    steps = _STEPS.get(key)
+    if steps is None:
+        steps = _STEPS[key] = build()
+        while len(_STEPS) > _MAX_STEPS:
+            del _STEPS[next(iter(_STEPS))]
+    return steps
+
+
 class Learner:
     """One model under training (see the module docstring). ``module`` gives the architecture
     (its class and config) and the starting weights; ``lr`` is the schedule's peak; ``remat``
@@ -194,6 +287,7 @@ class Learner:
         self.shardings = ps = shardings_of(state, mesh, rules)
         self.abstract = abstract or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
         self.params = abstract_params(state, ps) if self.abstract else place(state, ps)
+        self._lr = lr
         self.schedule = dataclasses.replace(train, lr=lr).schedule()
         self.tx = adamw(train, self.schedule)
         self.opt_shardings = os_ = opt_state_shardings(self.tx, self.params, ps, self.replicated)
@@ -204,7 +298,6 @@ class Learner:
             with activate(mesh, rules):
                 self.opt_state = jax.jit(self.tx.init, out_shardings=os_)(self.params)
         self._loss, self._forward = loss, forward
-        self._zeros_fn = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=ps)
         self.use_remat(remat or ("none" if train.remat == "auto" else train.remat))
         self._lent = False
 
@@ -214,16 +307,10 @@ class Learner:
         self.remat = remat_policy(policy, "remat")
         self.graphdef = self._compute_graphdef(self.module_type, self.config)
         self._cast = compute_cast_mask(self.graphdef, self.params, self.compute_dtype)
-        ps, os_, ds, rep = self.shardings, self.opt_shardings, self.data_sharding, self.replicated
-        self.grad_fn = jax.jit(self._grad_step, in_shardings=(ps, ps, ds, rep), out_shardings=(ps, rep),
-                               donate_argnums=(1,))
-        self.forward_fn = jax.jit(self._forward_step, in_shardings=(ps, ds), out_shardings=ds)
-        apply = partial(self._apply_step, self.tx, self.schedule)
-        self.apply_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
-                                donate_argnums=(0, 1))
-        # The same step for lent params: they stay alive (and unchanged) for whoever reads them.
-        self._apply_keep_fn = jax.jit(apply, in_shardings=(ps, os_, ps, rep), out_shardings=(ps, os_, rep),
-                                      donate_argnums=(1,))
+        steps = shared_steps(self.graphdef, self._loss, self._forward, self.tx, self.schedule,
+                             dataclasses.replace(self.train, lr=self._lr), self.mesh, self.rules,
+                             self.shardings, self.opt_shardings, self.data_sharding)
+        self.grad_fn, self.forward_fn, self.apply_fn, self._apply_keep_fn, self._zeros_fn = steps
         self._keep_compiled: Future | None = None
         self._apply_compiled: Future | None = None
 
@@ -254,31 +341,6 @@ class Learner:
         # ``shardings`` and the mask have one leaf per variable: a prefix of ``params``.
         return jax.tree.map(lambda s, yes, var: jax.tree.map(lambda x: cast(x, s, yes), var),
                             self.shardings, self._cast, params)
-
-    # --- jitted bodies ------------------------------------------------------------------------
-
-    def _grad_step(self, params: nnx.State, acc: nnx.State, batch: dict, scalars: dict) -> tuple[nnx.State, dict]:
-        def loss_fn(p: nnx.State) -> tuple[jax.Array, dict]:
-            return self._loss(nnx.merge(self.graphdef, p), batch, scalars)
-
-        (scaled, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        aux["scaled_loss"] = scaled
-        ok = jnp.isfinite(scaled)
-        return jax.tree.map(lambda a, g: a + jnp.where(ok, g, jnp.nan), acc, grads), aux
-
-    def _forward_step(self, params: nnx.State, batch: dict) -> jax.Array:
-        return self._forward(nnx.merge(self.graphdef, params), batch)
-
-    @staticmethod
-    def _apply_step(tx: optax.GradientTransformation, schedule: optax.Schedule, params: nnx.State,
-                    opt_state: Any, grads: nnx.State, step: jax.Array) -> tuple[nnx.State, Any, dict]:
-        grad_norm = optax.tree.norm(grads)
-        updates, new_state = tx.update(grads, opt_state, params)
-        finite = jnp.isfinite(grad_norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        return (keep(optax.apply_updates(params, updates), params), keep(new_state, opt_state),
-                {"grad_norm": grad_norm, "skipped": jnp.logical_not(finite).astype(jnp.int32),
-                 "lr": jnp.asarray(schedule(step), jnp.float32)})
 
     # --- calls --------------------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ def partitioned_hlo(trainer: Trainer) -> str:
     learner = trainer.policy
 
     def step(*args: Any) -> Any:
-        return learner._grad_step(*args)
+        return learner.grad_fn.__wrapped__(*args)  # the step's own function, jitted again here
 
     step.__name__ = f"grad_step_{uuid.uuid4().hex}"
     ps, ds, rep = learner.shardings, learner.data_sharding, learner.replicated

@@ -325,12 +325,15 @@ def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: 
     no proximal logprobs, and the warm-up's must not either, or every shape compiles again."""
     from flax import nnx
 
-    def trainer() -> Trainer:
+    def trainer(lr: float) -> Trainer:
         return Trainer(tiny_model(), AlgoConfig(ppo_n_minibatches=n_minibatches),
                        TrainConfig(micro_batch_tokens=128, length_buckets=(64, 128), attention_block=32,
-                                   max_seq_len=96, lr=1e-3))
+                                   max_seq_len=96, lr=lr))
 
-    warm, cold = trainer(), trainer()
+    # Another learning rate: the cold trainer's steps are its own, not the warm one's (learners of
+    # one configuration share their compiled steps, ``learner.shared_steps``)
+    warm, cold = trainer(1e-3), trainer(2e-3)
+    assert cold.policy.grad_fn is not warm.policy.grad_fn
     before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(warm.model(), nnx.Param))]
     stats = warm.warmup()
     ladders = {n: warm.preparer.budget_ladder(n) for n in (64, 128)}
@@ -349,6 +352,37 @@ def test_warmup_compiles_every_shape_that_real_batches_then_meet(n_minibatches: 
     assert warm.policy.grad_fn._cache_size() == stats["shapes"] and warm.policy.forward_fn._cache_size() == forwards
     assert cold.policy.grad_fn._cache_size() >= 3
     assert max(map(len, cold.preparer._pair_budgets.values())) >= 2  # budgets a cold run met one by one
+
+
+def test_learners_of_one_configuration_share_their_steps_and_nothing_else() -> None:
+    """A second trainer of the same model and configuration takes the first's jitted steps (no
+    second trace of any shape the first compiled) and trains exactly as the first did from the
+    same start: the shared steps hold no learner's params. A learner is not kept alive by them,
+    and a trainer whose loss differs (another temperature) gets steps of its own."""
+    import gc
+    import weakref
+
+    def trainer(temperature: float = TEMPERATURE) -> Trainer:
+        return Trainer(tiny_model(seed=5), AlgoConfig(ppo_n_minibatches=2),
+                       TrainConfig(micro_batch_tokens=64, length_buckets=(64,), lr=1e-2, temperature=temperature))
+
+    trajs = random_trajectories(np.random.default_rng(12), 2, 3)
+    first = trainer()
+    stats = first.train_batch(trajs, 0)
+    compiled = first.policy.grad_fn._cache_size()
+    assert compiled >= 1
+    second = trainer()
+    assert second.policy.grad_fn is first.policy.grad_fn and second.policy.apply_fn is first.policy.apply_fn
+    again = second.train_batch(trajs, 0)
+    assert second.policy.grad_fn._cache_size() == compiled  # nothing traced again
+    assert again["loss"] == stats["loss"] and again["grad_norm"] == stats["grad_norm"]
+    for a, b in zip(jax.tree.leaves(first.policy.params), jax.tree.leaves(second.policy.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert trainer(temperature=0.5).policy.grad_fn is not first.policy.grad_fn
+    gone = weakref.ref(first.policy)
+    del first
+    gc.collect()
+    assert gone() is None
 
 
 def test_the_optimizer_line_states_what_adamw_builds() -> None:
