@@ -49,7 +49,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 CACHE_BYTES = 2 << 30
 # Python's full garbage collections walk every tracked object, and a worker's heap grows past
 # 800,000 of them (JAX's caches of traced and compiled programs): its 50-60 full collections took
-# 17-47 s of each worker's 710 (three workers, timed with gc.callbacks, 2026-11-29). None runs on
+# 39-47 s of each worker's 710 (three workers, timed with gc.callbacks, 2026-11-29). None runs on
 # its own now (a full collection comes after 1,000 younger ones, more than a module makes); each
 # module ends with one instead, over what that module left (_release_compiled_programs).
 gc.set_threshold(700, 10, 1000)
@@ -80,9 +80,10 @@ def _release_compiled_programs() -> Iterator[None]:
 
     Then the module's garbage is collected, and whatever it left alive is frozen out of the
     collector's view (``gc.freeze``): a later collection walks only what later modules make. With
-    this (and no full collection within a module, above) the three workers spent 72 s in full
-    collections against 103-125 s before (whole suites, 2026-11-29). Cycles among frozen objects
-    that die later are freed at the next release, which unfreezes first."""
+    this (and no full collection within a module, above) the three workers spent 72 and 77 s in
+    full collections against 125 s before (103 s freezing alone; whole suites, 2026-11-29).
+    Cycles among frozen objects that die later are freed at the next release, which unfreezes
+    first."""
     yield
     if _too_big():
         import jax
