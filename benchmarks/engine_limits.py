@@ -57,12 +57,22 @@ def planned_mib(ckpt: Path, tokens: int, chunk: int) -> float:
     return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: on Linux the high-water mark of its own memory map
+    (``ru_maxrss`` also counts the peak of the parent it was started from by vfork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
 def run_prefill(ckpt: Path, tokens: int, chunk: int) -> dict:
     """In this (fresh) process: prefill one prompt; peak RSS before and after."""
     from areal_jax.inference import GenerateRequest, SamplingParams
 
     engine = _engine(ckpt, tokens, chunk)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = peak_rss_mib()
     prompt = np.random.default_rng(0).integers(4, 100, tokens).tolist()
 
     async def go() -> float:
@@ -74,7 +84,7 @@ def run_prefill(ckpt: Path, tokens: int, chunk: int) -> dict:
         finally:
             await engine.stop()
     seconds = asyncio.run(go())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     return {"rss_before_mib": before, "peak_rss_mib": peak, "seconds": seconds}
 
 

@@ -1,5 +1,6 @@
 """The 16k-token prefill of ``test_queue_and_memory.py``, alone in a fresh process, so that its
-peak resident memory (``ru_maxrss``) is that of the prefill and nothing else the tests did.
+peak resident memory (the kernel's high-water mark, ``rss_mib``) is that of the prefill and
+nothing else the tests did.
 
 Usage: python -m tests.inference.long_prefill_worker CKPT TOKENS CHUNK
 
