@@ -24,8 +24,13 @@ from areal_jax.inference import Engine, EngineConfig, GenerateRequest, SamplingP
 from areal_jax.inference.steps import DEVICE_STOP_IDS
 from areal_jax.models.hf_io import load_pretrained
 from tests.inference.reference import prompts
+from tests.procmem import resident_bytes
 
 TOP = 5
+
+
+def high_water_mib() -> float:
+    return resident_bytes(field="VmHWM") / 2**20
 
 
 def rss_mib() -> float:
@@ -35,7 +40,7 @@ def rss_mib() -> float:
     reported 3.5 GB for this process (2026-11-29)."""
     try:
         return high_water_mib()
-    except (OSError, StopIteration):
+    except (OSError, AssertionError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
@@ -47,11 +52,6 @@ def reset_peak() -> bool:
         return True
     except OSError:
         return False
-
-
-def high_water_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024  # kB
 
 
 def main() -> None:
